@@ -1,0 +1,85 @@
+"""The public BlockAttention entry point: validation, backend dispatch, custom VJP."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.block_attention import reference
+
+# name -> fn(q, k, v, offsets, *, block_size, causal, alpha) -> out. Kernel backends
+# are registered below; "reference" is always available.
+_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
+    "reference": reference.block_attention_reference,
+}
+
+
+def _default_implementation() -> str:
+    return "reference"
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation")
+)
+def block_attention(
+    q: Float[Array, "T H Dqk"],
+    k: Float[Array, "T H Dqk"],
+    v: Float[Array, "T H Dv"],
+    offsets: Int[Array, "B1"],
+    *,
+    block_size: int = 64,
+    causal: bool = False,
+    alpha: float | None = None,
+    implementation: str | None = None,
+) -> Float[Array, "T H Dv"]:
+    """Softmax attention inside consecutive blocks of each jagged sequence.
+
+    Each sequence (tokens offsets[b]:offsets[b+1] of the flat arrays) is cut into
+    blocks of ``block_size`` tokens from its own start; a token attends to the tokens
+    of its own block only (earlier-or-equal ones if ``causal``), so cost is linear in T.
+
+    Args:
+      q: queries, [T, H, Dqk].
+      k: keys, [T, H, Dqk].
+      v: values, [T, H, Dv].
+      offsets: int32[B+1], non-decreasing, offsets[0] = 0, offsets[B] <= T.
+      block_size: tokens per block (default 64).
+      causal: restrict each token to earlier-or-equal tokens of its block.
+      alpha: score scale, default 1/sqrt(Dqk).
+      implementation: None (best for the platform), "reference", "pallas" (GPU or
+        TPU kernel) or "interpret" (the kernel in Pallas interpret mode, any platform).
+
+    Returns:
+      [T, H, Dv] in v.dtype; rows past offsets[B] are zero.
+    """
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, H, Dqk], got shape {q.shape}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
+    if v.ndim != 3 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"v must be [T, H, Dv] with [T, H] = {q.shape[:2]}, got {v.shape}")
+    if offsets.ndim != 1 or offsets.shape[0] < 1:
+        raise ValueError(f"offsets must be int32[B+1] with B >= 0, got shape {offsets.shape}")
+    if not jnp.issubdtype(offsets.dtype, jnp.integer):
+        raise ValueError(f"offsets must be an integer array, got dtype {offsets.dtype}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if alpha is not None and not isinstance(alpha, (int, float)):
+        raise ValueError(f"alpha must be a Python float or None, got {alpha!r}")
+    if implementation is None:
+        implementation = _default_implementation()
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, "
+            f"got {implementation!r}"
+        )
+    if alpha is None:
+        alpha = 1.0 / float(q.shape[-1]) ** 0.5
+    return _IMPLEMENTATIONS[implementation](
+        q, k, v, offsets.astype(jnp.int32),
+        block_size=block_size, causal=causal, alpha=float(alpha),
+    )
