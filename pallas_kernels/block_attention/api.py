@@ -9,17 +9,84 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.block_attention import reference
+from pallas_kernels.block_attention import block_sizes, gpu, reference, tpu
 
-# name -> fn(q, k, v, offsets, *, block_size, causal, alpha) -> out. Kernel backends
-# are registered below; "reference" is always available.
+# Kernel backends: name -> (forward, backward, interpret argument).
+_KERNELS: dict[str, tuple[Callable[..., jax.Array], Callable[..., tuple], object]] = {
+    "gpu": (gpu.forward, gpu.backward, False),
+    "gpu_interpret": (gpu.forward, gpu.backward, True),
+    "tpu": (tpu.forward, tpu.backward, False),
+    "tpu_interpret": (tpu.forward, tpu.backward, "tpu_interpret"),
+}
+
+
+@functools.partial(
+    jax.custom_vjp, nondiff_argnames=("block_size", "causal", "alpha", "kernel")
+)
+def _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel):
+    fwd, _, interpret = _KERNELS[kernel]
+    return fwd(q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha,
+               interpret=interpret)
+
+
+def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
+    out = _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel)
+    return out, (q, k, v, offsets)
+
+
+def _kernel_attention_bwd(block_size, causal, alpha, kernel, residuals, do):
+    q, k, v, offsets = residuals
+    _, bwd, interpret = _KERNELS[kernel]
+    dq, dk, dv = bwd(q, k, v, offsets, do, block_size=block_size, causal=causal,
+                     alpha=alpha, interpret=interpret)
+    return dq, dk, dv, None
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def _platform_kernel(suffix: str = "") -> Callable[..., jax.Array]:
+    """The kernel for the default backend's platform, as an implementation."""
+
+    def run(q, k, v, offsets, *, block_size, causal, alpha):
+        platform = jax.default_backend()
+        if platform in ("gpu", "cuda", "rocm"):
+            kernel = "gpu"
+        elif platform == "tpu":
+            kernel = "tpu"
+        elif suffix:
+            kernel = "gpu"  # interpret mode runs anywhere; the GPU kernel is fastest there
+        else:
+            raise ValueError(
+                f"implementation='pallas' needs a GPU or TPU, the default backend is "
+                f"{platform!r}; use 'interpret' or 'reference'"
+            )
+        return _kernel_attention(q, k, v, offsets, block_size, causal, alpha,
+                                 kernel + suffix)
+
+    return run
+
+
+def _fixed_kernel(kernel: str) -> Callable[..., jax.Array]:
+    def run(q, k, v, offsets, *, block_size, causal, alpha):
+        return _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel)
+
+    return run
+
+
+# name -> fn(q, k, v, offsets, *, block_size, causal, alpha) -> out.
 _IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
     "reference": reference.block_attention_reference,
+    "pallas": _platform_kernel(),
+    "interpret": _platform_kernel("_interpret"),
+    # Explicit backends (tests and benchmarks; "interpret" on CPU is "gpu_interpret").
+    "gpu_interpret": _fixed_kernel("gpu_interpret"),
+    "tpu_interpret": _fixed_kernel("tpu_interpret"),
 }
 
 
 def _default_implementation() -> str:
-    return "reference"
+    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "reference"
 
 
 @functools.partial(
@@ -50,8 +117,10 @@ def block_attention(
       block_size: tokens per block (default 64).
       causal: restrict each token to earlier-or-equal tokens of its block.
       alpha: score scale, default 1/sqrt(Dqk).
-      implementation: None (best for the platform), "reference", "pallas" (GPU or
-        TPU kernel) or "interpret" (the kernel in Pallas interpret mode, any platform).
+      implementation: None (the Pallas kernel on GPU/TPU, else "reference"),
+        "reference", "pallas" (the GPU or TPU kernel), "interpret" (the platform's
+        kernel in Pallas interpret mode; the GPU kernel on CPU), or explicitly
+        "gpu_interpret" / "tpu_interpret".
 
     Returns:
       [T, H, Dv] in v.dtype; rows past offsets[B] are zero.
@@ -79,6 +148,8 @@ def block_attention(
         )
     if alpha is None:
         alpha = 1.0 / float(q.shape[-1]) ** 0.5
+    if implementation != "reference":
+        block_sizes.BlockSizes.get_default(block_size)  # raises for unsupported sizes
     return _IMPLEMENTATIONS[implementation](
         q, k, v, offsets.astype(jnp.int32),
         block_size=block_size, causal=causal, alpha=float(alpha),

@@ -1,0 +1,34 @@
+"""Kernel tile sizes for BlockAttention, derived from block_size.
+
+One kernel program owns one sequence block (see block_table.py), so its query and key
+tiles are both the block itself, rounded up to a power of two (Triton's tensors must
+have power-of-two sides; Mosaic TPU wants a multiple of 8 sublanes) and at least 16
+rows (the smallest bf16 MMA). Rows of the tile past the block's length are masked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MIN_TILE = 16
+# One program holds the whole block's scores (tile x tile fp32) and, in the backward
+# pass, four such tiles; beyond 128 rows that spills registers on a GPU SM.
+MAX_TILE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile rows per program and GPU warps (ignored on TPU)."""
+
+    tile: int
+    num_warps: int
+
+    @classmethod
+    def get_default(cls, block_size: int) -> "BlockSizes":
+        tile = max(MIN_TILE, 1 << (block_size - 1).bit_length())
+        if tile > MAX_TILE:
+            raise ValueError(
+                f"block_size={block_size} needs a {tile}-row tile; the Pallas kernels "
+                f"support block_size <= {MAX_TILE} (use implementation='reference')"
+            )
+        return cls(tile=tile, num_warps=4 if tile <= 64 else 8)

@@ -1,0 +1,153 @@
+"""BlockAttention forward and backward as Pallas GPU kernels (Triton lowering).
+
+One program per (block-table entry, head): the entry names the block's first row and
+length (block_table.py), the program loads that block's q, k, v rows with masked loads
+(blocks start anywhere in the flat array), computes the whole block's softmax attention
+in registers (the block is one tile, so no online softmax), and stores only its own
+rows. Zero-fill entries (spare capacity past offsets[B]) skip the loads and store zeros,
+so every output row is written exactly once without a memset.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.block_attention import block_sizes as bs_lib
+from pallas_kernels.block_attention import block_table as table_lib
+
+_MASKED = -1e30
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    return lax.dot_general(
+        a, b, (((contract_a,), (contract_b,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _load_block(table_refs, x_ref, head, num_heads, tile):
+    """Loads rows [start, start + tile) of head ``head``; rows past the block are 0."""
+    start_ref, len_ref, live_ref = table_refs
+    g = pl.program_id(0)
+    start, n = start_ref[g], len_ref[g] * live_ref[g]  # zero-fill entries load nothing
+    d = x_ref.shape[-1] // num_heads
+    rows = lax.broadcasted_iota(jnp.int32, (tile, d), 0)
+    return plgpu.load(
+        x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)], mask=rows < n, other=0.0
+    )
+
+
+def _store_block(table_refs, x_ref, head, value, tile):
+    """Stores ``value`` to this entry's own rows; zero-fill entries store zeros."""
+    start_ref, len_ref, live_ref = table_refs
+    g = pl.program_id(0)
+    start, n = start_ref[g], len_ref[g]
+    d = value.shape[-1]
+    rows = lax.broadcasted_iota(jnp.int32, (tile, d), 0)
+    value = jnp.where(live_ref[g] > 0, value, 0.0).astype(x_ref.dtype)
+    plgpu.store(x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)], value, mask=rows < n)
+
+
+def _probs(q, k, n, tile, alpha, causal):
+    """Row-normalised softmax of the block's scores, fp32 [tile, tile]."""
+    s = _dot(q, k, 1, 1) * alpha
+    row = lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
+    col = lax.broadcasted_iota(jnp.int32, (tile, tile), 1)
+    visible = (col < n) & (row < n)  # rows past n belong to other blocks
+    if causal:
+        visible = visible & (col <= row)
+    s = jnp.where(visible, s, _MASKED)
+    p = jnp.exp(s - jnp.max(s, axis=1, keepdims=True))
+    # Zero, not uniform, on rows with no visible key, so they add nothing to dk, dv.
+    return jnp.where(visible, p / jnp.sum(p, axis=1, keepdims=True), 0.0)
+
+
+def _fwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, o_ref, *,
+                num_heads, tile, alpha, causal):
+    refs = (start_ref, len_ref, live_ref)
+    head = pl.program_id(1)
+    q = _load_block(refs, q_ref, head, num_heads, tile)
+    k = _load_block(refs, k_ref, head, num_heads, tile)
+    v = _load_block(refs, v_ref, head, num_heads, tile)
+    p = _probs(q, k, len_ref[pl.program_id(0)], tile, alpha, causal)
+    o = _dot(p.astype(v.dtype), v, 1, 0)
+    _store_block(refs, o_ref, head, o, tile)
+
+
+def _bwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, do_ref,
+                dq_ref, dk_ref, dv_ref, *, num_heads, tile, alpha, causal):
+    refs = (start_ref, len_ref, live_ref)
+    head = pl.program_id(1)
+    q = _load_block(refs, q_ref, head, num_heads, tile)
+    k = _load_block(refs, k_ref, head, num_heads, tile)
+    v = _load_block(refs, v_ref, head, num_heads, tile)
+    do = _load_block(refs, do_ref, head, num_heads, tile)
+    p = _probs(q, k, len_ref[pl.program_id(0)], tile, alpha, causal)
+    dv = _dot(p.astype(do.dtype), do, 0, 0)  # P^T dO
+    dp = _dot(do, v, 1, 1)  # dO V^T
+    ds = p * (dp - jnp.sum(p * dp, axis=1, keepdims=True))
+    ds = (ds * alpha).astype(q.dtype)
+    dq = _dot(ds, k, 1, 0)
+    dk = _dot(ds, q, 0, 0)  # dS^T Q
+    _store_block(refs, dq_ref, head, dq, tile)
+    _store_block(refs, dk_ref, head, dk, tile)
+    _store_block(refs, dv_ref, head, dv, tile)
+
+
+def _pad_features(x):
+    """Zero-pads the feature axis to a power of two (Triton tensor sides); exact."""
+    d = x.shape[-1]
+    dp = max(16, 1 << (d - 1).bit_length())
+    if dp == d:
+        return x
+    return jnp.pad(x, ((0, 0), (0, 0), (0, dp - d)))
+
+
+def _call(kernel, inputs, out_shapes, offsets, *, block_size, causal, alpha, interpret,
+          name):
+    num_tokens, num_heads = inputs[0].shape[:2]
+    sizes = bs_lib.BlockSizes.get_default(block_size)
+    table = table_lib.block_table(offsets, num_tokens, block_size)
+    grid = (table[0].shape[0], num_heads)
+    flat = [x.reshape(num_tokens, -1) for x in inputs]
+    # Grid: one program per (block-table entry, head); each ref is the whole flat
+    # [T, H * D] array, indexed by the entry's start row (blocks are not tile-aligned).
+    outs = pl.pallas_call(
+        functools.partial(kernel, num_heads=num_heads, tile=sizes.tile, alpha=alpha,
+                          causal=causal),
+        grid=grid,
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads * s[-1]), dt)
+                   for s, dt in out_shapes],
+        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(*table, *flat)
+    return [o.reshape(num_tokens, num_heads, s[-1]) for o, (s, _) in zip(outs, out_shapes)]
+
+
+def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
+    """[T, H, Dv] output (see module docstring)."""
+    dv = v.shape[-1]
+    qp, kp, vp = _pad_features(q), _pad_features(k), _pad_features(v)
+    (o,) = _call(_fwd_kernel, [qp, kp, vp], [(vp.shape, v.dtype)], offsets,
+                 block_size=block_size, causal=causal, alpha=alpha,
+                 interpret=interpret, name="block_attention_fwd")
+    return o[..., :dv]
+
+
+def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False):
+    """(dq, dk, dv), recomputing each block's softmax from q and k."""
+    dqk, dvd = q.shape[-1], v.shape[-1]
+    qp, kp, vp, dop = (_pad_features(x) for x in (q, k, v, do.astype(v.dtype)))
+    dq, dk, dv = _call(
+        _bwd_kernel, [qp, kp, vp, dop],
+        [(qp.shape, q.dtype), (kp.shape, k.dtype), (vp.shape, v.dtype)], offsets,
+        block_size=block_size, causal=causal, alpha=alpha, interpret=interpret,
+        name="block_attention_bwd")
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dvd]

@@ -1,0 +1,178 @@
+"""BlockAttention forward and backward as Pallas Mosaic TPU kernels.
+
+The block table (block_table.py) arrives by scalar prefetch, so each grid step knows its
+block's first row and length before any data moves. Blocks start at arbitrary rows of
+the flat array, which a tile-aligned BlockSpec cannot express, so q, k, v stay in HBM
+(``pl.ANY``) and each step DMAs its tile of rows [start, start + tile) of all heads
+([T, H * D] view, one contiguous copy) into VMEM, computes every head's block attention
+there and DMAs the tile back. Only the block's first ``length`` rows of that tile are
+its own; the rest belong to the next entries, which (the grid is sequential, entries
+are sorted by start) run later and overwrite them. Inputs and outputs carry ``tile``
+spare rows at the end so that no copy leaves the array.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.block_attention import block_sizes as bs_lib
+from pallas_kernels.block_attention import block_table as table_lib
+
+_MASKED = -1e30
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+    return lax.dot_general(
+        a, b, (((contract_a,), (contract_b,)), ((), ())),
+        preferred_element_type=jnp.float32,
+    )
+
+
+def _probs(q, k, n, tile, alpha, causal):
+    """Row-normalised softmax of one head's block scores, fp32 [tile, tile]."""
+    s = _dot(q, k, 1, 1) * alpha
+    row = lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
+    col = lax.broadcasted_iota(jnp.int32, (tile, tile), 1)
+    visible = (col < n) & (row < n)  # rows past n belong to other blocks
+    if causal:
+        visible = visible & (col <= row)
+    s = jnp.where(visible, s, _MASKED)
+    p = jnp.exp(s - jnp.max(s, axis=1, keepdims=True))
+    # Zero, not uniform, on rows with no visible key, so they add nothing to dk, dv.
+    return jnp.where(visible, p / jnp.sum(p, axis=1, keepdims=True), 0.0)
+
+
+def _block_step(start_ref, len_ref, live_ref, hbm_in, hbm_out, vmem_in, vmem_out, sems,
+                compute, tile):
+    """DMA the tile in, ``compute`` (live blocks) or zero (spare rows), DMA it out."""
+    g = pl.program_id(0)
+    start, n, live = start_ref[g], len_ref[g], live_ref[g]
+
+    @pl.when(n > 0)
+    def _():
+        rows = pl.ds(start, tile)
+
+        @pl.when(live > 0)
+        def _():
+            copies = [pltpu.make_async_copy(src.at[rows], dst, sems.at[i])
+                      for i, (src, dst) in enumerate(zip(hbm_in, vmem_in))]
+            for c in copies:
+                c.start()
+            for c in copies:
+                c.wait()
+            compute(n)
+
+        @pl.when(live == 0)
+        def _():
+            for dst in vmem_out:
+                dst[...] = jnp.zeros(dst.shape, dst.dtype)
+
+        base = len(hbm_in)
+        copies = [pltpu.make_async_copy(src, dst.at[rows], sems.at[base + i])
+                  for i, (src, dst) in enumerate(zip(vmem_out, hbm_out))]
+        for c in copies:
+            c.start()
+        for c in copies:  # wait here: the next step may overwrite our spill rows
+            c.wait()
+
+
+def _fwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, o_hbm,
+                q_vmem, k_vmem, v_vmem, o_vmem, sems, *, num_heads, tile, alpha, causal):
+    dqk = q_vmem.shape[1] // num_heads
+    dv = v_vmem.shape[1] // num_heads
+
+    def compute(n):
+        for h in range(num_heads):
+            q = q_vmem[:, h * dqk:(h + 1) * dqk]
+            k = k_vmem[:, h * dqk:(h + 1) * dqk]
+            v = v_vmem[:, h * dv:(h + 1) * dv]
+            p = _probs(q, k, n, tile, alpha, causal)
+            o_vmem[:, h * dv:(h + 1) * dv] = _dot(p.astype(v.dtype), v, 1, 0).astype(
+                o_vmem.dtype)
+
+    _block_step(start_ref, len_ref, live_ref, (q_hbm, k_hbm, v_hbm), (o_hbm,),
+                (q_vmem, k_vmem, v_vmem), (o_vmem,), sems, compute, tile)
+
+
+def _bwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, do_hbm,
+                dq_hbm, dk_hbm, dv_hbm, q_vmem, k_vmem, v_vmem, do_vmem,
+                dq_vmem, dk_vmem, dv_vmem, sems, *, num_heads, tile, alpha, causal):
+    dqk = q_vmem.shape[1] // num_heads
+    dvd = v_vmem.shape[1] // num_heads
+
+    def compute(n):
+        for h in range(num_heads):
+            cq, cv = slice(h * dqk, (h + 1) * dqk), slice(h * dvd, (h + 1) * dvd)
+            q, k, v, do = q_vmem[:, cq], k_vmem[:, cq], v_vmem[:, cv], do_vmem[:, cv]
+            p = _probs(q, k, n, tile, alpha, causal)
+            dv_vmem[:, cv] = _dot(p.astype(do.dtype), do, 0, 0).astype(dv_vmem.dtype)
+            dp = _dot(do, v, 1, 1)
+            ds = p * (dp - jnp.sum(p * dp, axis=1, keepdims=True))
+            ds = (ds * alpha).astype(q.dtype)
+            dq_vmem[:, cq] = _dot(ds, k, 1, 0).astype(dq_vmem.dtype)
+            dk_vmem[:, cq] = _dot(ds, q, 0, 0).astype(dk_vmem.dtype)
+
+    _block_step(start_ref, len_ref, live_ref, (q_hbm, k_hbm, v_hbm, do_hbm),
+                (dq_hbm, dk_hbm, dv_hbm), (q_vmem, k_vmem, v_vmem, do_vmem),
+                (dq_vmem, dk_vmem, dv_vmem), sems, compute, tile)
+
+
+def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interpret,
+          name):
+    """Runs ``kernel`` over the block table; ``outputs`` is [(like_array, dtype)]."""
+    num_tokens, num_heads = inputs[0].shape[:2]
+    tile = bs_lib.BlockSizes.get_default(block_size).tile
+    table = table_lib.block_table(offsets, num_tokens, block_size)
+    # [T, H, D] -> [T + tile, H * D]: one contiguous DMA per tile, never out of bounds.
+    flat = [jnp.pad(x.reshape(num_tokens, -1), ((0, tile), (0, 0))) for x in inputs]
+    out_shape = [jax.ShapeDtypeStruct((num_tokens + tile, like.shape[1] * like.shape[2]), dt)
+                 for like, dt in outputs]
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    # Grid: one sequential step per block-table entry; refs stay in HBM, the kernel
+    # copies its [tile, H * D] rows (all heads) to VMEM scratch and back.
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(table[0].shape[0],),
+        in_specs=[any_spec] * len(flat),
+        out_specs=[any_spec] * len(out_shape),
+        scratch_shapes=(
+            [pltpu.VMEM((tile, x.shape[1]), x.dtype) for x in flat]
+            + [pltpu.VMEM((tile, s.shape[1]), s.dtype) for s in out_shape]
+            + [pltpu.SemaphoreType.DMA((len(flat) + len(out_shape),))]
+        ),
+    )
+    if interpret == "tpu_interpret":
+        interpret = pltpu.InterpretParams(out_of_bounds_reads="raise")
+    outs = pl.pallas_call(
+        functools.partial(kernel, num_heads=num_heads, tile=tile, alpha=alpha,
+                          causal=causal),
+        grid_spec=grid_spec,
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret,
+        name=name,
+    )(*table, *flat)
+    return [o[:num_tokens].reshape(num_tokens, num_heads, -1) for o in outs]
+
+
+def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
+    """[T, H, Dv] output (see module docstring)."""
+    (o,) = _call(_fwd_kernel, [q, k, v], [(v, v.dtype)], offsets,
+                 block_size=block_size, causal=causal, alpha=alpha,
+                 interpret=interpret, name="block_attention_fwd")
+    return o
+
+
+def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False):
+    """(dq, dk, dv), recomputing each block's softmax from q and k."""
+    return tuple(_call(
+        _bwd_kernel, [q, k, v, do.astype(v.dtype)],
+        [(q, q.dtype), (k, k.dtype), (v, v.dtype)], offsets,
+        block_size=block_size, causal=causal, alpha=alpha, interpret=interpret,
+        name="block_attention_bwd"))
