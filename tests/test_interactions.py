@@ -146,7 +146,8 @@ def test_leave_one_out_min_len():
 def test_pad_sequences_keeps_most_recent():
     padded = ix.pad_sequences([np.array([1, 2, 3]), np.array([4]), np.array([], np.int32)], 2)
     np.testing.assert_array_equal(padded, [[2, 3], [0, 4], [0, 0]])
-    np.testing.assert_array_equal(ix.pad_sequences([np.array([5, 6]), np.array([7])]), [[5, 6], [0, 7]])
+    full = ix.pad_sequences([np.array([5, 6]), np.array([7])])
+    np.testing.assert_array_equal(full, [[5, 6], [0, 7]])
 
 
 # --- negatives -------------------------------------------------------------------------------
@@ -163,7 +164,8 @@ def check_negatives(negatives, user_items, num_items, num):
 def test_negatives_valid_and_deterministic():
     rng = np.random.default_rng(1)
     num_items = 300
-    user_items = [rng.choice(np.arange(1, num_items + 1), size=n, replace=False) for n in (1, 5, 150, 250)]
+    items = np.arange(1, num_items + 1)
+    user_items = [rng.choice(items, size=n, replace=False) for n in (1, 5, 150, 250)]
     user_items.append(np.array([], np.int64))
     a = ix.sample_negatives(user_items, num_items, num=20, seed=7)
     check_negatives(a, user_items, num_items, 20)  # user 3 takes the exact per-row path

@@ -178,7 +178,8 @@ def _build(path, fmt, raw_users_per_event, raw_items, blank, noncontiguous) -> I
 
 def _load_pairs(path: str, lines: list[str], detected: bool) -> Interactions:
     users, items, blank = [], [], 0
-    hint = " (format 'pairs' was auto-detected from the first lines; pass format=)" if detected else ""
+    hint = " (format 'pairs' was auto-detected from the first lines; pass format=)"
+    hint = hint if detected else ""
     for lineno, line in enumerate(lines, 1):
         fields = line.split()
         if not fields:
@@ -441,7 +442,7 @@ def sample_negatives(
     gap_keys = owner * stride + gaps
 
     rng = np.random.default_rng(seed)
-    ranks = np.floor(rng.random((num_users, num)) * allowed[:, None]).astype(np.int64)
+    ranks = rng.integers(0, np.maximum(allowed, 1)[:, None], size=(num_users, num))
     # Rows with few allowed items would need many redraw rounds: draw them exactly, one by one.
     crowded = np.nonzero(allowed < 4 * num)[0]
     for u in crowded:
@@ -452,7 +453,7 @@ def sample_negatives(
         dup = np.zeros_like(sub, dtype=bool)
         dup[:, 1:] = sub[:, 1:] == sub[:, :-1]
         redraw = np.nonzero(dup)
-        sub[redraw] = np.floor(rng.random(len(redraw[0])) * allowed[rows][redraw[0]]).astype(np.int64)
+        sub[redraw] = rng.integers(0, allowed[rows][redraw[0]])
         ranks[rows] = sub
         rows = np.unique(rows[redraw[0]])
     # The r-th allowed item (0-based) is r + 1 + #{i : g_i <= r}.
