@@ -1,0 +1,414 @@
+"""Pallas GPU (Triton lowering) jagged attention: a forward kernel and dQ, dK/dV backward kernels.
+
+Each kernel runs a 1-D grid over (work item, head) plus a few tail programs that zero the rows past
+offsets[B]. A work item is one tile of one sequence (tiling.work_list), so empty padding is never
+touched. q/k/v stay in their [T, H, D] layout; tiles are masked row loads of one head.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.jagged_attention import tiling
+from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+from pallas_kernels.jagged_attention.tiling import Static, cdiv
+
+ZERO_TILES = 8  # one tail program zeroes ZERO_TILES tiles of rows past offsets[B]
+NEG_INF = -1e30
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+  return max(lo, 1 << (n - 1).bit_length())
+
+
+def _dot(a, b, *, trans_a=False, trans_b=False):
+  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+  return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+
+
+def _seq(offsets_ref, targets_ref, b, s: Static):
+  start = offsets_ref[b]
+  length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+  first_target = length
+  if s.has_targets:
+    first_target = length - jnp.clip(targets_ref[b], 0, length)
+  return start, length, first_target
+
+
+def _rows(ref, start, lo, size, ok, h=None):
+  """Masked load of `size` rows of ref (one head's [rows, D] slab when h is given)."""
+  if h is None:
+    return plgpu.load(ref.at[pl.ds(start + lo, size)], mask=ok, other=0)
+  return plgpu.load(ref.at[pl.ds(start + lo, size), h, :], mask=ok[:, None], other=0)
+
+
+def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static):
+  """alpha * q k^T + relative bias, float32 [rows, cols]."""
+  sc = s.alpha * _dot(q, k, trans_b=True)
+  if s.has_pos:
+    bucket = jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)
+    sc = sc + pos_ref[h, bucket]
+  if s.has_time:
+    bucket = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
+    sc = sc + time_ref[h, bucket]
+  return sc
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _kv_range(q_lo, bq, length, first_target, s: Static):
+  """[lo, hi) key rows a query tile starting at q_lo can see."""
+  hi = jnp.minimum(q_lo + bq, length)
+  lo = jnp.int32(0)
+  if s.max_attn_len > 0:
+    lo = jnp.maximum(q_lo - s.max_attn_len, 0)
+    if s.has_targets:  # a tile holding targets sees the whole history
+      lo = jnp.where(q_lo + bq > first_target, 0, lo)
+  return lo, hi
+
+
+def _q_range(k_lo, bk, length, first_target, s: Static):
+  """[lo, hi) query rows that can see a key tile starting at k_lo."""
+  hi = length
+  if s.max_attn_len > 0 and not s.has_targets:
+    hi = jnp.minimum(length, k_lo + bk + s.max_attn_len)
+  if s.has_targets:  # a key tile wholly inside the targets is seen by its own rows only
+    hi = jnp.where(k_lo >= first_target, jnp.minimum(hi, k_lo + bk), hi)
+  return k_lo, hi
+
+
+def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
+  tail = offsets_ref[num_seqs]
+  for i in range(ZERO_TILES):
+    lo = (z * ZERO_TILES + i) * bq
+    rows = lo + jnp.arange(bq, dtype=jnp.int32)
+    ok = (rows >= tail) & (rows < total_rows)
+    for ref, h in refs_heads:
+      blk = ref.at[pl.ds(lo, bq), h, :]
+      plgpu.store(blk, jnp.zeros(blk.shape, ref.dtype), mask=ok[:, None])
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
+                time_ref, o_ref, lse_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
+  pid = pl.program_id(0)
+  h = pid % heads
+  w = pid // heads
+  bq, bk = s.blocks.block_q, s.blocks.block_k
+  num_seqs = offsets_ref.shape[0] - 1
+
+  @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
+  def _():
+    b, m = wb_ref[w], wm_ref[w]
+    start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+    q_lo = m * bq
+    rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
+    row_ok = rows < length
+    q = _rows(q_ref, start, q_lo, bq, row_ok, h)
+    ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+    lo, hi = _kv_range(q_lo, bq, length, first_target, s)
+    dv = v_ref.shape[-1]
+
+    def body(n, carry):
+      k_lo = n * bk
+      cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
+      col_ok = cols < length
+      k = _rows(k_ref, start, k_lo, bk, col_ok, h)
+      v = _rows(v_ref, start, k_lo, bk, col_ok, h)
+      ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+      sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
+      mask = tiling.allowed(rows, cols, length, first_target, s)
+      if s.activation == "silu":
+        (acc,) = carry
+        p = jnp.where(mask, sc * _sigmoid(sc), 0.0) * (1.0 / s.max_seq_len)
+        return (acc + _dot(p.astype(v.dtype), v),)
+      acc, m_i, l_i = carry
+      sc = jnp.where(mask, sc, NEG_INF)
+      m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+      p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
+      corr = jnp.exp(m_i - m_new)
+      acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+      return acc, m_new, l_i * corr + jnp.sum(p, axis=1)
+
+    acc0 = jnp.zeros((bq, dv), jnp.float32)
+    if s.activation == "silu":
+      (acc,) = lax.fori_loop(lo // bk, cdiv_dyn(hi, bk), body, (acc0,))
+    else:
+      init = (acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
+      acc, m_i, l_i = lax.fori_loop(lo // bk, cdiv_dyn(hi, bk), body, init)
+      l_safe = jnp.where(l_i > 0, l_i, 1.0)
+      acc = acc / l_safe[:, None]
+      plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], m_i + jnp.log(l_safe), mask=row_ok)
+    plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=row_ok[:, None])
+
+  @pl.when(w >= num_work)
+  def _():
+    _zero_tail([(o_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
+
+
+def cdiv_dyn(a, b: int):
+  return (a + b - 1) // b
+
+
+def _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
+  t, heads, _ = q.shape
+  bq = s.blocks.block_q
+  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+  wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+  num_zero = cdiv(t, ZERO_TILES * bq)
+  kernel = functools.partial(_fwd_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+  # Grid: one program per (work item, head), heads fastest so the heaviest tiles start first; then
+  # num_zero programs per head that zero rows past offsets[B]. Blocks: whole arrays (masked row loads).
+  o, lse = pl.pallas_call(
+      kernel,
+      grid=((num_work + num_zero) * heads,),
+      out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((heads, t), jnp.float32)),
+      compiler_params=plgpu.CompilerParams(num_warps=s.blocks.num_warps, num_stages=s.blocks.num_stages),
+      interpret=s.interpret,
+      name="jagged_attention_fwd",
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab)
+  return o, lse
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+def _ds(sc, mask, dp, lse, delta, s: Static):
+  """(p, dscore) of one tile, both float32 and zero outside the mask."""
+  if s.activation == "silu":
+    sig = _sigmoid(sc)
+    p = jnp.where(mask, sc * sig, 0.0) * (1.0 / s.max_seq_len)
+    ds = jnp.where(mask, dp * sig * (1.0 + sc * (1.0 - sig)), 0.0) * (1.0 / s.max_seq_len)
+    return p, ds
+  p = jnp.where(mask, jnp.exp(sc - lse[:, None]), 0.0)
+  return p, p * (dp - delta[:, None])
+
+
+def _hist_add(hist, values, buckets, lo, hi):
+  """hist[d] += sum(values[buckets == d]) for d in [lo, hi] (values are zero outside the mask)."""
+  iota = jnp.arange(hist.shape[0], dtype=jnp.int32)
+
+  def body(d, hist):
+    return hist + jnp.where(iota == d, jnp.sum(jnp.where(buckets == d, values, 0.0)), 0.0)
+
+  return lax.fori_loop(lo, hi + 1, body, hist)
+
+
+def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
+               time_ref, do_ref, lse_ref, delta_ref, dq_ref, dpos_ref, dtime_ref, *, s: Static, heads: int,
+               num_work: int, total_rows: int):
+  pid = pl.program_id(0)
+  h = pid % heads
+  w = pid // heads
+  bq, bk = s.blocks.block_q, s.blocks.block_k
+  num_seqs = offsets_ref.shape[0] - 1
+  active = (w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0)
+
+  @pl.when(active)
+  def _():
+    b, m = wb_ref[w], wm_ref[w]
+    start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+    q_lo = m * bq
+    rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
+    row_ok = rows < length
+    q = _rows(q_ref, start, q_lo, bq, row_ok, h)
+    do = _rows(do_ref, start, q_lo, bq, row_ok, h)
+    ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+    lse = delta = None
+    if s.activation == "softmax":
+      lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+      delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+    lo, hi = _kv_range(q_lo, bq, length, first_target, s)
+
+    def body(n, carry):
+      dq, hpos, htime = carry
+      k_lo = n * bk
+      cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
+      col_ok = cols < length
+      k = _rows(k_ref, start, k_lo, bk, col_ok, h)
+      v = _rows(v_ref, start, k_lo, bk, col_ok, h)
+      ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+      sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
+      mask = tiling.allowed(rows, cols, length, first_target, s)
+      dp = _dot(do, v, trans_b=True)
+      _, ds = _ds(sc, mask, dp, lse, delta, s)
+      dq = dq + _dot(ds.astype(k.dtype), k)
+      if s.has_pos:
+        bucket = jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)
+        b_lo = jnp.clip(q_lo - (k_lo + bk - 1), 0, s.num_pos - 1)
+        b_hi = jnp.clip(q_lo + bq - 1 - k_lo, 0, s.num_pos - 1)
+        hpos = _hist_add(hpos, ds, bucket, b_lo, b_hi)
+      if s.has_time:
+        bucket = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
+        t_lo = jnp.min(jnp.where(mask, bucket, s.num_time))
+        t_hi = jnp.max(jnp.where(mask, bucket, -1))
+        htime = _hist_add(htime, ds, bucket, t_lo, t_hi)
+      return dq, hpos, htime
+
+    init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((dpos_ref.shape[-1],), jnp.float32),
+            jnp.zeros((dtime_ref.shape[-1],), jnp.float32))
+    dq, hpos, htime = lax.fori_loop(lo // bk, cdiv_dyn(hi, bk), body, init)
+    plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], (dq * s.alpha).astype(dq_ref.dtype),
+                mask=row_ok[:, None])
+    dpos_ref[pid, :] = hpos
+    dtime_ref[pid, :] = htime
+
+  @pl.when(jnp.logical_not(active))
+  def _():
+    dpos_ref[pid, :] = jnp.zeros((dpos_ref.shape[-1],), jnp.float32)
+    dtime_ref[pid, :] = jnp.zeros((dtime_ref.shape[-1],), jnp.float32)
+
+  @pl.when(w >= num_work)
+  def _():
+    _zero_tail([(dq_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
+
+
+def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
+                time_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, s: Static, heads: int, num_work: int,
+                total_rows: int):
+  pid = pl.program_id(0)
+  h = pid % heads
+  w = pid // heads
+  bq, bk = s.blocks.block_q_dkv, s.blocks.block_k_dkv
+  num_seqs = offsets_ref.shape[0] - 1
+
+  @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
+  def _():
+    b, n = wb_ref[w], wm_ref[w]
+    start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+    k_lo = n * bk
+    cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
+    col_ok = cols < length
+    k = _rows(k_ref, start, k_lo, bk, col_ok, h)
+    v = _rows(v_ref, start, k_lo, bk, col_ok, h)
+    ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+    lo, hi = _q_range(k_lo, bk, length, first_target, s)
+
+    def body(m, carry):
+      dk, dv = carry
+      q_lo = m * bq
+      rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
+      row_ok = rows < length
+      q = _rows(q_ref, start, q_lo, bq, row_ok, h)
+      do = _rows(do_ref, start, q_lo, bq, row_ok, h)
+      ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+      lse = delta = None
+      if s.activation == "softmax":
+        lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+        delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+      sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
+      mask = tiling.allowed(rows, cols, length, first_target, s)
+      dp = _dot(do, v, trans_b=True)
+      p, ds = _ds(sc, mask, dp, lse, delta, s)
+      dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+      dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+      return dk, dv
+
+    init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
+    dk, dv = lax.fori_loop(lo // bq, cdiv_dyn(hi, bq), body, init)
+    plgpu.store(dk_ref.at[pl.ds(start + k_lo, bk), h, :], (dk * s.alpha).astype(dk_ref.dtype),
+                mask=col_ok[:, None])
+    plgpu.store(dv_ref.at[pl.ds(start + k_lo, bk), h, :], dv.astype(dv_ref.dtype), mask=col_ok[:, None])
+
+  @pl.when(w >= num_work)
+  def _():
+    _zero_tail([(dk_ref, h), (dv_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bk)
+
+
+def _backward(s: Static, res, do):
+  q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = res
+  t, heads, _ = q.shape
+  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+  if s.activation == "softmax":
+    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T  # [H, T]
+  else:
+    delta = jnp.zeros((1, 1), jnp.float32)
+  bq = s.blocks.block_q
+  wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+  num_zero = cdiv(t, ZERO_TILES * bq)
+  grid = (num_work + num_zero) * heads
+  params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
+  kernel = functools.partial(_dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+  # Grid: (work item, head) over query tiles, then tail-zeroing programs; each program also writes its
+  # partial histogram of the bias-table gradients (summed over programs below).
+  dq, dpos, dtime = pl.pallas_call(
+      kernel,
+      grid=(grid,),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 jax.ShapeDtypeStruct((grid, pos_tab.shape[1]), jnp.float32),
+                 jax.ShapeDtypeStruct((grid, time_tab.shape[1]), jnp.float32)),
+      compiler_params=params,
+      interpret=s.interpret,
+      name="jagged_attention_bwd_dq",
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta)
+  bk = s.blocks.block_k_dkv
+  wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
+  num_zero = cdiv(t, ZERO_TILES * bk)
+  kernel = functools.partial(_dkv_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+  # Grid: (work item, head) over key tiles, heaviest first, then tail-zeroing programs.
+  dk, dv = pl.pallas_call(
+      kernel,
+      grid=((num_work + num_zero) * heads,),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      compiler_params=params,
+      interpret=s.interpret,
+      name="jagged_attention_bwd_dkv",
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta)
+  head_of = jnp.arange(grid) % heads
+  dpos = jax.ops.segment_sum(dpos, head_of, num_segments=heads)
+  dtime = jax.ops.segment_sum(dtime, head_of, num_segments=heads)
+  return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=("s",))
+def _attention(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
+  return _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)[0]
+
+
+def _attention_fwd(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
+  o, lse = _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)
+  return o, (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse)
+
+
+_attention.defvjp(_attention_fwd, _backward)
+
+
+def _pad_last(x, size):
+  return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def jagged_attention_gpu(q, k, v, offsets, *, max_seq_len, activation, alpha, num_targets, max_attn_len,
+                         timestamps, pos_bias, time_bias, interpret=False, block_sizes: BlockSizes | None = None):
+  """Pallas GPU jagged attention (see api.jagged_attention for the arguments)."""
+  t, heads, dqk = q.shape
+  dv = v.shape[-1]
+  if alpha is None:
+    alpha = 1.0 / math.sqrt(dqk)
+  if block_sizes is None:
+    block_sizes = BlockSizes.get_default("cpu" if interpret else "gpu", max(dqk, dv), max_seq_len)
+  b = offsets.shape[0] - 1
+  s = Static(
+      max_seq_len=max_seq_len, activation=activation, alpha=float(alpha), max_attn_len=max_attn_len,
+      has_targets=num_targets is not None, has_pos=pos_bias is not None, has_time=time_bias is not None,
+      num_pos=1 if pos_bias is None else pos_bias.shape[1], num_time=1 if time_bias is None else time_bias.shape[1],
+      interpret=interpret, blocks=block_sizes)
+  targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
+  ts = jnp.zeros((1,), jnp.int32) if timestamps is None else timestamps.astype(jnp.int32)
+  pos_tab = jnp.zeros((heads, 16), jnp.float32) if pos_bias is None else _pad_last(
+      pos_bias.astype(jnp.float32), _pow2(pos_bias.shape[1]))
+  time_tab = jnp.zeros((heads, 16), jnp.float32) if time_bias is None else _pad_last(
+      time_bias.astype(jnp.float32), _pow2(time_bias.shape[1]))
+  dqk_p, dv_p = _pow2(dqk), _pow2(dv)
+  out = _attention(_pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p), offsets, targets, ts,
+                   pos_tab, time_tab, s=s)
+  return out[..., :dv]
