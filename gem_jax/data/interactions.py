@@ -406,6 +406,10 @@ def sample_negatives(
     Returns:
       int32[U, num], each row sorted ascending.
 
+    This follows the README's protocol ("items the user has not interacted with", distinct).
+    The SASRec reference code differs slightly: it excludes only training items and draws with
+    replacement; with ~100 of ~20k items the effect on HR/NDCG is negligible.
+
     Draws uniform ranks among each user's allowed items (with replacement, then redraws the
     duplicates until a row is distinct: a permutation-invariant procedure, hence uniform over
     subsets) and maps rank r to the r-th allowed item with one vectorised searchsorted.
