@@ -408,7 +408,7 @@ def sample_negatives(
 
     This follows the README's protocol ("items the user has not interacted with", distinct).
     The SASRec reference code differs slightly: it excludes only training items and draws with
-    replacement; with ~100 of ~20k items the effect on HR/NDCG is negligible.
+    replacement; with 100 of ~20k items the effect should be small (not measured).
 
     Draws uniform ranks among each user's allowed items (with replacement, then redraws the
     duplicates until a row is distinct: a permutation-invariant procedure, hence uniform over
