@@ -1,0 +1,331 @@
+"""The one typed config schema: frozen dataclasses, TOML loading and `--set` overrides.
+
+Every default lives here once. A TOML file names only what it changes; an unknown key or a value of
+the wrong type is a `ConfigError` naming the key and the file, which the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and its source."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Input data: the synthetic ads task (`kind="synthetic"`) or next-item data from a file."""
+
+    kind: str = "synthetic"  # "synthetic" | "interactions"
+    path: str = ""  # file for kind="interactions"
+    seed: int = 0
+    # Synthetic ads task.
+    num_items: int = 20_000  # raw item id space (Zipf-distributed)
+    zipf_exponent: float = 1.1
+    num_actions: int = 4  # action types of history events
+    latent_dim: int = 8  # dimension of the planted user/item factors
+    history_len_mean: float = 30.0  # log-normal history lengths: median
+    history_len_sigma: float = 1.0
+    max_history_len: int = 128  # histories are cut to their most recent events
+    empty_history_fraction: float = 0.05
+    num_candidates: int = 1  # candidate ads per example, appended as target tokens
+    num_sparse_features: int = 3  # non-sequence bags of ids
+    sparse_vocab: int = 1000
+    max_bag_size: int = 4
+    num_dense_features: int = 8
+    # Batching: fixed capacities keep shapes static under jit.
+    examples_per_shard: int = 64  # example capacity of one data-parallel shard's pack
+    tokens_per_shard: int = 2048  # token capacity of one shard's pack
+    eval_examples: int = 4096
+    max_seq_len_buckets: tuple[int, ...] = ()  # empty: derived from max_history_len + num_candidates
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """Embedding tables: raw ids are hashed into `rows` rows."""
+
+    dim: int = 32
+    item_rows: int = 8192
+    action_rows: int = 16
+    sparse_rows: int = 4096
+    pooling: str = "mean"  # "mean" | "sum" for non-sequence bags
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The GEM-like model: HSTU sequence tower, Wukong interaction stack, per-task heads."""
+
+    tasks: tuple[str, ...] = ("click", "conversion")
+    model_dim: int = 64
+    num_heads: int = 2
+    attention_dim: int = 32  # per head, for Q and K
+    value_dim: int = 32  # per head, for V and U
+    num_layers: int = 2
+    activation: str = "silu"  # "silu" (HSTU) | "softmax"
+    attention_implementation: str = "auto"  # "auto" | "reference" | "pallas" | "interpret"
+    max_attn_len: int = 0
+    num_position_buckets: int = 64  # 0 disables the relative position bias
+    num_time_buckets: int = 32  # 0 disables the relative time bias
+    dropout: float = 0.0
+    num_context_tokens: int = 2  # non-sequence summaries prepended to the sequence (cross)
+    num_summary_tokens: int = 2  # sequence summaries fed to the interaction stack (cross)
+    wukong_layers: int = 2
+    wukong_tokens: int = 8  # features carried between Wukong layers
+    wukong_fm_rank: int = 8  # optimised FM: project tokens to this many before the pairwise dot
+    head_hidden: int = 64
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh and the logical-axis -> mesh-axis rules table."""
+
+    # Mesh axes, slow (across hosts) to fast (inside a host). -1: all remaining devices.
+    mesh_axes: tuple[str, ...] = ("data",)
+    mesh_shape: tuple[int, ...] = (-1,)
+    # Logical axis name -> mesh axes (empty = replicated). Unlisted names are replicated.
+    # "shard" is the leading axis of a batch (one jagged pack per data-parallel shard).
+    rules: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"shard": ("data",)})
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Per-layer dtypes. `overrides` maps a layer-name prefix to a compute dtype."""
+
+    param_dtype: str = "float32"
+    compute_dtype: str = "bfloat16"
+    sensitive_dtype: str = "float32"  # heads, losses, LayerNorm statistics
+    overrides: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule, logging and checkpointing."""
+
+    steps: int = 300
+    seed: int = 0
+    learning_rate: float = 3e-3
+    warmup_steps: int = 30
+    end_learning_rate_fraction: float = 0.1
+    weight_decay: float = 1e-4
+    clip_norm: float = 1.0
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate once at the end
+    eval_batches: int = 0  # 0: all of data.eval_examples
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    async_checkpointing: bool = True
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
+    """Returns `value` converted to `annotation`'s type, or raises ConfigError naming key and source."""
+    origin = typing.get_origin(annotation)
+
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(
+            f"{source}: `{key}` must be {expected}, got {type(value).__name__} {value!r}"
+        )
+
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise fail("a boolean")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail("an integer")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise fail("a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise fail("a string")
+        return value
+    if origin is tuple:
+        (item_type, _ellipsis) = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            raise fail("a list")
+        return tuple(_check_value(v, item_type, f"{key}[{i}]", source) for i, v in enumerate(value))
+    if origin is dict:
+        _, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise fail("a table")
+        return {str(k): _check_value(v, value_type, f"{key}.{k}", source) for k, v in value.items()}
+    raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{source}: unknown key `{key}` (known: {known})")
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: `{key}` must be a table, got {value!r}")
+            kwargs[name] = _build(hint, value, f"{key}.", source)
+        else:
+            kwargs[name] = _check_value(value, hint, key, source)
+    return cls(**kwargs)
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("rules", "overrides"):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parses `a.b=value`; the value is read as TOML (so 3, 1e-3, true, [1, 2], "x"), else a bare string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {text!r}: empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {'.'.join(path)}: `{part}` is not a table")
+    node[path[-1]] = value
+
+
+def validate(config: Config, source: str) -> Config:
+    """Cross-field checks that types alone cannot express."""
+    m, d = config.model, config.data
+    choices = {
+        "model.activation": (m.activation, ("silu", "softmax")),
+        "model.attention_implementation": (
+            m.attention_implementation, ("auto", "reference", "pallas", "interpret")),
+        "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
+        "data.kind": (d.kind, ("synthetic", "interactions")),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+    positive = {
+        "data.examples_per_shard": d.examples_per_shard,
+        "data.tokens_per_shard": d.tokens_per_shard,
+        "data.max_history_len": d.max_history_len,
+        "data.num_candidates": d.num_candidates,
+        "model.model_dim": m.model_dim,
+        "model.num_heads": m.num_heads,
+        "train.steps": config.train.steps,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+    longest = d.max_history_len + d.num_candidates + m.num_context_tokens
+    if d.tokens_per_shard < longest:
+        raise ConfigError(
+            f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than one example's "
+            f"longest sequence ({longest} = max_history_len + num_candidates + num_context_tokens)")
+    p = config.parallel
+    if len(p.mesh_axes) != len(p.mesh_shape):
+        raise ConfigError(
+            f"{source}: `parallel.mesh_axes` {p.mesh_axes} and `parallel.mesh_shape` {p.mesh_shape} "
+            "differ in length")
+    for name, axes in p.rules.items():
+        for axis in axes:
+            if axis not in p.mesh_axes:
+                raise ConfigError(
+                    f"{source}: `parallel.rules.{name}` maps to mesh axis {axis!r}, not in {p.mesh_axes}")
+    if not m.tasks:
+        raise ConfigError(f"{source}: `model.tasks` must name at least one task")
+    return config
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Loads a TOML file (or the defaults when `path` is None) and applies `key.sub=value` overrides."""
+    values: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as f:
+                values = tomllib.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    config = _build(Config, values, "", source)
+    if overrides:
+        update: dict[str, Any] = {}
+        for text in overrides:
+            key_path, value = parse_override(text)
+            _set_path(update, key_path, value)
+        merged = _merge(config.to_dict(), update)
+        config = _build(Config, merged, "", f"{source} with --set overrides")
+        source = f"{source} with --set overrides"
+    return validate(config, source)
+
+
+def config_to_toml(config: Config) -> str:
+    """Writes the resolved config as TOML (the run directory keeps it beside the checkpoints)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, float):
+            return repr(v)
+        return str(v)
+
+    lines = []
+    for section, values in config.to_dict().items():
+        lines.append(f"[{section}]")
+        tables = {}
+        for k, v in values.items():
+            if isinstance(v, dict):
+                tables[k] = v
+            else:
+                lines.append(f"{k} = {fmt(v)}")
+        for k, table in tables.items():
+            inner = ", ".join(f"{fmt(kk)} = {fmt(vv)}" for kk, vv in table.items())
+            lines.append(f"{k} = {{ {inner} }}")
+        lines.append("")
+    return "\n".join(lines)
+

@@ -1,0 +1,124 @@
+"""The GEM-like ranking model: embeddings -> HSTU tower <-> Wukong stack -> per-task heads.
+
+Cross (InterFormer-style, both directions): non-sequence summaries fill the context slots at the
+start of every sequence, and sequence summaries (each candidate's output token and the mean of the
+history) join the Wukong stack's input tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from gem_jax.config import Config
+from gem_jax.data.batch import JaggedBatch
+from gem_jax.embeddings import HashedEmbedding, segment_ids
+from gem_jax.model.hstu import HSTUTower
+from gem_jax.model.layers import Dense, param
+from gem_jax.model.wukong import WukongStack
+from gem_jax.precision import PrecisionPolicy
+
+_FEATURE_SALT = 1_000_003  # keeps features' ids apart in the shared sparse table
+
+
+class TaskHead(nnx.Module):
+    """A small MLP producing one logit; "sensitive" precision."""
+
+    def __init__(self, name: str, d_in: int, hidden: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
+        self.hidden = Dense(f"{name}/hidden", d_in, hidden, policy, rngs=rngs, sensitive=True)
+        self.out = Dense(f"{name}/out", hidden, 1, policy, rngs=rngs, sensitive=True,
+                         axes=("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.out(jax.nn.silu(self.hidden(x)))[..., 0]
+
+
+class GEMModel(nnx.Module):
+    def __init__(self, config: Config, *, rngs: nnx.Rngs):
+        e, m, d = config.embeddings, config.model, config.data
+        policy = PrecisionPolicy.from_config(config.precision)
+        self.config = config
+        self.items = HashedEmbedding(e.item_rows, e.dim, policy, rngs=rngs)
+        self.actions = HashedEmbedding(e.action_rows, e.dim, policy, rngs=rngs)
+        self.sparse = HashedEmbedding(e.sparse_rows, e.dim, policy, rngs=rngs)
+        self.token_proj = Dense("input/token", e.dim, m.model_dim, policy, rngs=rngs)
+        self.candidate_marker = param(rngs, nnx.initializers.normal(0.05), (m.model_dim,), ("embed",),
+                                      policy.param_dtype)
+        self.dense_proj = Dense("input/dense", d.num_dense_features, e.dim, policy, rngs=rngs)
+        n_features = d.num_sparse_features + 1
+        self.context = (Dense("cross/context", n_features * e.dim, m.num_context_tokens * m.model_dim,
+                              policy, rngs=rngs) if m.num_context_tokens else None)
+        self.tower = HSTUTower(m, policy, rngs=rngs)
+        self.summary = Dense("cross/summary", 2 * m.model_dim, m.num_summary_tokens * e.dim, policy,
+                             rngs=rngs)
+        n_in = n_features + m.num_summary_tokens + 1
+        self.wukong = WukongStack(n_in, m.wukong_tokens, e.dim, m.wukong_layers, m.wukong_fm_rank, policy,
+                                  rngs=rngs)
+        head_in = (m.wukong_tokens if m.wukong_layers else n_in) * e.dim
+        self.heads = nnx.List([TaskHead(f"head/{t}", head_in, m.head_hidden, policy, rngs=rngs)
+                               for t in m.tasks])
+
+    @property
+    def max_seq_len(self) -> int:
+        d, m = self.config.data, self.config.model
+        return d.max_history_len + d.num_candidates + m.num_context_tokens
+
+    def __call__(self, batch: JaggedBatch, *, rng: jax.Array | None = None) -> Float[Array, "B C K"]:
+        """Logits of one pack: [example capacity, candidates, tasks] (padding examples included)."""
+        cfg, m = self.config, self.config.model
+        e_dim, n_ctx = cfg.embeddings.dim, m.num_context_tokens
+        t_cap = batch.item_ids.shape[0]
+        b_cap = batch.num_targets.shape[0]
+        c = batch.labels.shape[1]
+        f = cfg.data.num_sparse_features
+        offsets = batch.offsets
+
+        # Non-sequence features: pooled sparse bags (ids salted per feature) + projected dense features.
+        bag = segment_ids(batch.sparse_offsets, batch.sparse_values.shape[0])
+        salted = batch.sparse_values + (bag % f) * _FEATURE_SALT
+        bag_sizes = jnp.diff(batch.sparse_offsets)
+        pooled = self.sparse.pooled(salted, bag, bag_sizes, mode=cfg.embeddings.pooling)
+        feature_tokens = jnp.concatenate(
+            [pooled.reshape(b_cap, f, e_dim).astype(jnp.float32),
+             self.dense_proj(batch.dense)[:, None].astype(jnp.float32)], axis=1)  # [B, F+1, E]
+
+        # Sequence tokens: item + action embeddings; candidates marked; context slots filled.
+        seg = segment_ids(offsets, t_cap)
+        seg_c = jnp.minimum(seg, b_cap - 1)
+        valid = jnp.arange(t_cap) < offsets[-1]
+        pos = jnp.arange(t_cap) - offsets[seg_c]
+        lengths = jnp.diff(offsets)
+        is_target = pos >= (lengths - batch.num_targets)[seg_c]
+        tokens = self.token_proj(self.items.lookup(batch.item_ids) + self.actions.lookup(batch.action_ids))
+        tokens = tokens.astype(jnp.float32) + jnp.where(is_target[:, None], self.candidate_marker[...], 0)
+        if self.context is not None:
+            ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap, n_ctx, m.model_dim)
+            is_ctx = pos < n_ctx
+            ctx_tok = ctx[seg_c, jnp.clip(pos, 0, n_ctx - 1)].astype(jnp.float32)
+            tokens = jnp.where(is_ctx[:, None], ctx_tok, tokens)
+        x = jnp.where(valid[:, None], tokens, 0.0)
+
+        x = self.tower(x, offsets, batch.num_targets, batch.timestamps, max_seq_len=self.max_seq_len,
+                       rng=rng).astype(jnp.float32)
+
+        # Sequence summaries: each candidate's output token and the mean over history tokens.
+        target_idx = jnp.clip(offsets[1:, None] - c + jnp.arange(c)[None, :], 0, t_cap - 1)  # [B, C]
+        candidate_out = x[target_idx]
+        is_history = valid & ~is_target & (pos >= n_ctx)
+        hist_sum = jax.ops.segment_sum(jnp.where(is_history[:, None], x, 0), seg, num_segments=b_cap + 1)
+        hist_count = jax.ops.segment_sum(is_history.astype(jnp.float32), seg, num_segments=b_cap + 1)
+        hist_mean = hist_sum[:b_cap] / jnp.maximum(hist_count[:b_cap], 1)[:, None]
+        summary_in = jnp.concatenate(
+            [candidate_out, jnp.broadcast_to(hist_mean[:, None], candidate_out.shape)], axis=-1)
+        summary = self.summary(summary_in).reshape(b_cap, c, m.num_summary_tokens, e_dim)
+
+        candidate_emb = self.items.lookup(batch.item_ids[target_idx])[:, :, None]  # [B, C, 1, E]
+        interaction_in = jnp.concatenate([
+            jnp.broadcast_to(feature_tokens[:, None], (b_cap, c, *feature_tokens.shape[1:])),
+            summary.astype(jnp.float32), candidate_emb.astype(jnp.float32)], axis=2)
+        n_in = interaction_in.shape[2]
+        h = self.wukong(interaction_in.reshape(b_cap * c, n_in, e_dim)).reshape(b_cap * c, -1)
+        logits = jnp.stack([head(h) for head in self.heads], axis=-1)
+        return logits.reshape(b_cap, c, len(self.heads)).astype(jnp.float32)

@@ -1,0 +1,66 @@
+"""Basic layers that carry logical axis names and take their dtypes from the precision policy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from gem_jax.precision import PrecisionPolicy
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
+          dtype) -> nnx.Param:
+    """A parameter tagged with logical axis names (mapped to mesh axes by `gem_jax.parallel`)."""
+    assert len(axes) == len(shape), (axes, shape)
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
+
+
+class Dense(nnx.Module):
+    """y = x @ W + b with W stored in the policy's param dtype and the GEMM in the layer's dtype.
+
+    Our own module rather than `nnx.Linear` so that the layer's name selects its precision (and
+    later its FP8 recipe) from the policy, and its weights carry logical axis names.
+    """
+
+    def __init__(self, name: str, d_in: int, d_out: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs,
+                 axes: tuple[str, str] = ("embed", "mlp"), sensitive: bool = False, use_bias: bool = True):
+        self.name = name
+        self.compute_dtype = policy.compute_dtype(name, sensitive=sensitive)
+        self.kernel = param(rngs, nnx.initializers.lecun_normal(), (d_in, d_out), axes, policy.param_dtype)
+        self.bias = (param(rngs, nnx.initializers.zeros, (d_out,), (axes[1],), policy.param_dtype)
+                     if use_bias else None)
+
+    def __call__(self, x: Float[Array, "... din"]) -> Float[Array, "... dout"]:
+        y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype),
+                    preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.compute_dtype)
+
+
+class LayerNorm(nnx.Module):
+    """LayerNorm with float32 statistics (a "sensitive" op in any precision policy)."""
+
+    def __init__(self, dim: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs, use_scale: bool = True):
+        self.scale = (param(rngs, nnx.initializers.ones, (dim,), ("embed",), policy.param_dtype)
+                      if use_scale else None)
+        self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",), policy.param_dtype)
+
+    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-6)
+        if self.scale is not None:
+            y = y * self.scale[...].astype(jnp.float32)
+        return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def dropout(x: Array, rate: float, rng: jax.Array | None) -> Array:
+    """Inverted dropout; identity when `rng` is None (evaluation) or rate is 0."""
+    if rng is None or rate <= 0.0:
+        return x
+    keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)

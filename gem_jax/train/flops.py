@@ -1,0 +1,60 @@
+"""Analytic FLOP count of one train step, for TFLOP/s and MFU.
+
+Counted (a multiply-add = 2 FLOPs; backward = 2 x forward for every GEMM, so a trained GEMM costs
+3 x its forward):
+- per real token: the token projection (2 E D) and, per HSTU layer, the fused UVQK projection
+  (2 D H (2 Dv + 2 Dqk)) and the output projection (2 H Dv D);
+- attention, per HSTU layer and per sequence of length L, as the kernel peers count it
+  (DESIGN.md): forward 2 H (Dqk + Dv) L^2 / 2, backward 2.5 x forward (so 3.5 x forward in all);
+- per real example: the context projection; per (example, candidate): the summary projection, the
+  Wukong layers (FM compression, FM MLP, linear compression, residual mix) and the task heads.
+Embedding lookups, norms, activations and the optimizer are memory-bound and not counted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gem_jax.config import Config
+
+# Dense bf16 peak per device (vendor datasheets), for MFU. Unknown devices (CPU) report no MFU.
+PEAK_BF16_FLOPS = {
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100 80GB HBM3": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def device_peak_flops(device_kind: str) -> float | None:
+    return PEAK_BF16_FLOPS.get(device_kind)
+
+
+def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarray) -> float:
+    """FLOPs of one train step over packs with these offsets [..., B+1] and num_targets [..., B]."""
+    m, e, d = config.model, config.embeddings, config.data
+    lengths = np.diff(np.asarray(offsets, np.int64), axis=-1)
+    tokens = float(lengths.sum())
+    examples = float((np.asarray(num_targets) > 0).sum())
+    pairs = examples * d.num_candidates
+    h, dqk, dv, dm = m.num_heads, m.attention_dim, m.value_dim, m.model_dim
+    per_token = 2 * e.dim * dm + m.num_layers * (2 * dm * h * (2 * dv + 2 * dqk) + 2 * h * dv * dm)
+    attention_fwd = m.num_layers * 2 * h * (dqk + dv) * float((lengths.astype(np.float64) ** 2).sum()) / 2
+    n_features = d.num_sparse_features + 1
+    per_example = 2 * n_features * e.dim * m.num_context_tokens * dm + 2 * d.num_dense_features * e.dim
+    n = n_features + m.num_summary_tokens + 1
+    per_pair = 2 * 2 * dm * m.num_summary_tokens * e.dim
+    for _ in range(m.wukong_layers):
+        n_fm = m.wukong_tokens // 2
+        n_lc = m.wukong_tokens - n_fm
+        per_pair += 2 * 2 * n * m.wukong_fm_rank * e.dim  # Z = Y^T X, then X Z^T
+        per_pair += 2 * n * m.wukong_fm_rank * n_fm * e.dim  # FM MLP
+        per_pair += 2 * n * n_lc * e.dim + (2 * n * m.wukong_tokens * e.dim if n != m.wukong_tokens else 0)
+        n = m.wukong_tokens
+    per_pair += len(m.tasks) * (2 * n * e.dim * m.head_hidden + 2 * m.head_hidden)
+    forward_gemm = tokens * per_token + examples * per_example + pairs * per_pair
+    return 3.0 * forward_gemm + 3.5 * attention_fwd
