@@ -81,9 +81,11 @@ def block_attention_reference(
     if causal:
         mask = mask & (rel[None, :] <= 0)
 
-    qf = q.astype(jnp.float32)
-    kw = k.astype(jnp.float32)[jc]  # [T, W, H, Dqk]
-    vw = v.astype(jnp.float32)[jc]  # [T, W, H, Dv]
+    # Spare capacity may hold anything (even NaN); it must not leak through 0 * x.
+    keep = (valid == 1)[:, None, None]
+    qf = jnp.where(keep, q.astype(jnp.float32), 0.0)
+    kw = jnp.where(keep, k.astype(jnp.float32), 0.0)[jc]  # [T, W, H, Dqk]
+    vw = jnp.where(keep, v.astype(jnp.float32), 0.0)[jc]  # [T, W, H, Dv]
     s = alpha * jnp.einsum("thd,twhd->thw", qf, kw, precision=jax.lax.Precision.HIGHEST)
     s = jnp.where(mask[:, None, :], s, _MASKED)
     p = jax.nn.softmax(s, axis=-1)

@@ -48,6 +48,12 @@ def _probs(q, k, n, tile, alpha, causal):
     return jnp.where(visible, p / jnp.sum(p, axis=1, keepdims=True), 0.0)
 
 
+def _own_rows(x, n):
+    """Zeroes tile rows past the block (other blocks' or spare data, maybe NaN)."""
+    rows = lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(rows < n, x, jnp.zeros_like(x))
+
+
 def _block_step(start_ref, len_ref, live_ref, hbm_in, hbm_out, vmem_in, vmem_out, sems,
                 compute, tile):
     """DMA the tile in, ``compute`` (live blocks) or zero (spare rows), DMA it out."""
@@ -89,9 +95,9 @@ def _fwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, o_hbm,
 
     def compute(n):
         for h in range(num_heads):
-            q = q_vmem[:, h * dqk:(h + 1) * dqk]
-            k = k_vmem[:, h * dqk:(h + 1) * dqk]
-            v = v_vmem[:, h * dv:(h + 1) * dv]
+            q = _own_rows(q_vmem[:, h * dqk:(h + 1) * dqk], n)
+            k = _own_rows(k_vmem[:, h * dqk:(h + 1) * dqk], n)
+            v = _own_rows(v_vmem[:, h * dv:(h + 1) * dv], n)
             p = _probs(q, k, n, tile, alpha, causal)
             o_vmem[:, h * dv:(h + 1) * dv] = _dot(p.astype(v.dtype), v, 1, 0).astype(
                 o_vmem.dtype)
@@ -109,7 +115,8 @@ def _bwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, do_hbm,
     def compute(n):
         for h in range(num_heads):
             cq, cv = slice(h * dqk, (h + 1) * dqk), slice(h * dvd, (h + 1) * dvd)
-            q, k, v, do = q_vmem[:, cq], k_vmem[:, cq], v_vmem[:, cv], do_vmem[:, cv]
+            q, k = _own_rows(q_vmem[:, cq], n), _own_rows(k_vmem[:, cq], n)
+            v, do = _own_rows(v_vmem[:, cv], n), _own_rows(do_vmem[:, cv], n)
             p = _probs(q, k, n, tile, alpha, causal)
             dv_vmem[:, cv] = _dot(p.astype(do.dtype), do, 0, 0).astype(dv_vmem.dtype)
             dp = _dot(do, v, 1, 1)
