@@ -3,30 +3,38 @@
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.block_attention import block_sizes, gpu, reference, tpu
+from pallas_kernels.block_attention import block_sizes, reference
 
-# Kernel backends: name -> (forward, backward, interpret argument).
-_KERNELS: dict[str, tuple[Callable[..., jax.Array], Callable[..., tuple], object]] = {
-    "gpu": (gpu.forward, gpu.backward, False),
-    "gpu_interpret": (gpu.forward, gpu.backward, True),
-    "tpu": (tpu.forward, tpu.backward, False),
-    "tpu_interpret": (tpu.forward, tpu.backward, "tpu_interpret"),
+# Kernel backends: name -> (module, interpret argument). Modules are imported when a
+# backend is first used, so a broken Triton/Mosaic install fails loudly there and
+# nowhere else (the reference never needs them).
+_KERNELS: dict[str, tuple[str, object]] = {
+    "gpu": ("gpu", False),
+    "gpu_interpret": ("gpu", True),
+    "tpu": ("tpu", False),
+    "tpu_interpret": ("tpu", "tpu_interpret"),
 }
+
+
+def _backend(kernel: str):
+    module, interpret = _KERNELS[kernel]
+    return importlib.import_module(f"pallas_kernels.block_attention.{module}"), interpret
 
 
 @functools.partial(
     jax.custom_vjp, nondiff_argnames=("block_size", "causal", "alpha", "kernel")
 )
 def _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel):
-    fwd, _, interpret = _KERNELS[kernel]
-    return fwd(q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha,
-               interpret=interpret)
+    backend, interpret = _backend(kernel)
+    return backend.forward(q, k, v, offsets, block_size=block_size, causal=causal,
+                           alpha=alpha, interpret=interpret)
 
 
 def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
@@ -36,9 +44,9 @@ def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
 
 def _kernel_attention_bwd(block_size, causal, alpha, kernel, residuals, do):
     q, k, v, offsets = residuals
-    _, bwd, interpret = _KERNELS[kernel]
-    dq, dk, dv = bwd(q, k, v, offsets, do, block_size=block_size, causal=causal,
-                     alpha=alpha, interpret=interpret)
+    backend, interpret = _backend(kernel)
+    dq, dk, dv = backend.backward(q, k, v, offsets, do, block_size=block_size,
+                                  causal=causal, alpha=alpha, interpret=interpret)
     return dq, dk, dv, None
 
 

@@ -131,8 +131,19 @@ def _call(kernel, inputs, out_shapes, offsets, *, block_size, causal, alpha, int
     return [o.reshape(num_tokens, num_heads, s[-1]) for o, (s, _) in zip(outs, out_shapes)]
 
 
+def _check_index_range(*arrays):
+    # Triton computes element offsets in int32 here.
+    for x in arrays:
+        if x.size >= 2**31:
+            raise ValueError(
+                f"the GPU kernel indexes with int32: an input of shape {x.shape} has "
+                f"{x.size} >= 2**31 elements; split the batch"
+            )
+
+
 def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
     """[T, H, Dv] output (see module docstring)."""
+    _check_index_range(q, v)
     dv = v.shape[-1]
     qp, kp, vp = _pad_features(q), _pad_features(k), _pad_features(v)
     (o,) = _call(_fwd_kernel, [qp, kp, vp], [(vp.shape, v.dtype)], offsets,
@@ -143,6 +154,7 @@ def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
 
 def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False):
     """(dq, dk, dv), recomputing each block's softmax from q and k."""
+    _check_index_range(q, v)
     dqk, dvd = q.shape[-1], v.shape[-1]
     qp, kp, vp, dop = (_pad_features(x) for x in (q, k, v, do.astype(v.dtype)))
     dq, dk, dv = _call(
