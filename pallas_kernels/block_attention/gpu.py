@@ -31,11 +31,9 @@ def _dot(a, b, contract_a: int, contract_b: int):
     )
 
 
-def _load_block(table_refs, x_ref, head, num_heads, tile):
-    """Loads rows [start, start + tile) of head ``head``; rows past the block are 0."""
-    start_ref, len_ref, live_ref = table_refs
-    g = pl.program_id(0)
-    start, n = start_ref[g], len_ref[g] * live_ref[g]  # zero-fill entries load nothing
+def _load_rows(x_ref, start, n, head, num_heads, tile):
+    """Rows [start, start + tile) of head ``head`` from a flat [T, H * D] ref; rows
+    past ``n`` (other blocks, spare capacity, past T) read as 0 and are never touched."""
     d = x_ref.shape[-1] // num_heads
     rows = lax.broadcasted_iota(jnp.int32, (tile, d), 0)
     return plgpu.load(
@@ -43,15 +41,12 @@ def _load_block(table_refs, x_ref, head, num_heads, tile):
     )
 
 
-def _store_block(table_refs, x_ref, head, value, tile):
-    """Stores ``value`` to this entry's own rows; zero-fill entries store zeros."""
-    start_ref, len_ref, live_ref = table_refs
-    g = pl.program_id(0)
-    start, n = start_ref[g], len_ref[g]
-    d = value.shape[-1]
+def _store_rows(x_ref, start, n, head, value):
+    """Stores the first ``n`` rows of ``value`` to rows [start, start + n) of head."""
+    tile, d = value.shape
     rows = lax.broadcasted_iota(jnp.int32, (tile, d), 0)
-    value = jnp.where(live_ref[g] > 0, value, 0.0).astype(x_ref.dtype)
-    plgpu.store(x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)], value, mask=rows < n)
+    plgpu.store(x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)],
+                value.astype(x_ref.dtype), mask=rows < n)
 
 
 def _probs(q, k, n, tile, alpha, causal):
@@ -68,36 +63,49 @@ def _probs(q, k, n, tile, alpha, causal):
     return jnp.where(visible, p / jnp.sum(p, axis=1, keepdims=True), 0.0)
 
 
+def _entry(start_ref, len_ref, live_ref, out_refs, attend, *, num_heads, tile):
+    """Runs ``attend`` for a live block, zero-fills a spare-capacity chunk, and does
+    nothing for a surplus entry (length 0), which then costs three scalar loads."""
+    g, head = pl.program_id(0), pl.program_id(1)
+    start, n, live = start_ref[g], len_ref[g], live_ref[g]
+
+    @pl.when((n > 0) & (live > 0))
+    def _():
+        for ref, value in zip(out_refs, attend(start, n, head)):
+            _store_rows(ref, start, n, head, value)
+
+    @pl.when((n > 0) & (live == 0))
+    def _():
+        for ref in out_refs:
+            d = ref.shape[-1] // num_heads
+            _store_rows(ref, start, n, head, jnp.zeros((tile, d), jnp.float32))
+
+
 def _fwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, o_ref, *,
                 num_heads, tile, alpha, causal):
-    refs = (start_ref, len_ref, live_ref)
-    head = pl.program_id(1)
-    q = _load_block(refs, q_ref, head, num_heads, tile)
-    k = _load_block(refs, k_ref, head, num_heads, tile)
-    v = _load_block(refs, v_ref, head, num_heads, tile)
-    p = _probs(q, k, len_ref[pl.program_id(0)], tile, alpha, causal)
-    o = _dot(p.astype(v.dtype), v, 1, 0)
-    _store_block(refs, o_ref, head, o, tile)
+    def attend(start, n, head):
+        q, k, v = (_load_rows(r, start, n, head, num_heads, tile)
+                   for r in (q_ref, k_ref, v_ref))
+        p = _probs(q, k, n, tile, alpha, causal)
+        return (_dot(p.astype(v.dtype), v, 1, 0),)
+
+    _entry(start_ref, len_ref, live_ref, (o_ref,), attend, num_heads=num_heads, tile=tile)
 
 
 def _bwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, do_ref,
                 dq_ref, dk_ref, dv_ref, *, num_heads, tile, alpha, causal):
-    refs = (start_ref, len_ref, live_ref)
-    head = pl.program_id(1)
-    q = _load_block(refs, q_ref, head, num_heads, tile)
-    k = _load_block(refs, k_ref, head, num_heads, tile)
-    v = _load_block(refs, v_ref, head, num_heads, tile)
-    do = _load_block(refs, do_ref, head, num_heads, tile)
-    p = _probs(q, k, len_ref[pl.program_id(0)], tile, alpha, causal)
-    dv = _dot(p.astype(do.dtype), do, 0, 0)  # P^T dO
-    dp = _dot(do, v, 1, 1)  # dO V^T
-    ds = p * (dp - jnp.sum(p * dp, axis=1, keepdims=True))
-    ds = (ds * alpha).astype(q.dtype)
-    dq = _dot(ds, k, 1, 0)
-    dk = _dot(ds, q, 0, 0)  # dS^T Q
-    _store_block(refs, dq_ref, head, dq, tile)
-    _store_block(refs, dk_ref, head, dk, tile)
-    _store_block(refs, dv_ref, head, dv, tile)
+    def attend(start, n, head):
+        q, k, v, do = (_load_rows(r, start, n, head, num_heads, tile)
+                       for r in (q_ref, k_ref, v_ref, do_ref))
+        p = _probs(q, k, n, tile, alpha, causal)
+        dv = _dot(p.astype(do.dtype), do, 0, 0)  # P^T dO
+        dp = _dot(do, v, 1, 1)  # dO V^T
+        ds = p * (dp - jnp.sum(p * dp, axis=1, keepdims=True))
+        ds = (ds * alpha).astype(q.dtype)
+        return _dot(ds, k, 1, 0), _dot(ds, q, 0, 0), dv  # dQ, dK = dS^T Q, dV
+
+    _entry(start_ref, len_ref, live_ref, (dq_ref, dk_ref, dv_ref), attend,
+           num_heads=num_heads, tile=tile)
 
 
 def _pad_features(x):
