@@ -13,10 +13,10 @@ class BlockSizes:
   """
   block_q: int = 128
   block_k: int = 64
-  block_q_dkv: int = 64
-  block_k_dkv: int = 128
+  block_q_dkv: int = 128
+  block_k_dkv: int = 64
   num_warps: int = 8
-  num_stages: int = 2
+  num_stages: int = 3
   num_warps_bwd: int = 8
   num_stages_bwd: int = 2
 

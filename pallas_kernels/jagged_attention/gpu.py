@@ -28,8 +28,10 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
+  """a @ b (optionally transposed operands) with float32 accumulation; exact float32 for float32 inputs."""
   precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _seq(offsets_ref, targets_ref, b, s: Static):
@@ -60,8 +62,49 @@ def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static):
   return sc
 
 
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
+LOG2E = 1.4426950408889634
+
+
+def _tanh(x, s: Static, exact: bool):
+  """tanh.approx.f32 (one MUFU op) on GPU for bf16 inputs; exact tanh for float32 inputs and interpret."""
+  if exact or s.interpret:
+    return jnp.tanh(x)
+  return plgpu.approx_tanh(x)
+
+
+def _silu_parts(x, s: Static, exact: bool):
+  """(silu(x), sigmoid(x)) via sigmoid(x) = (1 + tanh(x / 2)) / 2: no division on the hot path."""
+  sig = 0.5 + 0.5 * _tanh(0.5 * x, s, exact)
+  return x * sig, sig
+
+
+def _split_loop(n_lo, n_hi, f_lo, f_hi, body, carry):
+  """Runs body(n, carry, masked) over [n_lo, n_hi); tiles in [f_lo, f_hi) need no mask."""
+  f_lo = jnp.clip(f_lo, n_lo, n_hi)
+  f_hi = jnp.clip(f_hi, f_lo, n_hi)
+  carry = lax.fori_loop(n_lo, f_lo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(f_hi, n_hi, functools.partial(body, masked=True), carry)
+
+
+def _full_kv(q_lo, bq, bk, first_target, s: Static):
+  """[lo, hi) key tiles that every row of the query tile sees (no mask needed there)."""
+  hi = jnp.minimum(q_lo + 1, first_target) // bk  # below the diagonal and inside the history
+  lo = jnp.int32(0)
+  if s.max_attn_len > 0:
+    lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk)
+  return lo, hi
+
+
+def _full_q(k_lo, bq, bk, first_target, q_hi_tiles, s: Static):
+  """[lo, hi) query tiles whose every row sees the whole key tile (no mask needed there)."""
+  lo = cdiv_dyn(k_lo + bk - 1, bq)
+  hi = q_hi_tiles
+  if s.max_attn_len > 0:
+    hi = jnp.minimum(hi, (k_lo + s.max_attn_len - bq + 1) // bq + 1)
+  if s.has_targets:
+    hi = jnp.where(k_lo + bk <= first_target, hi, lo)
+  return lo, hi
 
 
 def _kv_range(q_lo, bq, length, first_target, s: Static):
@@ -119,7 +162,9 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     lo, hi = _kv_range(q_lo, bq, length, first_target, s)
     dv = v_ref.shape[-1]
 
-    def body(n, carry):
+    exact = q.dtype == jnp.float32
+
+    def body(n, carry, masked):
       k_lo = n * bk
       cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
       col_ok = cols < length
@@ -127,28 +172,37 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
       v = _rows(v_ref, start, k_lo, bk, col_ok, h)
       ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
       sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
-      mask = tiling.allowed(rows, cols, length, first_target, s)
+      mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       if s.activation == "silu":
         (acc,) = carry
-        p = jnp.where(mask, sc * _sigmoid(sc), 0.0) * (1.0 / s.max_seq_len)
+        p, _ = _silu_parts(sc, s, exact)
+        if masked:
+          p = jnp.where(mask, p, 0.0)
         return (acc + _dot(p.astype(v.dtype), v),)
       acc, m_i, l_i = carry
-      sc = jnp.where(mask, sc, NEG_INF)
+      sc = sc * LOG2E  # base-2 softmax: exp2 is cheaper than exp
+      if masked:
+        sc = jnp.where(mask, sc, NEG_INF)
       m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-      p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
-      corr = jnp.exp(m_i - m_new)
+      p = jnp.exp2(sc - m_new[:, None])
+      if masked:
+        p = jnp.where(mask, p, 0.0)
+      corr = jnp.exp2(m_i - m_new)
       acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
       return acc, m_new, l_i * corr + jnp.sum(p, axis=1)
 
     acc0 = jnp.zeros((bq, dv), jnp.float32)
+    f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
+    loop = functools.partial(_split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body)
     if s.activation == "silu":
-      (acc,) = lax.fori_loop(lo // bk, cdiv_dyn(hi, bk), body, (acc0,))
+      (acc,) = loop((acc0,))
+      acc = acc * (1.0 / s.max_seq_len)
     else:
-      init = (acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
-      acc, m_i, l_i = lax.fori_loop(lo // bk, cdiv_dyn(hi, bk), body, init)
+      acc, m_i, l_i = loop((acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32)))
       l_safe = jnp.where(l_i > 0, l_i, 1.0)
       acc = acc / l_safe[:, None]
-      plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], m_i + jnp.log(l_safe), mask=row_ok)
+      lse = (m_i + jnp.log2(l_safe)) / LOG2E  # natural-log units
+      plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=row_ok)
     plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=row_ok[:, None])
 
   @pl.when(w >= num_work)
@@ -183,15 +237,21 @@ def _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _ds(sc, mask, dp, lse, delta, s: Static):
-  """(p, dscore) of one tile, both float32 and zero outside the mask."""
+def _ds(sc, mask, dp, lse, delta, s: Static, exact: bool):
+  """(p, dscore) of one tile in float32, zero outside the mask (None: all allowed).
+
+  For SiLU both lack the 1/max_seq_len factor, which the callers apply once to their accumulators.
+  """
   if s.activation == "silu":
-    sig = _sigmoid(sc)
-    p = jnp.where(mask, sc * sig, 0.0) * (1.0 / s.max_seq_len)
-    ds = jnp.where(mask, dp * sig * (1.0 + sc * (1.0 - sig)), 0.0) * (1.0 / s.max_seq_len)
-    return p, ds
-  p = jnp.where(mask, jnp.exp(sc - lse[:, None]), 0.0)
-  return p, p * (dp - delta[:, None])
+    p, sig = _silu_parts(sc, s, exact)
+    ds = dp * (sig + p * (1.0 - sig))  # silu'(x) = sig + x sig (1 - sig)
+  else:
+    p = jnp.exp2(sc * LOG2E - (lse * LOG2E)[:, None])
+    ds = p * (dp - delta[:, None])
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+    ds = jnp.where(mask, ds, 0.0)
+  return p, ds
 
 
 def _hist_add(hist, values, buckets, lo, hi):
@@ -230,7 +290,9 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
       delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
     lo, hi = _kv_range(q_lo, bq, length, first_target, s)
 
-    def body(n, carry):
+    exact = q.dtype == jnp.float32
+
+    def body(n, carry, masked):
       dq, hpos, htime = carry
       k_lo = n * bk
       cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
@@ -239,9 +301,9 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
       v = _rows(v_ref, start, k_lo, bk, col_ok, h)
       ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
       sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
-      mask = tiling.allowed(rows, cols, length, first_target, s)
+      mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
-      _, ds = _ds(sc, mask, dp, lse, delta, s)
+      _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
       dq = dq + _dot(ds.astype(k.dtype), k)
       if s.has_pos:
         bucket = jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)
@@ -250,18 +312,21 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
         hpos = _hist_add(hpos, ds, bucket, b_lo, b_hi)
       if s.has_time:
         bucket = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
-        t_lo = jnp.min(jnp.where(mask, bucket, s.num_time))
-        t_hi = jnp.max(jnp.where(mask, bucket, -1))
+        valid = (rows[:, None] < length) & (cols[None, :] <= rows[:, None]) if mask is None else mask
+        t_lo = jnp.min(jnp.where(valid, bucket, s.num_time))
+        t_hi = jnp.max(jnp.where(valid, bucket, -1))
         htime = _hist_add(htime, ds, bucket, t_lo, t_hi)
       return dq, hpos, htime
 
     init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((dpos_ref.shape[-1],), jnp.float32),
             jnp.zeros((dtime_ref.shape[-1],), jnp.float32))
-    dq, hpos, htime = lax.fori_loop(lo // bk, cdiv_dyn(hi, bk), body, init)
-    plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], (dq * s.alpha).astype(dq_ref.dtype),
+    f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
+    dq, hpos, htime = _split_loop(lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init)
+    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+    plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], (dq * (s.alpha * scale)).astype(dq_ref.dtype),
                 mask=row_ok[:, None])
-    dpos_ref[pid, :] = hpos
-    dtime_ref[pid, :] = htime
+    dpos_ref[pid, :] = hpos * scale
+    dtime_ref[pid, :] = htime * scale
 
   @pl.when(jnp.logical_not(active))
   def _():
@@ -294,7 +359,9 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
     lo, hi = _q_range(k_lo, bk, length, first_target, s)
 
-    def body(m, carry):
+    exact = q_ref.dtype == jnp.float32
+
+    def body(m, carry, masked):
       dk, dv = carry
       q_lo = m * bq
       rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
@@ -307,18 +374,22 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
         lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
         delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
       sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
-      mask = tiling.allowed(rows, cols, length, first_target, s)
+      mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
-      p, ds = _ds(sc, mask, dp, lse, delta, s)
+      p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
       dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
       dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
       return dk, dv
 
     init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
-    dk, dv = lax.fori_loop(lo // bq, cdiv_dyn(hi, bq), body, init)
-    plgpu.store(dk_ref.at[pl.ds(start + k_lo, bk), h, :], (dk * s.alpha).astype(dk_ref.dtype),
+    m_hi = cdiv_dyn(hi, bq)
+    f_lo, f_hi = _full_q(k_lo, bq, bk, first_target, m_hi, s)
+    dk, dv = _split_loop(lo // bq, m_hi, f_lo, f_hi, body, init)
+    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+    plgpu.store(dk_ref.at[pl.ds(start + k_lo, bk), h, :], (dk * (s.alpha * scale)).astype(dk_ref.dtype),
                 mask=col_ok[:, None])
-    plgpu.store(dv_ref.at[pl.ds(start + k_lo, bk), h, :], dv.astype(dv_ref.dtype), mask=col_ok[:, None])
+    plgpu.store(dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype),
+                mask=col_ok[:, None])
 
   @pl.when(w >= num_work)
   def _():
