@@ -55,8 +55,11 @@ def work_list(lengths: jax.Array, block: int, max_seq_len: int, total_rows: int,
 
 def allowed(rows, cols, length, first_target, s: Static):
   """bool[rows, cols]: the DESIGN.md mask (causal, window for non-targets, targets see history + self)."""
-  r = rows[:, None]
-  c = cols[None, :]
+  return allowed_2d(rows[:, None], cols[None, :], length, first_target, s)
+
+
+def allowed_2d(r, c, length, first_target, s: Static):
+  """allowed() for broadcastable row/column position arrays (TPU kernels build them with 2-D iotas)."""
   causal = c <= r
   if s.max_attn_len > 0:
     causal = causal & (r - c <= s.max_attn_len)
