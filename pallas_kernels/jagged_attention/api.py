@@ -40,15 +40,21 @@ IMPLEMENTATIONS = tuple(_IMPLEMENTATIONS) + ("pallas", "interpret")
 def default_implementation(platform: str | None = None) -> str:
   """Best implementation for a platform (default: jax's default backend).
 
-  Pallas GPU kernel on GPU, Mosaic TPU kernel on TPU, the jnp reference elsewhere (CPU).
+  Pallas GPU kernel on GPU, Mosaic TPU kernel on TPU, the jnp reference elsewhere (CPU). With a
+  relative bias on TPU, jagged_attention(implementation=None) uses the reference (no TPU bias kernel).
   """
   platform = platform or jax.default_backend()
   return _PALLAS_BY_PLATFORM.get(platform, "reference")
 
 
-def _resolve(implementation: str | None) -> str:
+# backends without the fused relative bias (implementation=None then falls back to the reference)
+_NO_BIAS = ("pallas_tpu", "interpret_tpu")
+
+
+def _resolve(implementation: str | None, has_bias: bool = False) -> str:
   if implementation is None:
-    return default_implementation()
+    name = default_implementation()
+    return "reference" if has_bias and name in _NO_BIAS else name
   if implementation == "pallas":
     platform = jax.default_backend()
     if platform not in _PALLAS_BY_PLATFORM:
@@ -128,7 +134,7 @@ def jagged_attention(
   """
   _check_shapes(q, k, v, offsets, num_targets, timestamps, pos_bias, time_bias, max_seq_len, max_attn_len,
                 activation)
-  fn = _IMPLEMENTATIONS[_resolve(implementation)]
+  fn = _IMPLEMENTATIONS[_resolve(implementation, pos_bias is not None or time_bias is not None)]
   return fn(q, k, v, offsets.astype(jnp.int32), max_seq_len=max_seq_len, activation=activation, alpha=alpha,
             num_targets=num_targets, max_attn_len=max_attn_len, timestamps=timestamps, pos_bias=pos_bias,
             time_bias=time_bias)

@@ -1,0 +1,216 @@
+"""Benchmark of jagged attention on one accelerator: `python -m experiments bench attention`.
+
+Checks the Pallas kernel against the float32 reference on fresh random inputs first, then times forward
+and backward (median of many reps after warm-up) for the issue's shapes, against the padded XLA reference
+and, for softmax, cuDNN. TFLOP/s use the peer's formula (DESIGN.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
+backward = 2.5 x forward; "useful" means the same count whatever the implementation computes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.jagged_attention import jagged_attention
+from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+
+
+def _lengths(kind: str, b: int, n: int, rng: np.random.Generator) -> np.ndarray:
+  if kind == "uniform":  # the issue's mix: uniform in [0.9 N, N)
+    return rng.integers(int(0.9 * n), n, size=b)
+  if kind == "lognormal":  # heavy tail: median ~ N/16, clipped to [1, N]
+    return np.clip(rng.lognormal(np.log(n / 16), 1.0, size=b), 1, n).astype(np.int64)
+  if kind == "equal":
+    return np.full(b, n)
+  raise ValueError(f"unknown length mix {kind!r}")
+
+
+def _inputs(lengths, h, d, rng, dtype=jnp.bfloat16):
+  offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+  t = int(offsets[-1])
+  keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+  q, k, v, do = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys)
+  return q, k, v, do, jnp.asarray(offsets)
+
+
+def fwd_flops(lengths, h, dqk, dv) -> float:
+  return float(sum(2 * h * (dqk + dv) * int(l) ** 2 / 2 for l in lengths))
+
+
+def _time(fn, *args, reps: int) -> float:
+  """Median seconds per call after warm-up."""
+  for _ in range(3):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _kernel_impl() -> str:
+  return "interpret" if jax.default_backend() == "cpu" else "pallas"
+
+
+def _fwd_bwd(impl, n, activation, block_sizes=None, **kw):
+  kwargs = dict(max_seq_len=n, activation=activation, implementation=impl, **kw)
+  if block_sizes is not None:
+    from pallas_kernels.jagged_attention import gpu
+    f = lambda q, k, v, off: gpu.jagged_attention_gpu(q, k, v, off, alpha=None, num_targets=None, max_attn_len=0,
+                                                      timestamps=None, pos_bias=None, time_bias=None,
+                                                      block_sizes=block_sizes, max_seq_len=n,
+                                                      activation=activation, interpret=impl == "interpret")
+  else:
+    f = functools.partial(jagged_attention, **kwargs)
+  fwd = jax.jit(f)
+
+  @jax.jit
+  def bwd(q, k, v, off, do):
+    _, vjp = jax.vjp(lambda q, k, v: f(q, k, v, off), q, k, v)
+    return vjp(do)
+
+  return fwd, bwd
+
+
+def check(rng, h=4, d=128, n=512, b=24) -> list[str]:
+  """Rel. L2 errors of the Pallas kernel vs the float32 reference (bf16 inputs), forward and grads."""
+  rows = []
+  lengths = np.concatenate([[0, 1, n, n - 1], rng.integers(1, n, size=b - 4)])
+  for activation in ("silu", "softmax"):
+    for extras in ({}, {"targets": True}):
+      q, k, v, do, off = _inputs(lengths, h, d, rng)
+      kw = {}
+      if extras:
+        kw = dict(num_targets=jnp.asarray(rng.integers(0, 5, size=b), jnp.int32), max_attn_len=100,
+                  timestamps=jnp.asarray(np.sort(rng.integers(0, 10**7, size=q.shape[0])), jnp.int32),
+                  pos_bias=jnp.asarray(rng.standard_normal((h, 256)) * 0.3, jnp.float32),
+                  time_bias=jnp.asarray(rng.standard_normal((h, 64)) * 0.3, jnp.float32))
+
+      def loss(q, k, v, pb, tb, impl):
+        kk = dict(kw, pos_bias=pb, time_bias=tb) if kw else {}
+        o = jagged_attention(q, k, v, off, max_seq_len=n, activation=activation, implementation=impl, **kk)
+        return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+      pb, tb = kw.get("pos_bias"), kw.get("time_bias")
+      argn = (0, 1, 2, 3, 4) if kw else (0, 1, 2)
+      got = jax.jit(jax.grad(loss, argnums=argn, has_aux=True), static_argnums=5)(q, k, v, pb, tb, _kernel_impl())
+      f32 = lambda x: None if x is None else x.astype(jnp.float32)
+      want = jax.jit(jax.grad(loss, argnums=argn, has_aux=True), static_argnums=5)(
+          f32(q), f32(k), f32(v), pb, tb, "reference")
+      names = ["out", "dq", "dk", "dv", "dpos", "dtime"]
+      vals = [got[1]] + list(got[0])
+      refs = [want[1]] + list(want[0])
+      errs = []
+      for name, a, r in zip(names, vals, refs):
+        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+        e = np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)
+        errs.append(f"{name}={e:.1e}" + ("" if np.isfinite(a).all() else "(NaN!)"))
+      rows.append(f"check {activation:7s} {'targets+window+bias' if kw else 'plain':20s} " + " ".join(errs))
+      print(rows[-1], flush=True)
+  return rows
+
+
+def bench_case(name, lengths, h, d, activation, rng, reps, with_ref=True, ref_batch=None, block_sizes=None):
+  n = int(max(lengths))
+  n = 1 << (n - 1).bit_length() if n not in (1024, 4096) else n
+  q, k, v, do, off = _inputs(lengths, h, d, rng)
+  flops = fwd_flops(lengths, h, d, d)
+  out = []
+  fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes)
+  tf = _time(fwd, q, k, v, off, reps=reps)
+  tb = _time(bwd, q, k, v, off, do, reps=reps)
+  out.append((name, "pallas (ours)", flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
+  del fwd, bwd
+  if with_ref:  # padded reference; memory B*H*N^2*4 bytes, so maybe on a sub-batch
+    sub = lengths if ref_batch is None else lengths[:ref_batch]
+    q2, k2, v2, do2, off2 = _inputs(sub, h, d, rng)
+    fl2 = fwd_flops(sub, h, d, d)
+    fwd, bwd = _fwd_bwd("reference", n, activation)
+    tf = _time(fwd, q2, k2, v2, off2, reps=max(3, reps // 4))
+    tb = _time(bwd, q2, k2, v2, off2, do2, reps=max(3, reps // 4))
+    out.append((name, f"padded XLA ref (B={len(sub)})", fl2 / tf / 1e12, 2.5 * fl2 / tb / 1e12, tf * 1e3,
+                tb * 1e3))
+  return out
+
+
+def bench_cudnn(b, t, h, d, rng, reps):
+  """Dense causal softmax, equal lengths: cuDNN vs ours on the same tokens."""
+  lengths = np.full(b, t)
+  rows = bench_case(f"softmax equal B={b} T={t} H={h}", lengths, h, d, "softmax", rng, reps, with_ref=False)
+  x = [jnp.asarray(rng.standard_normal((b, t, h, d), dtype=np.float32), jnp.bfloat16) for _ in range(4)]
+  f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
+
+  @jax.jit
+  def g(q, k, v, do):
+    _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
+                     q, k, v)
+    return vjp(do)
+
+  flops = fwd_flops(lengths, h, d, d)
+  tf = _time(f, *x[:3], reps=reps)
+  tb = _time(g, *x, reps=reps)
+  rows.append((rows[0][0], "cuDNN dense causal", flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
+  return rows
+
+
+def main(argv: list[str]) -> int:
+  p = argparse.ArgumentParser(prog="python -m experiments bench attention", description=__doc__)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--quick", action="store_true", help="small shapes (smoke test, e.g. on CPU)")
+  p.add_argument("--no-check", action="store_true")
+  p.add_argument("--sweep", action="store_true", help="also time a few tile configs at N=1024")
+  p.add_argument("--write", default="", help="append the markdown table to this file (e.g. docs/benchmarks.md)")
+  args = p.parse_args(argv)
+  rng = np.random.default_rng(int(time.time()))
+  device = jax.devices()[0].device_kind
+  print(f"device={device} jax={jax.__version__}", flush=True)
+  checks = [] if args.no_check else check(rng, n=64 if args.quick else 512, b=8 if args.quick else 24)
+  h, d = 4, 128
+  rows = []
+  if args.quick:
+    rows += bench_case("silu uniform N=128 B=8", _lengths("uniform", 8, 128, rng), 2, 64, "silu", rng, args.reps)
+  else:
+    if args.sweep:
+      for bs in (BlockSizes(), BlockSizes(block_q=64, block_k=64), BlockSizes(block_q=128, block_k=128),
+                 BlockSizes(block_q=128, block_k=64, num_warps=4), BlockSizes(block_q=128, block_k=64, num_stages=3),
+                 BlockSizes(block_q_dkv=128, block_k_dkv=64), BlockSizes(block_q_dkv=64, block_k_dkv=64),
+                 BlockSizes(block_q_dkv=32, block_k_dkv=128)):
+        r = bench_case(f"sweep {bs}", _lengths("uniform", 512, 1024, rng), h, d, "silu", rng, 10, with_ref=False,
+                       block_sizes=bs)
+        print(f"{r[0][0]}: fwd {r[0][2]:.0f} bwd {r[0][3]:.0f} TFLOP/s", flush=True)
+    for n in (1024, 4096):
+      rows += bench_case(f"silu uniform N={n} B=512", _lengths("uniform", 512, n, rng), h, d, "silu", rng,
+                         args.reps, ref_batch=None if n == 1024 else 32)
+      for r in rows[-2:]:
+        print(r, flush=True)
+    ln = _lengths("lognormal", 2048, 4096, rng)
+    rows += bench_case(f"silu lognormal N=4096 B=2048 (pad {1 - ln.sum() / (2048 * 4096):.0%})", ln, h, d, "silu",
+                       rng, args.reps, ref_batch=32)
+    rows += bench_case("softmax uniform N=1024 B=512", _lengths("uniform", 512, 1024, rng), h, d, "softmax", rng,
+                       args.reps, ref_batch=128)
+    if jax.default_backend() == "gpu":
+      rows += bench_cudnn(8, 4096, 16, 128, rng, args.reps)
+  header = "| case | implementation | fwd TFLOP/s | bwd TFLOP/s | fwd ms | bwd ms |\n| --- | --- | --- | --- | --- | --- |"
+  table = "\n".join([header] + [f"| {a} | {b} | {c:.1f} | {e:.1f} | {f:.3f} | {g:.3f} |" for a, b, c, e, f, g in rows])
+  print(table)
+  if args.write:
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = "python -m experiments bench attention " + " ".join(argv)
+    text = (f"\n## Jagged attention\n\nMeasured {date} on {device}, JAX {jax.__version__}, bf16, H={h}, "
+            f"Dqk=Dv={d}.\nCommand: `{cmd}`\n\nCorrectness first (rel. L2 vs float32 reference, fresh random inputs):\n\n"
+            + "\n".join(f"    {c}" for c in checks) + "\n\n" + table + "\n")
+    with open(args.write, "a") as f:
+      f.write(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
