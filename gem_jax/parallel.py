@@ -28,9 +28,10 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
         if len(devices) % known:
             raise ConfigError(f"`parallel.mesh_shape` {tuple(shape)} does not divide {len(devices)} devices")
         shape[shape.index(-1)] = len(devices) // known
-    if math.prod(shape) != len(devices):
+    if math.prod(shape) > len(devices):
         raise ConfigError(f"`parallel.mesh_shape` {tuple(shape)} needs {math.prod(shape)} devices, "
                           f"{len(devices)} are present")
+    devices = devices[: math.prod(shape)]  # a mesh may use fewer devices than the machine has
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.make_mesh(tuple(shape), tuple(config.mesh_axes), axis_types=auto, devices=devices)
 

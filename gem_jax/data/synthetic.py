@@ -29,8 +29,11 @@ class SyntheticAds:
         self.num_tasks = num_tasks
         world = np.random.default_rng([config.seed, 0x5EED])
         r = config.latent_dim
-        self.item_factors = world.normal(0, 1, (config.num_items + 1, r)).astype(np.float32)
-        self.item_factors /= np.linalg.norm(self.item_factors, axis=1, keepdims=True)
+        # Items of one category share most of their factor, so what is learnt about one transfers.
+        categories = world.normal(0, 1, (config.num_items // _CATEGORY_SIZE + 2, r))
+        own = world.normal(0, 0.4, (config.num_items + 1, r))
+        factors = categories[np.arange(config.num_items + 1) // _CATEGORY_SIZE] + own
+        self.item_factors = (factors / np.linalg.norm(factors, axis=1, keepdims=True)).astype(np.float32)
         ranks = np.arange(1, config.num_items + 1, dtype=np.float64)
         p = ranks ** -config.zipf_exponent
         self.item_cdf = np.cumsum(p / p.sum())
@@ -46,7 +49,7 @@ class SyntheticAds:
         c = self.config
         rng = np.random.default_rng([c.seed, 1, int(index)])
         taste = rng.normal(0, 1, c.latent_dim).astype(np.float32)
-        taste *= 2.0 / np.linalg.norm(taste)
+        taste *= 2.5 / np.linalg.norm(taste)
         if rng.random() < c.empty_history_fraction:
             length = 0
         else:
@@ -96,4 +99,5 @@ class SyntheticAds:
             "sparse_ids": sparse_ids,
             "dense": dense,
             "labels": labels,
+            "click_logit": click_logit,  # the planted truth, for oracle checks (not batched)
         }

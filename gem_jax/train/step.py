@@ -113,9 +113,9 @@ class Trainer:
         metrics = {
             "loss": loss,
             **{f"loss_{t}": per_task[i] for i, t in enumerate(self.config.model.tasks)},
-            "grad_norm": optax.global_norm(grads),
-            "update_norm": optax.global_norm(updates),
-            "param_norm": optax.global_norm(params),
+            "grad_norm": optax.tree.norm(grads),
+            "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(params),
             "learning_rate": self.schedule(state.step),
         }
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

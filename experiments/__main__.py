@@ -1,0 +1,91 @@
+"""`python -m experiments {train,eval,bench}`: the user-facing entry point.
+
+  python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
+  python -m experiments eval --workdir runs/tiny
+  python -m experiments bench {attention,block_attention} [args...]
+
+Config errors (unknown keys, wrong types, bad values) print one line naming the key and the file and
+exit with code 2; a diverged run (NaN/Inf) exits with code 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+BENCHMARKS = {"attention": "experiments.bench_attention",
+              "block_attention": "experiments.bench_block_attention"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train (or resume) a run")
+    train.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name})")
+    train.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
+    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config value, e.g. --set train.steps=100 (repeatable)")
+    train.add_argument("--stop-after", type=int, default=None,
+                       help="stop (with a checkpoint) after this step, as a preemption would")
+    ev = sub.add_parser("eval", help="evaluate the latest checkpoint of a run")
+    ev.add_argument("--workdir", required=True)
+    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    bench = sub.add_parser("bench", help="kernel benchmarks (GPU)")
+    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+
+    from gem_jax.config import ConfigError, load_config
+    from gem_jax.train.loop import TrainingDiverged, evaluate_checkpoint, train
+
+    try:
+        if args.command == "train":
+            config_path = Path(args.config) if args.config else DEFAULT_CONFIG
+            config = load_config(config_path, args.overrides)
+            workdir = Path(args.workdir) if args.workdir else Path("runs") / config_path.stem
+            summary = train(config, workdir, stop_after=args.stop_after)
+        else:
+            config_path = Path(args.workdir) / "config.toml"
+            if not config_path.exists():
+                raise ConfigError(f"{config_path} not found: is {args.workdir} a run directory?")
+            config = load_config(config_path, args.overrides)
+            summary = evaluate_checkpoint(config, args.workdir)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except TrainingDiverged as e:
+        print(f"training diverged: {e}", file=sys.stderr)
+        return 3
+    print(_format_summary(summary))
+    return 0
+
+
+def _format_summary(summary: dict) -> str:
+    lines = [f"== {summary.get('workdir')} at step {summary.get('step')}"]
+    if "wall_time_s" in summary:
+        state = "interrupted (checkpoint saved)" if summary.get("interrupted") else "done"
+        lines.append(f"   {state}: {summary['wall_time_s']:.1f} s on {summary['devices']} x "
+                     f"{summary['device_kind']}")
+    final = summary.get("final") or {}
+    if final:
+        lines.append(f"   final train loss {final.get('loss', float('nan')):.4f}")
+    for task, m in (summary.get("eval") or {}).items():
+        lines.append(f"   eval {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
+                     f"(positives {m['positive_rate']:.3f} of {m['examples']})")
+    lines.append(json.dumps(summary, default=str))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Whole-system tests: resume equivalence, NaN stop, sharded == single device, signals, the AUC bar."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gem_jax.parallel import make_mesh
+from gem_jax.train import loop
+from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train.step import Trainer
+from tests.helpers import small_config, stacks
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _params(workdir, config):
+    trainer = Trainer(config, make_mesh(config.parallel))
+    ck = Checkpointer(Path(workdir) / "checkpoints", config.train)
+    step = ck.latest_step()
+    state = ck.restore(step, trainer.abstract_state, trainer.state_shardings, None)
+    ck.close()
+    return step, jax.tree.map(np.asarray, state.params)
+
+
+def test_resume_gives_identical_parameters(tmp_path):
+    c = small_config("train.steps=40", "train.checkpoint_every=10")
+    loop.train(c, tmp_path / "one")
+    first = loop.train(c, tmp_path / "two", stop_after=20)
+    assert first["step"] == 20 and first["eval"] is None
+    second = loop.train(c, tmp_path / "two")
+    assert second["step"] == 40
+    step_a, a = _params(tmp_path / "one", c)
+    step_b, b = _params(tmp_path / "two", c)
+    assert step_a == step_b == 40
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
+    records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "loss" in r]
+    for key in ("step", "loss", "examples_per_s", "tokens_per_s", "tflops_per_device", "mfu"):
+        assert key in logged[0], key
+    evals = [r for r in records if "eval" in r]
+    assert evals and set(evals[-1]["eval"]) == {"click", "conversion"}
+    assert {"auc", "ne"} <= set(evals[-1]["eval"]["click"])
+    assert (tmp_path / "one" / "config.toml").exists()
+
+
+def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
+    original = Trainer._train_step
+
+    def poisoned(self, state, batch):
+        new_state, metrics = original(self, state, batch)
+        metrics["loss"] = jnp.where(state.step >= 5, jnp.nan, metrics["loss"])
+        return new_state, metrics
+
+    monkeypatch.setattr(Trainer, "_train_step", poisoned)
+    c = small_config("train.steps=20", "train.checkpoint_every=2", "train.log_every=100")
+    with pytest.raises(loop.TrainingDiverged, match="step 6"):
+        loop.train(c, tmp_path)
+    step, params = _params(tmp_path, c)
+    assert step == 4
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_sharded_step_equals_single_device():
+    assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
+    c8 = small_config("parallel.mesh_shape=[8]")
+    c1 = small_config("parallel.mesh_shape=[1]")
+    stack = next(stacks(c8, shards=8))
+    t8, t1 = Trainer(c8, make_mesh(c8.parallel)), Trainer(c1, make_mesh(c1.parallel))
+    losses = []
+    for t in (t8, t1):
+        state = t.init_state()
+        batch = jax.device_put(stack, t.batch_sharding)
+        state, m1 = t.train_step(state, batch)
+        state, m2 = t.train_step(state, batch)
+        losses.append((float(m1["loss"]), float(m2["loss"])))
+    assert len(t8.batch_sharding.device_set) == 8
+    np.testing.assert_allclose(losses[0], losses[1], rtol=2e-5)
+
+
+def test_two_axis_mesh_runs():
+    c = small_config("parallel.mesh_axes=['dcn','data']", "parallel.mesh_shape=[2,4]",
+                     "parallel.rules={shard=['dcn','data'], rows=['data']}")
+    t = Trainer(c, make_mesh(c.parallel))
+    state = t.init_state()
+    assert "data" in str(state.params["items"]["table"].sharding.spec)
+    batch = jax.device_put(next(stacks(c, shards=8)), t.batch_sharding)
+    _, m = t.train_step(state, batch)
+    assert np.isfinite(float(m["loss"]))
+
+
+def _cli_env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def test_sigterm_saves_a_checkpoint(tmp_path):
+    args = [sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path),
+            "--set", "train.steps=100000", "--set", "train.checkpoint_every=0", "--set", "train.progress=false",
+            "--set", "train.log_every=1", "--set", "train.async_checkpointing=false"]
+    for o in ("data.examples_per_shard=8", "data.tokens_per_shard=512", "model.num_layers=1"):
+        args += ["--set", o]
+    proc = subprocess.Popen(args, cwd=ROOT, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "interrupted (checkpoint saved)" in out
+    saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] >= 3
+
+
+@pytest.mark.slow
+def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
+    """The README's main command: the tiny config trains to click AUC >= 0.70 on the CPU."""
+    r = subprocess.run([sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path),
+                        "--set", "train.progress=false"], cwd=ROOT, env=_cli_env(), capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["eval"]["click"]["auc"] >= 0.70, summary["eval"]
+    r = subprocess.run([sys.executable, "-m", "experiments", "eval", "--workdir", str(tmp_path)], cwd=ROOT,
+                       env=_cli_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads(r.stdout.strip().splitlines()[-1])
+    assert again["step"] == summary["step"]
+    assert abs(again["eval"]["click"]["auc"] - summary["eval"]["click"]["auc"]) < 1e-9
