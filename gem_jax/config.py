@@ -43,6 +43,7 @@ class DataConfig:
     examples_per_shard: int = 64  # example capacity of one data-parallel shard's pack
     tokens_per_shard: int = 2048  # token capacity of one shard's pack
     eval_examples: int = 4096
+    num_workers: int = 0  # grain worker processes generating train examples (0: in the main process)
     max_seq_len_buckets: tuple[int, ...] = ()  # empty: derived from max_history_len + num_candidates
 
 
@@ -124,6 +125,32 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class RetrievalConfig:
+    """Next-item (retrieval) training on an interactions file (`data.kind = "interactions"`).
+
+    One step takes `data.examples_per_shard` users per shard (fewer if `data.tokens_per_shard`
+    fills first); every position of a user's training sequence predicts the next item.
+    """
+
+    format: str = "auto"  # "auto" | "pairs" (SASRec files) | "user_lines" (ICLRec files)
+    max_len: int = 50  # each user's most recent items kept as model input
+    position_embedding: bool = True  # learned absolute (distance-from-last) positions, as SASRec
+    loss: str = "sampled_softmax"  # "bce" (SASRec: one sampled negative per position) | "sampled_softmax"
+    negatives: str = "uniform"  # sampled softmax negatives: "uniform" | "in_batch" (the pack's targets)
+    num_negatives: int = 128  # uniform negatives per position (sampled softmax)
+    temperature: float = 0.05  # sampled softmax logits are score / temperature
+    normalize: bool = True  # L2-normalise user vectors and item embeddings (sampled softmax, eval)
+    epochs: int = 200
+    eval_every_epochs: int = 1
+    patience: int = 10  # evaluations without a better validation metric before stopping; 0: never
+    eval_protocol: str = "both"  # "sampled" (100 negatives) | "full" (all items) | "both"
+    select_metric: str = "sampled/NDCG@10"  # validation metric that picks the checkpoint
+    eval_negatives: int = 100
+    eval_users: int = 0  # 0: all evaluated users; else a fixed random subset (quick runs)
+    exclude_history: bool = False  # full ranking: drop the user's own items from the candidates
+
+
+@dataclass(frozen=True)
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     embeddings: EmbeddingConfig = field(default_factory=EmbeddingConfig)
@@ -131,6 +158,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -272,7 +300,47 @@ def validate(config: Config, source: str) -> Config:
                     f"{source}: `parallel.rules.{name}` maps to mesh axis {axis!r}, not in {p.mesh_axes}")
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
+    if d.kind == "interactions":
+        _validate_retrieval(config, source)
     return config
+
+
+SELECT_METRICS = tuple(f"{protocol}/{name}@{k}" for protocol, ks in (("sampled", (10,)),
+                       ("full", (5, 10, 20))) for k in ks for name in ("HR", "NDCG"))
+
+
+def _validate_retrieval(config: Config, source: str) -> None:
+    """Checks of the `[retrieval]` section, only when the data is an interactions file."""
+    r, d = config.retrieval, config.data
+    choices = {
+        "retrieval.format": (r.format, ("auto", "pairs", "user_lines")),
+        "retrieval.loss": (r.loss, ("bce", "sampled_softmax")),
+        "retrieval.negatives": (r.negatives, ("uniform", "in_batch")),
+        "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
+        "retrieval.select_metric": (r.select_metric, SELECT_METRICS),
+    }
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+    protocol = r.select_metric.split("/")[0]
+    if r.eval_protocol not in ("both", protocol):
+        raise ConfigError(f"{source}: `retrieval.select_metric` {r.select_metric!r} needs "
+                          f"`retrieval.eval_protocol` \"{protocol}\" or \"both\", got {r.eval_protocol!r}")
+    positive = {"retrieval.max_len": r.max_len, "retrieval.num_negatives": r.num_negatives,
+                "retrieval.epochs": r.epochs, "retrieval.eval_every_epochs": r.eval_every_epochs,
+                "retrieval.eval_negatives": r.eval_negatives, "retrieval.temperature": r.temperature}
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+    for key, value in {"retrieval.patience": r.patience, "retrieval.eval_users": r.eval_users}.items():
+        if value < 0:
+            raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
+    if not d.path:
+        raise ConfigError(f"{source}: `data.path` must name the interactions file for "
+                          "data.kind = \"interactions\"")
+    if d.tokens_per_shard < r.max_len:
+        raise ConfigError(f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than "
+                          f"`retrieval.max_len` ({r.max_len})")
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
+import grain
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -48,6 +49,11 @@ def _datasets(config: Config, local_shards: int):
                   num_sparse_features=d.num_sparse_features, max_bag_size=d.max_bag_size,
                   prefix=m.num_context_tokens, shards_per_step=local_shards)
     train = packed_dataset(generator.example, num_examples=None, start=0, **common)
+    if d.num_workers:
+        from absl import flags  # grain's workers read absl flags, which a plain script never parses
+        if not flags.FLAGS.is_parsed():
+            flags.FLAGS.mark_as_parsed()
+        train = train.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.num_workers))
     evaluation = packed_dataset(generator.example, num_examples=d.eval_examples, start=EVAL_START, **common)
     return train, evaluation
 
