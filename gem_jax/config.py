@@ -80,6 +80,14 @@ class ModelConfig:
     wukong_tokens: int = 8  # features carried between Wukong layers
     wukong_fm_rank: int = 8  # optimised FM: project tokens to this many before the pairwise dot
     head_hidden: int = 64
+    # Long-history tower (gem_jax/model/long_history.py): BlockAttention over the whole history, full
+    # jagged attention (targets, relative bias) over the context slots + the `recent_len` most recent
+    # events + the candidates; optionally fewer tokens in deeper layers (pyramid).
+    long_history: bool = False
+    recent_len: int = 256  # most recent events per sequence that get full jagged attention
+    block_size: int = 64  # BlockAttention block (tokens); <= 128 for the Pallas kernel
+    pyramid: tuple[float, ...] = ()  # per layer: fraction of the most recent history kept; () = all
+    max_targets: int = 1  # static bound on candidates per sequence: sizes the full-attention layout
 
 
 @dataclass(frozen=True)
@@ -300,9 +308,41 @@ def validate(config: Config, source: str) -> Config:
                     f"{source}: `parallel.rules.{name}` maps to mesh axis {axis!r}, not in {p.mesh_axes}")
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
+    _validate_long_history(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
     return config
+
+
+def _validate_long_history(config: Config, source: str) -> None:
+    """Checks of the long-history tower options (`model.long_history` and friends)."""
+    m, d = config.model, config.data
+    if not m.long_history:
+        if m.pyramid:
+            raise ConfigError(f"{source}: `model.pyramid` {m.pyramid} needs `model.long_history = true`")
+        return
+    if m.recent_len < 1:
+        raise ConfigError(f"{source}: `model.recent_len` must be positive, got {m.recent_len}")
+    if m.block_size < 1:
+        raise ConfigError(f"{source}: `model.block_size` must be positive, got {m.block_size}")
+    if m.block_size > 128 and m.attention_implementation != "reference":
+        raise ConfigError(
+            f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
+            f"kernel (attention_implementation={m.attention_implementation!r}); use \"reference\" for more")
+    if m.max_targets < d.num_candidates:
+        raise ConfigError(
+            f"{source}: `model.max_targets` ({m.max_targets}) must be >= `data.num_candidates` "
+            f"({d.num_candidates}): it sizes the long-history tower's full-attention layout")
+    if m.pyramid:
+        if len(m.pyramid) != m.num_layers:
+            raise ConfigError(f"{source}: `model.pyramid` has {len(m.pyramid)} fractions, expected one per "
+                              f"layer (model.num_layers = {m.num_layers})")
+        for i, f in enumerate(m.pyramid):
+            if not 0.0 < f <= 1.0:
+                raise ConfigError(f"{source}: `model.pyramid[{i}]` must be in (0, 1], got {f}")
+        if any(b > a for a, b in zip(m.pyramid, m.pyramid[1:])):
+            raise ConfigError(f"{source}: `model.pyramid` must be non-increasing (deeper layers keep "
+                              f"fewer tokens), got {m.pyramid}")
 
 
 SELECT_METRICS = tuple(f"{protocol}/{name}@{k}" for protocol, ks in (("sampled", (10,)),
