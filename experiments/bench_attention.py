@@ -3,7 +3,8 @@
 Checks the Pallas kernel against the float32 reference on fresh random inputs first, then times forward
 and backward (median of many reps after warm-up) for the issue's shapes, against the padded XLA reference
 and, for softmax, cuDNN. TFLOP/s use the peer's formula (DESIGN.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
-backward = 2.5 x forward; "useful" means the same count whatever the implementation computes.
+backward = 2.5 x forward; backward times exclude the forward pass (residuals are computed once before timing);
+"useful" means the same count whatever the implementation computes.
 """
 from __future__ import annotations
 
@@ -73,11 +74,18 @@ def _fwd_bwd(impl, n, activation, block_sizes=None, **kw):
   fwd = jax.jit(f)
 
   @jax.jit
-  def bwd(q, k, v, off, do):
-    _, vjp = jax.vjp(lambda q, k, v: f(q, k, v, off), q, k, v)
-    return vjp(do)
+  def residuals(q, k, v, off):
+    return jax.vjp(lambda q, k, v: f(q, k, v, off), q, k, v)[1]
 
-  return fwd, bwd
+  pullback = jax.jit(lambda vjp, do: vjp(do))
+  return fwd, (residuals, pullback)
+
+
+def _time_bwd(bwd, q, k, v, off, do, reps):
+  """Median seconds of the backward pass alone (residuals computed once, outside the timed region)."""
+  residuals, pullback = bwd
+  vjp = jax.block_until_ready(residuals(q, k, v, off))
+  return _time(pullback, vjp, do, reps=reps)
 
 
 def check(rng, h=4, d=128, n=512, b=24) -> list[str]:
@@ -118,15 +126,21 @@ def check(rng, h=4, d=128, n=512, b=24) -> list[str]:
   return rows
 
 
-def bench_case(name, lengths, h, d, activation, rng, reps, with_ref=True, ref_batch=None, block_sizes=None):
+def bench_case(name, lengths, h, d, activation, rng, reps, with_ref=True, ref_batch=None, block_sizes=None,
+               bias=False):
   n = int(max(lengths))
   n = 1 << (n - 1).bit_length() if n not in (1024, 4096) else n
   q, k, v, do, off = _inputs(lengths, h, d, rng)
   flops = fwd_flops(lengths, h, d, d)
   out = []
-  fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes)
+  kw = {}
+  if bias:  # one position bucket per offset, 64 log-time buckets, timestamps ~ one event per minute
+    kw = dict(timestamps=jnp.asarray(np.cumsum(rng.integers(1, 120, size=q.shape[0])), jnp.int32),
+              pos_bias=jnp.asarray(rng.standard_normal((h, n)) * 0.1, jnp.float32),
+              time_bias=jnp.asarray(rng.standard_normal((h, 64)) * 0.1, jnp.float32))
+  fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, **kw)
   tf = _time(fwd, q, k, v, off, reps=reps)
-  tb = _time(bwd, q, k, v, off, do, reps=reps)
+  tb = _time_bwd(bwd, q, k, v, off, do, reps=reps)
   out.append((name, "pallas (ours)", flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
   del fwd, bwd
   if with_ref:  # padded reference; memory B*H*N^2*4 bytes, so maybe on a sub-batch
@@ -135,7 +149,7 @@ def bench_case(name, lengths, h, d, activation, rng, reps, with_ref=True, ref_ba
     fl2 = fwd_flops(sub, h, d, d)
     fwd, bwd = _fwd_bwd("reference", n, activation)
     tf = _time(fwd, q2, k2, v2, off2, reps=max(3, reps // 4))
-    tb = _time(bwd, q2, k2, v2, off2, do2, reps=max(3, reps // 4))
+    tb = _time_bwd(bwd, q2, k2, v2, off2, do2, reps=max(3, reps // 4))
     out.append((name, f"padded XLA ref (B={len(sub)})", fl2 / tf / 1e12, 2.5 * fl2 / tb / 1e12, tf * 1e3,
                 tb * 1e3))
   return out
@@ -148,15 +162,12 @@ def bench_cudnn(b, t, h, d, rng, reps):
   x = [jnp.asarray(rng.standard_normal((b, t, h, d), dtype=np.float32), jnp.bfloat16) for _ in range(4)]
   f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
 
-  @jax.jit
-  def g(q, k, v, do):
-    _, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
-                     q, k, v)
-    return vjp(do)
-
+  cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  vjp = jax.block_until_ready(jax.jit(lambda q, k, v: jax.vjp(cudnn, q, k, v)[1])(*x[:3]))
+  pullback = jax.jit(lambda vjp, do: vjp(do))
   flops = fwd_flops(lengths, h, d, d)
   tf = _time(f, *x[:3], reps=reps)
-  tb = _time(g, *x, reps=reps)
+  tb = _time(pullback, vjp, x[3], reps=reps)
   rows.append((rows[0][0], "cuDNN dense causal", flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
   return rows
 
@@ -179,10 +190,12 @@ def main(argv: list[str]) -> int:
     rows += bench_case("silu uniform N=128 B=8", _lengths("uniform", 8, 128, rng), 2, 64, "silu", rng, args.reps)
   else:
     if args.sweep:
-      for bs in (BlockSizes(), BlockSizes(block_q=64, block_k=64), BlockSizes(block_q=128, block_k=128),
-                 BlockSizes(block_q=128, block_k=64, num_warps=4), BlockSizes(block_q=128, block_k=64, num_stages=3),
-                 BlockSizes(block_q_dkv=128, block_k_dkv=64), BlockSizes(block_q_dkv=64, block_k_dkv=64),
-                 BlockSizes(block_q_dkv=32, block_k_dkv=128)):
+      for bs in (BlockSizes(), BlockSizes(block_k=128), BlockSizes(num_warps=4),
+                 BlockSizes(block_q=64, block_k=64, num_warps=4, num_warps_bwd=4),
+                 BlockSizes(num_stages=4, block_k=32, num_warps_bwd=4),
+                 BlockSizes(block_q_dkv=64, block_k_dkv=64, num_stages_bwd=3),
+                 BlockSizes(block_q_dkv=64, block_k_dkv=128, num_stages_bwd=3),
+                 BlockSizes(block_q_dkv=128, block_k_dkv=128, num_stages_bwd=1)):
         r = bench_case(f"sweep {bs}", _lengths("uniform", 512, 1024, rng), h, d, "silu", rng, 10, with_ref=False,
                        block_sizes=bs)
         print(f"{r[0][0]}: fwd {r[0][2]:.0f} bwd {r[0][3]:.0f} TFLOP/s", flush=True)
@@ -194,6 +207,8 @@ def main(argv: list[str]) -> int:
     ln = _lengths("lognormal", 2048, 4096, rng)
     rows += bench_case(f"silu lognormal N=4096 B=2048 (pad {1 - ln.sum() / (2048 * 4096):.0%})", ln, h, d, "silu",
                        rng, args.reps, ref_batch=32)
+    rows += bench_case("silu uniform N=1024 B=512 + pos/time bias", _lengths("uniform", 512, 1024, rng), h, d,
+                       "silu", rng, args.reps, with_ref=False, bias=True)
     rows += bench_case("softmax uniform N=1024 B=512", _lengths("uniform", 512, 1024, rng), h, d, "softmax", rng,
                        args.reps, ref_batch=128)
     if jax.default_backend() == "gpu":

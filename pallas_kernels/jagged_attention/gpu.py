@@ -6,6 +6,7 @@ touched. q/k/v stay in their [T, H, D] layout; tiles are masked row loads of one
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -467,6 +468,9 @@ def jagged_attention_gpu(q, k, v, offsets, *, max_seq_len, activation, alpha, nu
     alpha = 1.0 / math.sqrt(dqk)
   if block_sizes is None:
     block_sizes = BlockSizes.get_default("cpu" if interpret else "gpu", max(dqk, dv), max_seq_len)
+    if not interpret and (pos_bias is not None or time_bias is not None):
+      # the bias gathers and histograms need shared memory: the tuned tiles overflow 227 KiB on H100/H200
+      block_sizes = dataclasses.replace(block_sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
   b = offsets.shape[0] - 1
   s = Static(
       max_seq_len=max_seq_len, activation=activation, alpha=float(alpha), max_attn_len=max_attn_len,
