@@ -76,6 +76,23 @@ class _Base:
   def test_bf16_targets(self):
     self._case(3, "silu", jnp.bfloat16, targets=True, window=0, bias=True)
 
+  def test_targets_do_not_see_each_other(self):
+    # changing one target's k/v must leave every other row's output unchanged (bit for bit)
+    rng = np.random.default_rng(5)
+    lengths = [40, 25]
+    offsets = jnp.asarray(_offsets(lengths))
+    q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
+    kw = dict(max_seq_len=N, num_targets=jnp.array([3, 2], jnp.int32), implementation=self.IMPLEMENTATION)
+    changed = 38  # a target of sequence 0 (targets are rows 37, 38, 39)
+    k2 = k.at[changed].add(1.0)
+    v2 = v.at[changed].add(1.0)
+    for activation in ("silu", "softmax"):
+      a = np.asarray(jagged_attention(q, k, v, offsets, activation=activation, **kw))
+      b = np.asarray(jagged_attention(q, k2, v2, offsets, activation=activation, **kw))
+      others = np.arange(CAPACITY) != changed
+      np.testing.assert_array_equal(a[others], b[others])
+      assert not np.allclose(a[changed], b[changed])
+
 
 class TestInterpretGPU(_Base):
   IMPLEMENTATION = "interpret_gpu"

@@ -464,6 +464,8 @@ def jagged_attention_gpu(q, k, v, offsets, *, max_seq_len, activation, alpha, nu
   """Pallas GPU jagged attention (see api.jagged_attention for the arguments)."""
   t, heads, dqk = q.shape
   dv = v.shape[-1]
+  if t * heads * _pow2(max(dqk, dv)) >= 2**31:
+    raise ValueError(f"the GPU kernel indexes with int32: T*H*D must be < 2**31, got shape {q.shape}, v {v.shape}")
   if alpha is None:
     alpha = 1.0 / math.sqrt(dqk)
   if block_sizes is None:
