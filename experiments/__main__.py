@@ -2,7 +2,7 @@
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
-  python -m experiments bench {attention,block_attention} [args...]
+  python -m experiments bench {attention,block_attention,train_step} [args...]
 
 Config errors (unknown keys, wrong types, bad values) print one line naming the key and the file and
 exit with code 2; a diverged run (NaN/Inf) exits with code 3.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
 BENCHMARKS = {"attention": "experiments.bench_attention",
-              "block_attention": "experiments.bench_block_attention"}
+              "block_attention": "experiments.bench_block_attention",
+              "train_step": "experiments.bench_train_step"}
 
 
 def _parser() -> argparse.ArgumentParser:
