@@ -2,9 +2,15 @@
 
 Per layer: U, V, Q, K = split(SiLU(LN(X) W1)); A = attention(Q, K, V) with a learned relative
 position and log-time bias; Y = X + (LN(A) * U) W2.
+
+With `model.long_history`, the layers attend with `long_history_attention` (BlockAttention over the
+older history, full jagged attention over the recent part) and `model.pyramid` runs deeper layers
+on fewer tokens; see gem_jax/model/long_history.py.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +20,7 @@ from jaxtyping import Array, Float, Int
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import attention
 from gem_jax.model.layers import Dense, LayerNorm, dropout, param
+from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.precision import PrecisionPolicy
 
 
@@ -39,25 +46,73 @@ class HSTULayer(nnx.Module):
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
         u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
-        a = attention(
-            q.reshape(t, h, dqk), k.reshape(t, h, dqk), v.reshape(t, h, dv), offsets,
-            max_seq_len=max_seq_len, activation=c.activation, implementation=c.attention_implementation,
-            num_targets=num_targets, max_attn_len=c.max_attn_len,
-            timestamps=timestamps if self.time_bias is not None else None,
-            pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
-            time_bias=self.time_bias[...] if self.time_bias is not None else None)
+        a = self.attend(q.reshape(t, h, dqk), k.reshape(t, h, dqk), v.reshape(t, h, dv), offsets,
+                        num_targets, timestamps, max_seq_len=max_seq_len)
         y = self.attn_norm(a.reshape(t, h * dv)) * u
         return x + dropout(self.out(y), c.dropout, rng)
 
+    def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int):
+        """Full jagged attention over every sequence."""
+        c = self.config
+        return attention(
+            q, k, v, offsets, max_seq_len=max_seq_len, activation=c.activation,
+            implementation=c.attention_implementation, num_targets=num_targets, max_attn_len=c.max_attn_len,
+            timestamps=timestamps if self.time_bias is not None else None,
+            pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
+            time_bias=self.time_bias[...] if self.time_bias is not None else None)
+
+
+class LongHistoryLayer(HSTULayer):
+    """The HSTU layer (same parameters and precision) with long-history attention."""
+
+    def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int):
+        """BlockAttention over the older history, full jagged attention over the recent part."""
+        c = self.config
+        return long_history_attention(
+            q, k, v, offsets, num_targets, timestamps, num_context=c.num_context_tokens,
+            recent_len=c.recent_len, max_targets=c.max_targets, block_size=c.block_size,
+            max_seq_len=max_seq_len, activation=c.activation, implementation=c.attention_implementation,
+            max_attn_len=c.max_attn_len,
+            pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
+            time_bias=self.time_bias[...] if self.time_bias is not None else None)
+
 
 class HSTUTower(nnx.Module):
-    def __init__(self, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
-        self.layers = nnx.List(
-            [HSTULayer(f"hstu/{i}", config, policy, rngs=rngs) for i in range(config.num_layers)])
-        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs)
+    """HSTU layers over the jagged pack; with `long_history`, long-history layers and the pyramid."""
 
-    def __call__(self, x, offsets, num_targets, timestamps, *, max_seq_len: int, rng=None):
-        for i, layer in enumerate(self.layers):
-            layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-            x = layer(x, offsets, num_targets, timestamps, max_seq_len=max_seq_len, rng=layer_rng)
+    def __init__(self, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
+        layer = LongHistoryLayer if config.long_history else HSTULayer
+        self.layers = nnx.List([layer(f"hstu/{i}", config, policy, rngs=rngs) for i in range(config.num_layers)])
+        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs)
+        # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
+        self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))
+        self.config = config
+
+    def __call__(self, x: Float[Array, "T D"], offsets: Int[Array, "B1"], num_targets: Int[Array, "B"],
+                 timestamps: Int[Array, "T"], *, max_seq_len: int, rng: jax.Array | None = None):
+        c = self.config
+        for start, stop, fraction in self.stages:
+            if fraction < 1.0:  # pyramid: run on the kept suffix, scatter back (dropped rows freeze)
+                layout_offsets, rows = pyramid_layout(
+                    offsets, num_targets, fraction, num_context=c.num_context_tokens,
+                    max_targets=c.max_targets, num_tokens=x.shape[0])
+                xs, ts = gather_rows(x, rows), gather_rows(timestamps, rows)
+            else:
+                layout_offsets, xs, ts = offsets, x, timestamps
+            for i in range(start, stop):
+                layer_rng = None if rng is None else jax.random.fold_in(rng, i)
+                xs = self.layers[i](xs, layout_offsets, num_targets, ts, max_seq_len=max_seq_len, rng=layer_rng)
+            if fraction < 1.0:
+                x = scatter_rows(x, rows, xs)
+            else:
+                x = xs
         return self.final_norm(x)
+
+
+def _runs(values):
+    """(start, stop, value) for each run of equal consecutive values."""
+    start = 0
+    for value, group in itertools.groupby(values):
+        stop = start + len(list(group))
+        yield start, stop, value
+        start = stop
