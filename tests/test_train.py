@@ -72,8 +72,9 @@ def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
 
 def test_sharded_step_equals_single_device():
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
-    c8 = small_config("parallel.mesh_shape=[8]")
-    c1 = small_config("parallel.mesh_shape=[1]")
+    lean = ("model.num_layers=1", "model.wukong_layers=1")  # compile time dominates this test
+    c8 = small_config("parallel.mesh_shape=[8]", *lean)
+    c1 = small_config("parallel.mesh_shape=[1]", *lean)
     stack = next(stacks(c8, shards=8))
     t8, t1 = Trainer(c8, make_mesh(c8.parallel)), Trainer(c1, make_mesh(c1.parallel))
     losses = []
@@ -89,7 +90,8 @@ def test_sharded_step_equals_single_device():
 
 def test_two_axis_mesh_runs():
     c = small_config("parallel.mesh_axes=['dcn','data']", "parallel.mesh_shape=[2,4]",
-                     "parallel.rules={shard=['dcn','data'], rows=['data']}")
+                     "parallel.rules={shard=['dcn','data'], rows=['data']}", "model.num_layers=1",
+                     "model.wukong_layers=1")
     t = Trainer(c, make_mesh(c.parallel))
     state = t.init_state()
     assert "data" in str(state.params["items"]["table"].sharding.spec)
