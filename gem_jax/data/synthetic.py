@@ -49,7 +49,7 @@ class SyntheticAds:
         c = self.config
         rng = np.random.default_rng([c.seed, 1, int(index)])
         taste = rng.normal(0, 1, c.latent_dim).astype(np.float32)
-        taste *= 2.5 / np.linalg.norm(taste)
+        taste *= 3.5 / np.linalg.norm(taste)
         if rng.random() < c.empty_history_fraction:
             length = 0
         else:
