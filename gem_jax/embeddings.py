@@ -2,6 +2,8 @@
 
 Raw ids (any int32) are hashed into the table's rows, so the id space can exceed the table. Rows
 carry the logical axis "rows" so the rules table can shard them (row-wise) across the mesh.
+`hashed=False` makes id i row i (dense ids, e.g. next-item retrieval, where the table doubles as
+the output layer and a hash collision would merge two items' scores).
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ def hash_ids(ids: Int[Array, "..."], rows: int) -> Int[Array, "..."]:
 
 
 class HashedEmbedding(nnx.Module):
-    def __init__(self, rows: int, dim: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
+    def __init__(self, rows: int, dim: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs,
+                 hashed: bool = True):
         self.rows = rows
+        self.hashed = hashed
         self.table = param(rngs, nnx.initializers.normal(0.05), (rows, dim), ("rows", "embed"),
                            policy.param_dtype)
 
     def lookup(self, ids: Int[Array, "..."]) -> Float[Array, "... d"]:
-        """Unpooled lookup (sequence tokens)."""
-        return jnp.take(self.table[...], hash_ids(ids, self.rows), axis=0)
+        """Unpooled lookup (sequence tokens); dense ids (`hashed=False`) must lie in [0, rows)."""
+        rows = hash_ids(ids, self.rows) if self.hashed else ids
+        return jnp.take(self.table[...], rows, axis=0)
 
     def pooled(self, values: Int[Array, "S"], bag_ids: Int[Array, "S"], bag_sizes: Int[Array, "N"], *,
                mode: str) -> Float[Array, "N d"]:

@@ -29,6 +29,7 @@ from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.parallel import make_mesh, num_batch_shards
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.flops import device_peak_flops, train_step_flops
+from gem_jax.train import retrieval
 from gem_jax.train.metrics import auc, normalized_entropy
 from gem_jax.train.step import Trainer
 
@@ -189,6 +190,8 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
     `stop_after` ends this invocation (with a checkpoint) after that global step, as a preemption
     would; re-running resumes.
     """
+    if config.data.kind == "interactions":
+        return retrieval.train(config, workdir, stop_after=stop_after)
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     tc = config.train
@@ -286,6 +289,8 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
 
 def evaluate_checkpoint(config: Config, workdir: str | Path) -> dict[str, Any]:
     """Evaluates the latest checkpoint in `workdir` (used by `python -m experiments eval`)."""
+    if config.data.kind == "interactions":
+        return retrieval.evaluate_checkpoint(config, workdir)
     workdir = Path(workdir)
     mesh = make_mesh(config.parallel)
     trainer = Trainer(config, mesh)

@@ -1,0 +1,138 @@
+"""Next-item (retrieval) sequence model and its two training losses.
+
+Item embedding (dense ids, row 0 = padding) x sqrt(d) + optional learned position embedding ->
+dropout -> the HSTU tower (the ads model's tower, activation "softmax" for SASRec or "silu" for
+HSTU) -> one user vector per position. Scores are dot products with the same item table (tied
+input/output embeddings, as SASRec and HSTU do), optionally L2-normalised (HSTU).
+
+Positions count back from each sequence's last item: SASRec pads sequences on the left, so its
+position index is also "distance from the newest item", and that is what makes the index carry
+recency.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+from jaxtyping import Array, Float, Int
+
+from gem_jax.config import Config
+from gem_jax.embeddings import HashedEmbedding, segment_ids
+from gem_jax.model.hstu import HSTUTower
+from gem_jax.model.layers import Dense, dropout, param
+from gem_jax.precision import PrecisionPolicy
+
+
+@struct.dataclass
+class NextItemPack:
+    """One jagged pack of users (the layout of `data.batch.JaggedBatch`, next-item fields only).
+
+    Example b owns tokens `offsets[b]:offsets[b+1]`; the tail past `offsets[B]` is padding.
+    For training, `targets[t]` is the item that follows token t (0: no target) and `negatives[t]`
+    one sampled negative for the BCE loss (0 when unused). Evaluation packs carry zeros there.
+    """
+
+    item_ids: Int[Array, "... T"]
+    targets: Int[Array, "... T"]
+    negatives: Int[Array, "... T"]
+    offsets: Int[Array, "... B1"]
+
+    @property
+    def num_examples_capacity(self) -> int:
+        return self.offsets.shape[-1] - 1
+
+
+class NextItemModel(nnx.Module):
+    def __init__(self, config: Config, num_items: int, *, rngs: nnx.Rngs):
+        e, m, r = config.embeddings, config.model, config.retrieval
+        policy = PrecisionPolicy.from_config(config.precision)
+        self.config = config
+        self.num_items = num_items
+        self.items = HashedEmbedding(num_items + 1, e.dim, policy, rngs=rngs, hashed=False)
+        self.positions = (param(rngs, nnx.initializers.normal(0.05), (r.max_len, e.dim), (None, "embed"),
+                                policy.param_dtype) if r.position_embedding else None)
+        # Projections only when the item and tower widths differ (SASRec and HSTU tie them).
+        same = e.dim == m.model_dim
+        self.input_proj = None if same else Dense("retrieval/input", e.dim, m.model_dim, policy, rngs=rngs)
+        self.output_proj = (None if same else
+                            Dense("retrieval/output", m.model_dim, e.dim, policy, rngs=rngs, sensitive=True))
+        self.tower = HSTUTower(m, policy, rngs=rngs)
+
+    def item_table(self) -> Float[Array, "N1 d"]:
+        """The scoring table (row 0 = padding), normalised when the config says so."""
+        table = self.items.table[...].astype(jnp.float32)
+        return _l2_normalize(table) if self.config.retrieval.normalize else table
+
+    def __call__(self, item_ids: Int[Array, "T"], offsets: Int[Array, "B1"], *,
+                 rng: jax.Array | None = None) -> Float[Array, "T d"]:
+        """Per-position user vectors of one pack (zeros past offsets[B])."""
+        cfg = self.config
+        t_cap = item_ids.shape[0]
+        b_cap = offsets.shape[0] - 1
+        seg = jnp.minimum(segment_ids(offsets, t_cap), b_cap - 1)
+        valid = jnp.arange(t_cap) < offsets[-1]
+        x = self.items.lookup(item_ids).astype(jnp.float32) * (cfg.embeddings.dim ** 0.5)
+        if self.positions is not None:
+            back = jnp.clip(offsets[seg + 1] - 1 - jnp.arange(t_cap), 0, cfg.retrieval.max_len - 1)
+            x = x + jnp.take(self.positions[...].astype(jnp.float32), back, axis=0)
+        x = dropout(x, cfg.model.dropout, None if rng is None else jax.random.fold_in(rng, 1 << 20))
+        if self.input_proj is not None:
+            x = self.input_proj(x)
+        x = jnp.where(valid[:, None], x, 0.0)
+        zeros_b = jnp.zeros((b_cap,), jnp.int32)
+        x = self.tower(x, offsets, zeros_b, jnp.zeros((t_cap,), jnp.int32),
+                       max_seq_len=cfg.retrieval.max_len, rng=rng).astype(jnp.float32)
+        if self.output_proj is not None:
+            x = self.output_proj(x).astype(jnp.float32)
+        x = _l2_normalize(x) if cfg.retrieval.normalize else x
+        return jnp.where(valid[:, None], x, 0.0)
+
+    def last_vectors(self, item_ids: Int[Array, "T"], offsets: Int[Array, "B1"]) -> Float[Array, "B d"]:
+        """Each example's user vector at its newest item (evaluation); padding examples -> token 0."""
+        x = self(item_ids, offsets)
+        last = jnp.clip(offsets[1:] - 1, 0, item_ids.shape[0] - 1)
+        return x[last]
+
+
+def _l2_normalize(x: Array) -> Array:
+    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, -1, keepdims=True), 1e-12))
+
+
+# ----------------------------------------------------------------------------- losses
+# Each returns (sum of per-position losses, number of positions) so packs and shards add up exactly.
+
+
+def bce_loss(user: Float[Array, "T d"], table: Float[Array, "N1 d"], targets: Int[Array, "T"],
+             negatives: Int[Array, "T"]) -> tuple[Array, Array]:
+    """SASRec: -log sigmoid(u.e_pos) - log(1 - sigmoid(u.e_neg)) per position with a target."""
+    mask = (targets > 0).astype(jnp.float32)
+    pos = jnp.einsum("td,td->t", user, table[targets])
+    neg = jnp.einsum("td,td->t", user, table[negatives])
+    per = (optax.sigmoid_binary_cross_entropy(pos, jnp.ones_like(pos))
+           + optax.sigmoid_binary_cross_entropy(neg, jnp.zeros_like(neg)))
+    return jnp.sum(per * mask), jnp.sum(mask)
+
+
+def sampled_softmax_loss(user: Float[Array, "T d"], table: Float[Array, "N1 d"], targets: Int[Array, "T"],
+                         negatives: Int[Array, "T K"] | Int[Array, "K"], temperature: float
+                         ) -> tuple[Array, Array]:
+    """HSTU: cross-entropy of the target against sampled negatives, logits = score / temperature.
+
+    `negatives` is [T, K] (per-position uniform samples) or [K] (shared by every position, e.g.
+    the pack's own targets for in-batch negatives). A negative equal to the position's target,
+    or id 0 (padding), is masked out, so an accidental hit is never pushed down.
+    """
+    mask = (targets > 0).astype(jnp.float32)
+    pos = jnp.einsum("td,td->t", user, table[targets])
+    if negatives.ndim == 1:
+        neg = user @ table[negatives].T  # [T, K]
+        neg_ids = negatives[None, :]
+    else:
+        neg = jnp.einsum("td,tkd->tk", user, table[negatives])
+        neg_ids = negatives
+    keep = (neg_ids != targets[:, None]) & (neg_ids > 0)
+    logits = jnp.concatenate([pos[:, None], jnp.where(keep, neg, -jnp.inf)], axis=1) / temperature
+    per = jax.nn.logsumexp(logits, axis=1) - logits[:, 0]
+    return jnp.sum(per * mask), jnp.sum(mask)

@@ -1,0 +1,226 @@
+"""Next-item (retrieval) mode: losses against hand computation, causality, end-to-end training
+through the real loop (both protocols), early stopping, test scored once, data errors exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax.config import ConfigError, load_config
+from gem_jax.embeddings import HashedEmbedding
+from gem_jax.model.retrieval import NextItemModel, bce_loss, sampled_softmax_loss
+from gem_jax.precision import PrecisionPolicy
+from gem_jax.train import loop, retrieval
+
+ROOT = Path(__file__).resolve().parent.parent
+NUM_ITEMS = 40
+
+
+def write_cyclic_pairs(path: Path, num_users: int = 48, seed: int = 0) -> Path:
+    """Users walk the item cycle 1..N with step 1 or 3 from a random start: the next item is
+    predictable from the last ones, so a model that learns beats chance by far."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for u in range(num_users):
+        step = 1 if u % 2 else 3
+        start = int(rng.integers(0, NUM_ITEMS))
+        length = int(rng.integers(4, 12))
+        for i in range(length):
+            lines.append(f"{u + 1} {(start + step * i) % NUM_ITEMS + 1}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def small(path: Path, *overrides: str):
+    return load_config(None, [
+        "data.kind=interactions", f"data.path={path}", "data.examples_per_shard=16",
+        "data.tokens_per_shard=160", "embeddings.dim=16", "model.model_dim=16", "model.num_heads=1",
+        "model.attention_dim=16", "model.value_dim=16", "model.num_layers=1",
+        "model.num_position_buckets=12", "model.num_time_buckets=0", "model.activation=softmax",
+        "model.attention_implementation=reference", "precision.compute_dtype=float32",
+        "parallel.mesh_shape=[1]", "train.learning_rate=1e-2", "train.warmup_steps=0",
+        "train.end_learning_rate_fraction=1.0", "train.weight_decay=0.0", "train.log_every=2",
+        "train.progress=false", "train.async_checkpointing=false", "retrieval.max_len=10",
+        "retrieval.eval_negatives=20", "retrieval.epochs=30", "retrieval.eval_every_epochs=5",
+        "retrieval.patience=0", *overrides])
+
+
+def records(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def _log_sigmoid(x):
+    return -np.log1p(np.exp(-x))
+
+
+def test_bce_loss_matches_hand_computation():
+    rng = np.random.default_rng(0)
+    user = rng.normal(size=(5, 3)).astype(np.float32)
+    table = rng.normal(size=(7, 3)).astype(np.float32)
+    targets = np.array([1, 2, 0, 6, 3], np.int32)  # position 2 has no target
+    negatives = np.array([4, 5, 1, 2, 6], np.int32)
+    total, count = bce_loss(jnp.asarray(user), jnp.asarray(table), jnp.asarray(targets),
+                            jnp.asarray(negatives))
+    expected = 0.0
+    for t in (0, 1, 3, 4):
+        pos = float(user[t] @ table[targets[t]])
+        neg = float(user[t] @ table[negatives[t]])
+        expected += -_log_sigmoid(pos) - _log_sigmoid(-neg)
+    assert int(count) == 4
+    np.testing.assert_allclose(float(total), expected, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_sampled_softmax_matches_hand_computation(shared):
+    rng = np.random.default_rng(1)
+    user = rng.normal(size=(4, 3)).astype(np.float32)
+    table = rng.normal(size=(9, 3)).astype(np.float32)
+    targets = np.array([2, 0, 5, 8], np.int32)
+    if shared:  # in-batch: the pack's own targets (0 and each position's own target are masked)
+        negatives = targets
+        per_position = [targets] * 4
+    else:
+        negatives = np.array([[1, 2, 3], [4, 5, 6], [5, 7, 0], [1, 1, 8]], np.int32)
+        per_position = list(negatives)
+    temperature = 0.5
+    total, count = sampled_softmax_loss(jnp.asarray(user), jnp.asarray(table), jnp.asarray(targets),
+                                        jnp.asarray(negatives), temperature)
+    expected = 0.0
+    for t in range(4):
+        if targets[t] == 0:
+            continue
+        logits = [float(user[t] @ table[targets[t]]) / temperature]
+        logits += [float(user[t] @ table[n]) / temperature for n in per_position[t]
+                   if n != targets[t] and n != 0]
+        expected += np.log(np.sum(np.exp(logits))) - logits[0]
+    assert int(count) == 3
+    np.testing.assert_allclose(float(total), expected, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def test_dense_embedding_is_not_hashed():
+    emb = HashedEmbedding(11, 4, PrecisionPolicy.from_config(load_config().precision),
+                          rngs=nnx.Rngs(0), hashed=False)
+    ids = jnp.array([0, 3, 10])
+    np.testing.assert_array_equal(emb.lookup(ids), emb.table[...][ids])
+
+
+def test_user_vectors_are_causal(tmp_path):
+    """Changing a later item of a sequence leaves every earlier position's vector unchanged."""
+    config = small(tmp_path / "unused.txt", "model.activation=silu")
+    model = NextItemModel(config, NUM_ITEMS, rngs=nnx.Rngs(0))
+    offsets = jnp.array([0, 5, 9] + [9] * 14, jnp.int32)
+    items = jnp.zeros(160, jnp.int32).at[:9].set(jnp.arange(1, 10))
+    before = model(items, offsets)
+    after = model(items.at[3].set(30), offsets)
+    np.testing.assert_allclose(before[:3], after[:3], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(before[5:9], after[5:9], rtol=1e-5, atol=1e-6)  # the other user
+    assert not np.allclose(before[3], after[3])
+    assert not np.any(before[9:])  # padding tokens
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+def test_train_both_protocols_and_test_scored_once(tmp_path):
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    workdir = tmp_path / "run"
+    config = small(data, "retrieval.loss=bce", "retrieval.normalize=false", "retrieval.epochs=30")
+    summary = loop.train(config, workdir)
+    recs = records(workdir)
+    valid = [r for r in recs if r.get("split") == "valid"]
+    tests = [r for r in recs if r.get("split") == "test"]
+    assert [r["epoch"] for r in valid] == [5, 10, 15, 20, 25, 30]
+    assert len(tests) == 1
+    for key in ("sampled/HR@10", "sampled/NDCG@10", "full/HR@5", "full/NDCG@5", "full/HR@10",
+                "full/NDCG@10", "full/HR@20", "full/NDCG@20"):
+        assert 0.0 <= tests[0]["test"][key] <= 1.0, key
+        assert key in valid[-1]["valid"]
+    # The chosen checkpoint is the best validation one (first of ties), and test was scored on it.
+    best = max(valid, key=lambda r: (r["valid"]["sampled/NDCG@10"], -r["step"]))
+    assert summary["best_step"] == best["step"] == tests[0]["step"]
+    assert tests[0]["valid"]["sampled/NDCG@10"] == pytest.approx(best["valid"]["sampled/NDCG@10"], abs=1e-6)
+    # It learned: chance is HR@10 = 10/21 with 20 negatives, NDCG@10 ~ 0.2.
+    assert tests[0]["test"]["sampled/HR@10"] > 0.8, tests[0]
+    # Re-running a finished run does not score the test split again.
+    loop.train(config, workdir)
+    assert sum(r.get("split") == "test" for r in records(workdir)) == 1
+    # `eval` reports the chosen checkpoint's validation metrics and the recorded test metrics.
+    ev = loop.evaluate_checkpoint(config, workdir)
+    assert ev["step"] == best["step"]
+    assert ev["valid"]["sampled/NDCG@10"] == pytest.approx(best["valid"]["sampled/NDCG@10"], abs=1e-6)
+    assert ev["test"] == tests[0]["test"]
+
+
+def test_early_stopping_keeps_first_best(tmp_path):
+    """With a zero learning rate every evaluation ties; ties never count as better, so the first
+    evaluation stays best and `patience` later ones stop the run."""
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    workdir = tmp_path / "run"
+    config = small(data, "train.learning_rate=0.0", "retrieval.eval_every_epochs=1",
+                   "retrieval.patience=2", "retrieval.negatives=in_batch", "retrieval.eval_protocol=full",
+                   "retrieval.select_metric=full/NDCG@10")
+    summary = loop.train(config, workdir)
+    valid = [r for r in records(workdir) if r.get("split") == "valid"]
+    assert [r["epoch"] for r in valid] == [1, 2, 3]
+    assert summary["stopped_early"] and summary["best_epoch"] == 1
+    assert summary["best_step"] == valid[0]["step"]
+    assert "sampled/HR@10" not in valid[0]["valid"]
+
+
+def test_uniform_sampled_softmax_learns(tmp_path):
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    config = small(data, "model.activation=silu", "retrieval.num_negatives=16",
+                   "retrieval.temperature=0.1", "retrieval.epochs=20", "retrieval.eval_every_epochs=10")
+    summary = loop.train(config, tmp_path / "run")
+    assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
+
+
+def test_resume_after_interruption(tmp_path):
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    config = small(data, "retrieval.epochs=4", "retrieval.eval_every_epochs=2")
+    first = loop.train(config, tmp_path / "run", stop_after=1)
+    assert first["interrupted"] and first["epoch"] == 2 and first["test"] is None
+    second = loop.train(config, tmp_path / "run")
+    assert not second["interrupted"] and second["epoch"] == 4 and second["test"] is not None
+    epochs = [r["epoch"] for r in records(tmp_path / "run") if r.get("split") == "valid"]
+    assert epochs == [2, 4]
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_config_checks():
+    with pytest.raises(ConfigError, match="retrieval.loss"):
+        load_config(None, ["data.kind=interactions", "data.path=x", "retrieval.loss=hinge"])
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(None, ["data.kind=interactions"])
+    with pytest.raises(ConfigError, match="eval_protocol"):
+        load_config(None, ["data.kind=interactions", "data.path=x", "retrieval.eval_protocol=full"])
+
+
+def test_malformed_file_exits_2_naming_file_and_line(tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_text("1 2\n1 3\n1 x\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "experiments", "train", "--config", str(ROOT / "configs" / "games_sasrec.toml"),
+         "--workdir", str(tmp_path / "run"), "--set", f"data.path={bad}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"{bad}:3" in out.stderr
+    missing = tmp_path / "missing.txt"
+    with pytest.raises(ConfigError, match="not found"):
+        retrieval.load_data(small(missing))
