@@ -51,6 +51,12 @@ def test_resume_gives_identical_parameters(tmp_path):
     assert evals and set(evals[-1]["eval"]) == {"click", "conversion"}
     assert {"auc", "ne"} <= set(evals[-1]["eval"]["click"])
     assert (tmp_path / "one" / "config.toml").exists()
+    try:
+        import tensorboardX  # noqa: F401  (optional extra)
+    except ImportError:
+        return
+    events = list((tmp_path / "one" / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
 
 
 def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
