@@ -1,6 +1,7 @@
 """The long-history tower option: layouts, attention vs references, target invariance, learning."""
 
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +11,11 @@ from flax import nnx
 
 from gem_jax.config import ConfigError
 from gem_jax.model.attention import attention
+from gem_jax.config import load_config
 from gem_jax.model.gem import GEMModel
+from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.long_history import long_history_attention, pyramid_layout, suffix_layout
+from gem_jax.precision import PrecisionPolicy
 from gem_jax.train import loop
 from pallas_kernels.block_attention.reference import block_attention_reference
 from tests.helpers import first_pack, small_config, stacks
@@ -138,21 +142,41 @@ def _model_and_pack(*overrides):
 
 
 def test_tower_option_runs_and_is_differentiable():
-    """Layer 0 runs on the full layout, layer 1 on the pyramid's half: both get gradients."""
-    c, _, (graphdef, params), pack = _model_and_pack("model.pyramid=[1.0, 0.5]")
+    """Layer 0 runs on the full layout, layer 1 on the pyramid's half: both get gradients, and the
+    rows a pyramid layer drops keep the value the layer before gave them."""
+    c = small_config(*LONG, "model.pyramid=[1.0, 0.5]")
+    pack = first_pack(next(stacks(c, 1)))
+    offsets, nt, ts = (jnp.asarray(a) for a in (pack.offsets, pack.num_targets, pack.timestamps))
     lengths = np.diff(np.asarray(pack.offsets)) - np.asarray(pack.num_targets) - CTX
     assert lengths.max() > c.model.recent_len  # the older prefix and block attention are exercised
+    policy = PrecisionPolicy.from_config(c.precision)
+    graphdef, params = nnx.split(HSTUTower(c.model, policy, rngs=nnx.Rngs(0)), nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (pack.item_ids.shape[0], c.model.model_dim))
+    x = jnp.where((jnp.arange(x.shape[0]) < offsets[-1])[:, None], x, 0)
 
-    def loss(params, pack):
-        logits = nnx.merge(graphdef, params)(pack)
-        return jnp.sum(jnp.where((pack.num_targets > 0)[:, None, None], logits, 0) ** 2)
+    def loss(params):
+        tower = nnx.merge(graphdef, params)
+        return jnp.sum(tower(x, offsets, nt, ts, max_seq_len=64) ** 2)
 
-    value, grads = jax.jit(jax.value_and_grad(loss))(params, jax.tree.map(jnp.asarray, pack))
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
     assert np.isfinite(float(value))
     flat = dict(nnx.to_flat_state(grads))
     for layer in range(c.model.num_layers):
-        g = np.asarray(flat[("tower", "layers", layer, "uvqk", "kernel")][...])
+        g = np.asarray(flat[("layers", layer, "uvqk", "kernel")][...])
         assert np.isfinite(g).all() and np.abs(g).sum() > 0, layer
+
+    # Dropped rows (outside the pyramid layout) equal the output of layer 0 alone.
+    @jax.jit
+    def outputs(params):
+        tower = nnx.merge(graphdef, params)
+        after0 = tower.layers[0](x, offsets, nt, ts, max_seq_len=64, rng=None)
+        return tower(x, offsets, nt, ts, max_seq_len=64), tower.final_norm(after0)
+
+    full, after0 = outputs(params)
+    _, rows = pyramid_layout(offsets, nt, 0.5, num_context=CTX, max_targets=1, num_tokens=x.shape[0])
+    dropped = np.setdiff1d(np.arange(int(offsets[-1])), np.asarray(rows))
+    assert len(dropped) > 0
+    np.testing.assert_allclose(full[dropped], after0[dropped], rtol=1e-5, atol=1e-5)
 
 
 def test_candidates_do_not_see_each_other():
@@ -204,12 +228,29 @@ def test_pyramid_needs_long_history():
     small_config(*LONG, "model.block_size=256", "model.attention_implementation=reference")
 
 
+# configs/gem_long.toml shrunk to a CPU run: same tower options (4 layers, pyramid [1, 1, 0.5, 0.25],
+# 4 candidates), histories of up to 48 events with 8-event recent parts and 8-token blocks.
+GEM_LONG_CPU = [
+    "data.num_items=500", "data.max_history_len=48", "data.history_len_mean=40", "data.history_len_sigma=1.0",
+    "data.examples_per_shard=8", "data.tokens_per_shard=512", "data.eval_examples=512", "data.num_workers=0",
+    "data.num_sparse_features=2", "data.sparse_vocab=1000", "data.num_dense_features=8",
+    "embeddings.dim=16", "embeddings.item_rows=512", "embeddings.sparse_rows=256",
+    "model.model_dim=32", "model.num_heads=2", "model.attention_dim=8", "model.value_dim=8",
+    "model.wukong_tokens=4", "model.wukong_fm_rank=4", "model.head_hidden=16", "model.num_position_buckets=16",
+    "model.num_time_buckets=8", "model.attention_implementation=reference", "model.recent_len=8",
+    "model.block_size=8", "train.steps=150", "train.warmup_steps=15", "train.learning_rate=5e-3",
+    "train.log_every=50", "train.checkpoint_every=0", "train.progress=false", "train.async_checkpointing=false",
+    "parallel.mesh_shape=[1]",
+]
+
+
 @pytest.mark.slow
-def test_long_history_tower_learns(tmp_path):
-    """A short CPU run with small blocks learns the synthetic task (AUC bar set below what it reached)."""
-    c = small_config(*LONG, "model.recent_len=8", "model.pyramid=[1.0, 0.5]", "data.max_history_len=48",
-                     "data.tokens_per_shard=512", "data.history_len_mean=40", "train.steps=150",
-                     "train.checkpoint_every=0", "train.learning_rate=5e-3", "data.eval_examples=512")
+def test_gem_long_cpu_variant_learns(tmp_path):
+    """The long-history config, shrunk, learns the synthetic task on the CPU: click AUC measured 0.719
+    after 150 steps (2,048 eval candidates; a model that does not learn stays near 0.5); the bar sits
+    below that, with room for other platforms' float differences."""
+    c = load_config(Path(__file__).resolve().parent.parent / "configs" / "gem_long.toml", GEM_LONG_CPU)
+    assert c.model.long_history and c.model.pyramid == (1.0, 1.0, 0.5, 0.25)
     summary = loop.train(c, tmp_path)
     auc = summary["eval"]["click"]["auc"]
-    assert math.isfinite(auc) and auc >= 0.62, summary["eval"]
+    assert math.isfinite(auc) and auc >= 0.65, summary["eval"]
