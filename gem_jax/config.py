@@ -87,7 +87,6 @@ class ModelConfig:
     recent_len: int = 256  # most recent events per sequence that get full jagged attention
     block_size: int = 64  # BlockAttention block (tokens); <= 128 for the Pallas kernel
     pyramid: tuple[float, ...] = ()  # per layer: fraction of the most recent history kept; () = all
-    max_targets: int = 1  # static bound on candidates per sequence: sizes the full-attention layout
 
 
 @dataclass(frozen=True)
@@ -145,7 +144,7 @@ class RetrievalConfig:
     position_embedding: bool = True  # learned absolute (distance-from-last) positions, as SASRec
     loss: str = "sampled_softmax"  # "bce" (SASRec: one sampled negative per position) | "sampled_softmax"
     negatives: str = "uniform"  # sampled softmax negatives: "uniform" | "in_batch" (the pack's targets)
-    num_negatives: int = 128  # uniform negatives per position (sampled softmax)
+    num_negatives: int = 128  # uniform negatives per pack, shared by its positions (sampled softmax)
     temperature: float = 0.05  # sampled softmax logits are score / temperature
     normalize: bool = True  # L2-normalise user vectors and item embeddings (sampled softmax, eval)
     epochs: int = 200
@@ -329,10 +328,6 @@ def _validate_long_history(config: Config, source: str) -> None:
         raise ConfigError(
             f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
             f"kernel (attention_implementation={m.attention_implementation!r}); use \"reference\" for more")
-    if m.max_targets < d.num_candidates:
-        raise ConfigError(
-            f"{source}: `model.max_targets` ({m.max_targets}) must be >= `data.num_candidates` "
-            f"({d.num_candidates}): it sizes the long-history tower's full-attention layout")
     if m.pyramid:
         if len(m.pyramid) != m.num_layers:
             raise ConfigError(f"{source}: `model.pyramid` has {len(m.pyramid)} fractions, expected one per "

@@ -182,7 +182,7 @@ def test_tower_option_runs_and_is_differentiable():
 def test_candidates_do_not_see_each_other():
     """Target invariance holds through the long-history layers (full layout, then the pyramid)."""
     _, model, _, pack = _model_and_pack("model.pyramid=[1.0, 0.5]", "data.num_candidates=3",
-                                     "model.max_targets=3", "data.tokens_per_shard=320")
+                                     "data.tokens_per_shard=320")
     base = np.asarray(model(pack))
     b = int(np.argmax(np.asarray(pack.num_targets) > 0))
     last = int(pack.offsets[b + 1]) - 1  # the last candidate of example b
@@ -215,7 +215,6 @@ def test_older_history_changes_only_through_its_rows():
     (("model.pyramid=[0.5, 1.0]",), "non-increasing"),
     (("model.pyramid=[1.0, 0.0]",), "(0, 1]"),
     (("model.recent_len=0",), "recent_len"),
-    (("data.num_candidates=2",), "max_targets"),
 ])
 def test_config_validation(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):

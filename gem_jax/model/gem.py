@@ -50,7 +50,7 @@ class GEMModel(nnx.Module):
         n_features = d.num_sparse_features + 1
         self.context = (Dense("cross/context", n_features * e.dim, m.num_context_tokens * m.model_dim,
                               policy, rngs=rngs) if m.num_context_tokens else None)
-        self.tower = HSTUTower(m, policy, rngs=rngs)
+        self.tower = HSTUTower(m, policy, rngs=rngs, max_targets=d.num_candidates)
         self.summary = Dense("cross/summary", 2 * m.model_dim, m.num_summary_tokens * e.dim, policy,
                              rngs=rngs)
         n_in = n_features + m.num_summary_tokens + 1

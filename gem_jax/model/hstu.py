@@ -25,9 +25,11 @@ from gem_jax.precision import PrecisionPolicy
 
 
 class HSTULayer(nnx.Module):
-    def __init__(self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
+    def __init__(self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs,
+                 max_targets: int = 1):
         c = config
         self.config = c
+        self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs)
         self.uvqk = Dense(f"{name}/uvqk", c.model_dim, h * (2 * dv + 2 * dqk), policy, rngs=rngs)
@@ -70,7 +72,7 @@ class LongHistoryLayer(HSTULayer):
         c = self.config
         return long_history_attention(
             q, k, v, offsets, num_targets, timestamps, num_context=c.num_context_tokens,
-            recent_len=c.recent_len, max_targets=c.max_targets, block_size=c.block_size,
+            recent_len=c.recent_len, max_targets=self.max_targets, block_size=c.block_size,
             max_seq_len=max_seq_len, activation=c.activation, implementation=c.attention_implementation,
             max_attn_len=c.max_attn_len,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
@@ -80,9 +82,11 @@ class LongHistoryLayer(HSTULayer):
 class HSTUTower(nnx.Module):
     """HSTU layers over the jagged pack; with `long_history`, long-history layers and the pyramid."""
 
-    def __init__(self, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1):
         layer = LongHistoryLayer if config.long_history else HSTULayer
-        self.layers = nnx.List([layer(f"hstu/{i}", config, policy, rngs=rngs) for i in range(config.num_layers)])
+        self.max_targets = max_targets
+        self.layers = nnx.List([layer(f"hstu/{i}", config, policy, rngs=rngs, max_targets=max_targets)
+                                for i in range(config.num_layers)])
         self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs)
         # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
         self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))
@@ -95,7 +99,7 @@ class HSTUTower(nnx.Module):
             if fraction < 1.0:  # pyramid: run on the kept suffix, scatter back (dropped rows freeze)
                 layout_offsets, rows = pyramid_layout(
                     offsets, num_targets, fraction, num_context=c.num_context_tokens,
-                    max_targets=c.max_targets, num_tokens=x.shape[0])
+                    max_targets=self.max_targets, num_tokens=x.shape[0])
                 xs, ts = gather_rows(x, rows), gather_rows(timestamps, rows)
             else:
                 layout_offsets, xs, ts = offsets, x, timestamps

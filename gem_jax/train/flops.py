@@ -5,7 +5,11 @@ Counted (a multiply-add = 2 FLOPs; backward = 2 x forward for every GEMM, so a t
 - per real token: the token projection (2 E D) and, per HSTU layer, the fused UVQK projection
   (2 D H (2 Dv + 2 Dqk)) and the output projection (2 H Dv D);
 - attention, per HSTU layer and per sequence of length L, as the kernel peers count it
-  (DESIGN.md): forward 2 H (Dqk + Dv) L^2 / 2, backward 2.5 x forward (so 3.5 x forward in all);
+  (DESIGN.md): forward 2 H (Dqk + Dv) L^2 / 2, backward 2.5 x forward (so 3.5 x forward in all).
+  With `model.long_history`, a layer does full attention over the R = context + min(recent_len,
+  history) + candidates recent rows (R^2 / 2 in place of L^2 / 2) plus causal BlockAttention over
+  all L rows (about L * block_size / 2); a pyramid layer with fraction f counts ceil(f * history)
+  history events, for the attention and for the per-token GEMMs;
 - per real example: the context projection; per (example, candidate): the summary projection, the
   Wukong layers (FM compression, FM MLP, linear compression, residual mix) and the task heads.
 Embedding lookups, norms, activations and the optimizer are memory-bound and not counted.
@@ -37,13 +41,29 @@ def device_peak_flops(device_kind: str) -> float | None:
 def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarray) -> float:
     """FLOPs of one train step over packs with these offsets [..., B+1] and num_targets [..., B]."""
     m, e, d = config.model, config.embeddings, config.data
-    lengths = np.diff(np.asarray(offsets, np.int64), axis=-1)
+    lengths = np.diff(np.asarray(offsets, np.int64), axis=-1).astype(np.float64)
+    targets = np.asarray(num_targets, np.float64)
     tokens = float(lengths.sum())
-    examples = float((np.asarray(num_targets) > 0).sum())
+    examples = float((targets > 0).sum())
     pairs = examples * d.num_candidates
     h, dqk, dv, dm = m.num_heads, m.attention_dim, m.value_dim, m.model_dim
-    per_token = 2 * e.dim * dm + m.num_layers * (2 * dm * h * (2 * dv + 2 * dqk) + 2 * h * dv * dm)
-    attention_fwd = m.num_layers * 2 * h * (dqk + dv) * float((lengths.astype(np.float64) ** 2).sum()) / 2
+    layer_gemm = 2 * dm * h * (2 * dv + 2 * dqk) + 2 * h * dv * dm
+    per_token_attention = 2 * h * (dqk + dv)
+    context = np.minimum(np.maximum(lengths - targets, 0), m.num_context_tokens)
+    history = np.maximum(lengths - targets - context, 0)
+    layer_tokens = 0.0
+    attention_fwd = 0.0
+    for layer in range(m.num_layers):
+        fraction = m.pyramid[layer] if m.pyramid else 1.0
+        kept = np.ceil(fraction * history)
+        rows = context + kept + targets
+        layer_tokens += float(rows.sum())
+        if m.long_history:
+            recent = context + np.minimum(kept, m.recent_len) + targets
+            pair_count = (recent ** 2).sum() / 2 + (rows * m.block_size).sum() / 2
+        else:
+            pair_count = (rows ** 2).sum() / 2
+        attention_fwd += per_token_attention * float(pair_count)
     n_features = d.num_sparse_features + 1
     per_example = 2 * n_features * e.dim * m.num_context_tokens * dm + 2 * d.num_dense_features * e.dim
     n = n_features + m.num_summary_tokens + 1
@@ -56,5 +76,5 @@ def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarra
         per_pair += 2 * n * n_lc * e.dim + (2 * n * m.wukong_tokens * e.dim if n != m.wukong_tokens else 0)
         n = m.wukong_tokens
     per_pair += len(m.tasks) * (2 * n * e.dim * m.head_hidden + 2 * m.head_hidden)
-    forward_gemm = tokens * per_token + examples * per_example + pairs * per_pair
+    forward_gemm = tokens * 2 * e.dim * dm + layer_tokens * layer_gemm + examples * per_example + pairs * per_pair
     return 3.0 * forward_gemm + 3.5 * attention_fwd
