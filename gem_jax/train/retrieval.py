@@ -8,7 +8,8 @@ data-parallel shard under `jax.shard_map`, orbax `Checkpointer`, `MetricsWriter`
   epoch visits every user with at least two training items once, in a fresh order.
 * Losses (`retrieval.loss`): SASRec's BCE with one negative per position (drawn on the host,
   uniformly from items the user never had in training, as SASRec's sampler does) or HSTU's
-  sampled softmax (uniform negatives drawn on device, or the pack's own targets).
+  sampled softmax (uniform negatives drawn on device, one set per pack shared by its positions,
+  or the pack's own targets).
 * Evaluation every `eval_every_epochs` on the validation targets, both protocols: 100 sampled
   negatives (HR@10, NDCG@10) and full ranking (HR/NDCG@5/10/20). `select_metric` picks the best
   checkpoint (kept in `best/`); `patience` evaluations without improvement stop the run. The
@@ -291,8 +292,9 @@ class RetrievalTrainer:
             if r.negatives == "in_batch":
                 negatives = pack.targets
             else:
-                negatives = jax.random.randint(negative_key, (pack.item_ids.shape[0], r.num_negatives), 1,
-                                               self.num_items + 1)
+                # One draw per pack, shared by its positions: a [T, d] x [d, K] matmul instead of a
+                # [T, K, d] gather, so K can be large (HSTU draws per position; same estimator family).
+                negatives = jax.random.randint(negative_key, (r.num_negatives,), 1, self.num_items + 1)
             total, count = sampled_softmax_loss(user, table, pack.targets, negatives, r.temperature)
         return {"loss_sum": total, "count": count}
 
@@ -526,3 +528,38 @@ def evaluate_checkpoint(config: Config, workdir: str | Path) -> dict[str, Any]:
     recorded = _read_json(workdir / "test.json")
     return {"workdir": str(workdir), "step": step, "checkpoint": sub, "valid": valid,
             "test": None if recorded is None else recorded["test"]}
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def plot_validation(workdirs: dict[str, str | Path], out: str | Path,
+                    metrics: tuple[str, ...] = ("sampled/NDCG@10", "full/NDCG@10")) -> None:
+    """One panel per metric: validation value against epoch for each labelled run directory.
+
+    python3 -c "from gem_jax.train.retrieval import plot_validation as p; p({'label': 'runs/x'}, 'docs/x.png')"
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
+    for label, workdir in workdirs.items():
+        lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+        valid = [r for r in map(json.loads, lines) if r.get("split") == "valid"]
+        test = _read_json(Path(workdir) / "test.json")
+        for ax, metric in zip(axes[0], metrics):
+            points = [(r["epoch"], r["valid"][metric]) for r in valid if metric in r["valid"]]
+            if not points:
+                continue
+            (line,) = ax.plot(*zip(*points), marker=".", label=label)
+            if test is not None:
+                ax.axvline(test["epoch"], color=line.get_color(), linestyle=":", linewidth=1)
+    for ax, metric in zip(axes[0], metrics):
+        ax.set_title(f"validation {metric} (dotted: chosen epoch)")
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
