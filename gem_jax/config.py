@@ -315,7 +315,7 @@ def validate(config: Config, source: str) -> Config:
 
 def _validate_long_history(config: Config, source: str) -> None:
     """Checks of the long-history tower options (`model.long_history` and friends)."""
-    m, d = config.model, config.data
+    m = config.model
     if not m.long_history:
         if m.pyramid:
             raise ConfigError(f"{source}: `model.pyramid` {m.pyramid} needs `model.long_history = true`")

@@ -1,7 +1,6 @@
 """The jnp reference against a per-pair numpy loop written straight from DESIGN.md's rules."""
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -33,7 +33,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -41,12 +40,11 @@ from gem_jax.config import Config, ConfigError, config_to_toml
 from gem_jax.data.interactions import (
     Interactions, LeaveOneOutSplit, leave_one_out, load_interactions, pad_sequences, sample_negatives)
 from gem_jax.model.retrieval import NextItemModel, NextItemPack, bce_loss, sampled_softmax_loss
-from gem_jax.parallel import batch_sharding, make_mesh, num_batch_shards, shard_axes, state_shardings
+from gem_jax.parallel import make_mesh, num_batch_shards
 from gem_jax.train.checkpoint import Checkpointer
-from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from gem_jax.train.retrieval_metrics import (
     RetrievalAccumulator, full_ranking_ranks, sampled_ranks_from_vectors)
-from gem_jax.train.step import TrainState
+from gem_jax.train.step import ShardedTrainer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SAMPLED_KS = (10,)
@@ -226,59 +224,23 @@ def count_epoch_steps(data: RetrievalData, config: Config, shards: int) -> int:
 # ----------------------------------------------------------------------------- trainer
 
 
-class RetrievalTrainer:
-    """The next-item model's sharded train state and jitted steps (cf. `train.step.Trainer`)."""
+class RetrievalTrainer(ShardedTrainer):
+    """The next-item model on the shared sharded train state and step (`train.step.ShardedTrainer`)."""
 
     def __init__(self, config: Config, mesh: Mesh, num_items: int, total_steps: int):
-        self.config = config
-        self.mesh = mesh
         self.num_items = num_items
-        abstract_model = nnx.eval_shape(lambda: self._model())
-        self.graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
         # The schedule spans the real number of steps (epochs x steps per epoch), not train.steps.
-        train_config = dataclasses.replace(config.train, steps=max(total_steps, 1))
-        self.optimizer = make_optimizer(train_config)
-        self.schedule = learning_rate_schedule(train_config)
-        self.batch_sharding = batch_sharding(mesh, config.parallel)
-        param_shardings = state_shardings(abstract_params, mesh, config.parallel)
+        super().__init__(config, mesh, dataclasses.replace(config.train, steps=max(total_steps, 1)))
         replicated = NamedSharding(mesh, P())
-        abstract_state = jax.eval_shape(self._init_state)
-        opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
-            transform_non_params=lambda _: replicated)
-        self.state_shardings = TrainState(step=replicated, params=param_shardings,
-                                          opt_state=opt_shardings, rng=replicated)
-        self.abstract_state = abstract_state
-        self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        self.train_step = jax.jit(self._train_step, donate_argnums=(0,),
-                                  out_shardings=(self.state_shardings, replicated))
-        self.user_vectors = jax.jit(self._user_vectors, out_shardings=replicated)
+        self.user_vectors = jax.jit(  # [shards, B, d] user vectors at each example's newest item
+            lambda params, batch: self._per_pack(
+                lambda model, pack: model.last_vectors(pack.item_ids, pack.offsets), params, batch),
+            out_shardings=replicated)
         self.item_table = jax.jit(lambda params: nnx.merge(self.graphdef, params).item_table(),
                                   out_shardings=replicated)
 
     def _model(self) -> NextItemModel:
         return NextItemModel(self.config, self.num_items, rngs=nnx.Rngs(self.config.train.seed))
-
-    def _init_state(self) -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(self._model(), nnx.Param))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self.optimizer.init(params),
-                          rng=jax.random.key_data(jax.random.key(self.config.train.seed + 1)))
-
-    def _sharded(self, per_pack, params, batch: NextItemPack, rng):
-        """`per_pack(params, pack, rng) -> pytree of sums` on every pack; returns the global sums."""
-        axes = shard_axes(self.config.parallel)
-
-        def local(params, packs, rng):
-            index = jax.lax.axis_index(axes) if axes else 0
-            keys = jax.random.split(jax.random.fold_in(rng, index), packs.offsets.shape[0])
-            out = jax.vmap(per_pack, in_axes=(None, 0, 0))(params, packs, keys)
-            out = jax.tree.map(lambda x: x.sum(0), out)
-            return jax.lax.psum(out, axes) if axes else out
-
-        spec = P(axes if axes else None)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec, P()), out_specs=P(),
-                             check_vma=False)(params, batch, rng)
 
     def _pack_loss(self, params, pack: NextItemPack, rng):
         r = self.config.retrieval
@@ -300,29 +262,7 @@ class RetrievalTrainer:
 
     def _loss(self, params, batch, rng):
         sums = self._sharded(self._pack_loss, params, batch, rng)
-        return sums["loss_sum"] / jnp.maximum(sums["count"], 1.0), sums["count"]
-
-    def _train_step(self, state: TrainState, batch: NextItemPack):
-        rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-        (loss, count), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, batch, rng)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "positions": count, "grad_norm": optax.tree.norm(grads),
-                   "update_norm": optax.tree.norm(updates), "param_norm": optax.tree.norm(params),
-                   "learning_rate": self.schedule(state.step)}
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
-
-    def _user_vectors(self, params, batch: NextItemPack):
-        """[shards, B, d] user vectors at each example's newest item."""
-        axes = shard_axes(self.config.parallel)
-
-        def local(params, packs):
-            model = nnx.merge(self.graphdef, params)
-            return jax.vmap(model.last_vectors)(packs.item_ids, packs.offsets)
-
-        spec = P(axes if axes else None)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec), out_specs=spec,
-                             check_vma=False)(params, batch)
+        return sums["loss_sum"] / jnp.maximum(sums["count"], 1.0), {"positions": sums["count"]}
 
 
 # ----------------------------------------------------------------------------- evaluation
