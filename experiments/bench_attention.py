@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import statistics
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.timing import median_seconds
 
 from pallas_kernels.jagged_attention import jagged_attention
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
@@ -46,15 +47,7 @@ def fwd_flops(lengths, h, dqk, dv) -> float:
 
 
 def _time(fn, *args, reps: int) -> float:
-  """Median seconds per call after warm-up."""
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return median_seconds(fn, *args, reps=reps, warmup=3)
 
 
 def _kernel_impl() -> str:

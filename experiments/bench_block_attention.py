@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
 import traceback
@@ -30,6 +29,8 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from experiments.timing import median_seconds
 
 from pallas_kernels.block_attention import block_attention
 
@@ -43,15 +44,7 @@ def _normal(seed, shape, dtype):
 
 
 def _time(fn, *args, reps: int) -> float:
-    """Median seconds per call after warm-up (block_until_ready around each call)."""
-    for _ in range(2):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, *args, reps=reps, warmup=2)
 
 
 def _rel_err(x, y) -> float:
