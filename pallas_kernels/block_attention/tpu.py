@@ -23,29 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.block_attention import block_sizes as bs_lib
 from pallas_kernels.block_attention import block_table as table_lib
-
-_MASKED = -1e30
-
-
-def _dot(a, b, contract_a: int, contract_b: int):
-    return lax.dot_general(
-        a, b, (((contract_a,), (contract_b,)), ((), ())),
-        preferred_element_type=jnp.float32,
-    )
-
-
-def _probs(q, k, n, tile, alpha, causal):
-    """Row-normalised softmax of one head's block scores, fp32 [tile, tile]."""
-    s = _dot(q, k, 1, 1) * alpha
-    row = lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
-    col = lax.broadcasted_iota(jnp.int32, (tile, tile), 1)
-    visible = (col < n) & (row < n)  # rows past n belong to other blocks
-    if causal:
-        visible = visible & (col <= row)
-    s = jnp.where(visible, s, _MASKED)
-    p = jnp.exp(s - jnp.max(s, axis=1, keepdims=True))
-    # Zero, not uniform, on rows with no visible key, so they add nothing to dk, dv.
-    return jnp.where(visible, p / jnp.sum(p, axis=1, keepdims=True), 0.0)
+from pallas_kernels.block_attention.block_math import dot as _dot, probs as _probs
 
 
 def _own_rows(x, n):
