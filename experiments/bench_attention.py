@@ -9,6 +9,7 @@ backward = 2.5 x forward; backward times exclude the forward pass (residuals are
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import sys
@@ -58,10 +59,11 @@ def _fwd_bwd(impl, n, activation, block_sizes=None, **kw):
   kwargs = dict(max_seq_len=n, activation=activation, implementation=impl, **kw)
   if block_sizes is not None:
     from pallas_kernels.jagged_attention import gpu
+    opts = dict(dict(timestamps=None, pos_bias=None, time_bias=None), **kw)
     f = lambda q, k, v, off: gpu.jagged_attention_gpu(q, k, v, off, alpha=None, num_targets=None, max_attn_len=0,
-                                                      timestamps=None, pos_bias=None, time_bias=None,
                                                       block_sizes=block_sizes, max_seq_len=n,
-                                                      activation=activation, interpret=impl == "interpret")
+                                                      activation=activation, interpret=impl == "interpret",
+                                                      **opts)
   else:
     f = functools.partial(jagged_attention, **kwargs)
   fwd = jax.jit(f)
@@ -81,12 +83,12 @@ def _time_bwd(bwd, q, k, v, off, do, reps):
   return _time(pullback, vjp, do, reps=reps)
 
 
-def check(rng, h=4, d=128, n=512, b=24) -> list[str]:
+def check(rng, h=4, d=128, n=512, b=24, bias_only=False) -> list[str]:
   """Rel. L2 errors of the Pallas kernel vs the float32 reference (bf16 inputs), forward and grads."""
   rows = []
   lengths = np.concatenate([[0, 1, n, n - 1], rng.integers(1, n, size=b - 4)])
   for activation in ("silu", "softmax"):
-    for extras in ({}, {"targets": True}):
+    for extras in ({"targets": True},) if bias_only else ({}, {"targets": True}):
       q, k, v, do, off = _inputs(lengths, h, d, rng)
       kw = {}
       if extras:
@@ -120,17 +122,18 @@ def check(rng, h=4, d=128, n=512, b=24) -> list[str]:
 
 
 def bench_case(name, lengths, h, d, activation, rng, reps, with_ref=True, ref_batch=None, block_sizes=None,
-               bias=False):
+               num_pos=0, num_time=0):
   n = int(max(lengths))
   n = 1 << (n - 1).bit_length() if n not in (1024, 4096) else n
   q, k, v, do, off = _inputs(lengths, h, d, rng)
   flops = fwd_flops(lengths, h, d, d)
   out = []
   kw = {}
-  if bias:  # one position bucket per offset, 64 log-time buckets, timestamps ~ one event per minute
-    kw = dict(timestamps=jnp.asarray(np.cumsum(rng.integers(1, 120, size=q.shape[0])), jnp.int32),
-              pos_bias=jnp.asarray(rng.standard_normal((h, n)) * 0.1, jnp.float32),
-              time_bias=jnp.asarray(rng.standard_normal((h, 64)) * 0.1, jnp.float32))
+  if num_time:  # sorted timestamps, ~ one event per minute
+    kw["timestamps"] = jnp.asarray(np.cumsum(rng.integers(1, 120, size=q.shape[0])), jnp.int32)
+    kw["time_bias"] = jnp.asarray(rng.standard_normal((h, num_time)) * 0.1, jnp.float32)
+  if num_pos:
+    kw["pos_bias"] = jnp.asarray(rng.standard_normal((h, num_pos)) * 0.1, jnp.float32)
   fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, **kw)
   tf = _time(fwd, q, k, v, off, reps=reps)
   tb = _time_bwd(bwd, q, k, v, off, do, reps=reps)
@@ -165,21 +168,74 @@ def bench_cudnn(b, t, h, d, rng, reps):
   return rows
 
 
+@contextlib.contextmanager
+def _relaxed_atomics():
+  """Lowers Pallas-Triton atomics with relaxed instead of acquire-release ordering (a jax internal: probe)."""
+  from jax._src.pallas.triton import lowering as tl
+  orig = getattr(tl, "_atomic_rmw", None)
+  if orig is None:
+    print("relaxed atomics: jax has no lowering._atomic_rmw, measuring the default", flush=True)
+    yield
+    return
+  tl._atomic_rmw = lambda *a, **k: orig(*a, **dict(k, semantic=tl.tt_dialect.MemSemantic.RELAXED))
+  try:
+    yield
+  finally:
+    tl._atomic_rmw = orig
+
+
+def bench_bias(rng, reps, h, d, variants, n=1024, b=512):
+  """The gem_h200 bias setting (128 position + 64 time buckets), the 1024-bucket case, and no bias, N=1024."""
+  cases = [("no bias", {}), ("pos 128 + time 64 (gem_h200)", dict(num_pos=128, num_time=64)),
+           ("pos 1024 + time 64", dict(num_pos=1024, num_time=64))]
+  if variants:
+    cases += [("pos 128 only", dict(num_pos=128)), ("time 64 only", dict(num_time=64)),
+              ("pos 128 + time 64, default tiles", dict(num_pos=128, num_time=64, block_sizes=BlockSizes())),
+              ("pos 128 + time 64, relaxed atomics", dict(num_pos=128, num_time=64, relaxed=True))]
+  rows = []
+  for name, kw in cases:
+    kw = dict(kw)
+    relaxed = kw.pop("relaxed", False)
+    try:
+      with _relaxed_atomics() if relaxed else contextlib.nullcontext():
+        r = bench_case(f"silu uniform N={n} B={b} {name}", _lengths("uniform", b, n, rng), h, d, "silu", rng,
+                       reps, with_ref=False, **kw)
+    except Exception as e:  # one failing variant (e.g. shared memory) must not hide the others
+      print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+      continue
+    print(r[0], flush=True)
+    rows += r
+  return rows
+
+
 def main(argv: list[str]) -> int:
   p = argparse.ArgumentParser(prog="python -m experiments bench attention", description=__doc__)
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--quick", action="store_true", help="small shapes (smoke test, e.g. on CPU)")
   p.add_argument("--no-check", action="store_true")
   p.add_argument("--sweep", action="store_true", help="also time a few tile configs at N=1024")
+  p.add_argument("--bias-only", action="store_true",
+                 help="check, then only the relative-bias cases at N=1024 (and the same shape without bias)")
+  p.add_argument("--bias-variants", action="store_true",
+                 help="with --bias-only: also time pos-only, time-only, other tiles and relaxed atomics")
   p.add_argument("--write", default="", help="append the markdown table to this file (e.g. docs/benchmarks.md)")
   args = p.parse_args(argv)
   rng = np.random.default_rng(int(time.time()))
   device = jax.devices()[0].device_kind
   print(f"device={device} jax={jax.__version__}", flush=True)
-  checks = [] if args.no_check else check(rng, n=64 if args.quick else 512, b=8 if args.quick else 24)
+  try:
+    checks = [] if args.no_check else check(rng, n=64 if args.quick else 512, b=8 if args.quick else 24,
+                                            bias_only=args.bias_only)
+  except Exception as e:
+    if not args.bias_only:
+      raise
+    checks = [f"check FAILED {type(e).__name__}: {str(e)[:2000]}"]  # still time what compiles
+    print(checks[0], flush=True)
   h, d = 4, 128
   rows = []
-  if args.quick:
+  if args.bias_only:
+    rows += bench_bias(rng, args.reps, h, d, args.bias_variants, *((128, 4) if args.quick else ()))
+  elif args.quick:
     rows += bench_case("silu uniform N=128 B=8", _lengths("uniform", 8, 128, rng), 2, 64, "silu", rng, args.reps)
   else:
     if args.sweep:
@@ -201,7 +257,7 @@ def main(argv: list[str]) -> int:
     rows += bench_case(f"silu lognormal N=4096 B=2048 (pad {1 - ln.sum() / (2048 * 4096):.0%})", ln, h, d, "silu",
                        rng, args.reps, ref_batch=32)
     rows += bench_case("silu uniform N=1024 B=512 + pos/time bias", _lengths("uniform", 512, 1024, rng), h, d,
-                       "silu", rng, args.reps, with_ref=False, bias=True)
+                       "silu", rng, args.reps, with_ref=False, num_pos=1024, num_time=64)
     rows += bench_case("softmax uniform N=1024 B=512", _lengths("uniform", 512, 1024, rng), h, d, "softmax", rng,
                        args.reps, ref_batch=128)
     if jax.default_backend() == "gpu":

@@ -31,7 +31,8 @@ class _Base:
   IMPLEMENTATION: str
   BIAS = True  # backend supports pos_bias/time_bias
 
-  def _case(self, seed, activation, dtype, targets, window, bias, lengths=LENGTHS, grads=True):
+  def _case(self, seed, activation, dtype, targets, window, bias, lengths=LENGTHS, grads=True, num_pos=24,
+            sorted_ts=True):
     rng = np.random.default_rng(seed)
     offsets = jnp.asarray(_offsets(lengths))
     q, k, v, do = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), dtype) for _ in range(4))
@@ -40,8 +41,9 @@ class _Base:
       kw["num_targets"] = jnp.asarray(rng.integers(0, 4, size=len(lengths)), jnp.int32)
     tables = ()
     if bias and self.BIAS:
-      kw["timestamps"] = jnp.asarray(np.sort(rng.integers(0, 10**6, size=CAPACITY)), jnp.int32)
-      tables = (jnp.asarray(rng.standard_normal((H, 24)), jnp.float32),
+      ts = rng.integers(0, 10**6, size=CAPACITY)
+      kw["timestamps"] = jnp.asarray(np.sort(ts) if sorted_ts else ts, jnp.int32)
+      tables = (jnp.asarray(rng.standard_normal((H, num_pos)), jnp.float32),
                 jnp.asarray(rng.standard_normal((H, 30)), jnp.float32))
 
     def loss(impl, q, k, v, *tabs):
@@ -96,6 +98,13 @@ class _Base:
 
 class TestInterpretGPU(_Base):
   IMPLEMENTATION = "interpret_gpu"
+
+  @pytest.mark.parametrize("num_pos, sorted_ts, window", [(5, False, 0), (80, True, 20)])
+  def test_bias_grad_paths(self, num_pos, sorted_ts, window):
+    # 5 buckets < one 16-row tile: most tiles lie wholly in the clipped bucket, others straddle it;
+    # 80 > max_seq_len: no tile is clipped. Unsorted timestamps: time buckets change anywhere along a row.
+    self._case(6, "silu", jnp.float32, targets=True, window=window, bias=True, num_pos=num_pos,
+               sorted_ts=sorted_ts)
 
 
 class TestInterpretTPU(_Base):

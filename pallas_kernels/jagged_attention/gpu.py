@@ -12,6 +12,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -51,16 +52,22 @@ def _rows(ref, start, lo, size, ok, h=None):
   return plgpu.load(ref.at[pl.ds(start + lo, size), h, :], mask=ok[:, None], other=0)
 
 
-def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static):
-  """alpha * q k^T + relative bias, float32 [rows, cols]."""
+def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None):
+  """(alpha * q k^T + relative bias in float32 [rows, cols], time bucket of each cell or None).
+
+  On a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far.
+  """
   sc = s.alpha * _dot(q, k, trans_b=True)
   if s.has_pos:
-    bucket = jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)
-    sc = sc + pos_ref[h, bucket]
+    if clipped:
+      sc = sc + pos_far
+    else:
+      sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
+  tb = None
   if s.has_time:
-    bucket = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
-    sc = sc + time_ref[h, bucket]
-  return sc
+    tb = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
+    sc = sc + time_ref[h, tb]
+  return sc, tb
 
 
 LOG2E = 1.4426950408889634
@@ -79,13 +86,22 @@ def _silu_parts(x, s: Static, exact: bool):
   return x * sig, sig
 
 
-def _split_loop(n_lo, n_hi, f_lo, f_hi, body, carry):
-  """Runs body(n, carry, masked) over [n_lo, n_hi); tiles in [f_lo, f_hi) need no mask."""
+def _split_loop(n_lo, n_hi, f_lo, f_hi, body, carry, clip_edge=None, clipped_below=True):
+  """Runs body(n, carry, masked, clipped) over [n_lo, n_hi); tiles in [f_lo, f_hi) need no mask.
+
+  With clip_edge, tiles n < clip_edge (clipped_below) or n >= clip_edge (not clipped_below) lie wholly in
+  the clipped region of the position bias; each range is split there so the body is specialised on both.
+  """
   f_lo = jnp.clip(f_lo, n_lo, n_hi)
   f_hi = jnp.clip(f_hi, f_lo, n_hi)
-  carry = lax.fori_loop(n_lo, f_lo, functools.partial(body, masked=True), carry)
-  carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
-  return lax.fori_loop(f_hi, n_hi, functools.partial(body, masked=True), carry)
+  for a, b, masked in ((n_lo, f_lo, True), (f_lo, f_hi, False), (f_hi, n_hi, True)):
+    if clip_edge is None:
+      carry = lax.fori_loop(a, b, functools.partial(body, masked=masked, clipped=False), carry)
+      continue
+    mid = jnp.clip(clip_edge, a, b)
+    carry = lax.fori_loop(a, mid, functools.partial(body, masked=masked, clipped=clipped_below), carry)
+    carry = lax.fori_loop(mid, b, functools.partial(body, masked=masked, clipped=not clipped_below), carry)
+  return carry
 
 
 def _full_kv(q_lo, bq, bk, first_target, s: Static):
@@ -129,6 +145,31 @@ def _q_range(k_lo, bk, length, first_target, s: Static):
   return k_lo, hi
 
 
+def _clip_edge_kv(q_lo, bk, s: Static):
+  """Key tiles n < edge lie wholly in the clipped position bucket for a query tile at q_lo (None: no bias)."""
+  if not s.has_pos:
+    return None
+  return (q_lo - s.num_pos + 2) // bk  # min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1
+
+
+def _clip_edge_q(k_lo, bk, bq, s: Static):
+  """Query tiles m >= edge lie wholly in the clipped position bucket for a key tile at k_lo (None: no bias)."""
+  if not s.has_pos:
+    return None
+  return cdiv_dyn(k_lo + bk + s.num_pos - 2, bq)  # min(i - j) = m bq - k_lo - bk + 1 >= num_pos - 1
+
+
+def _pos_offsets(s: Static, bq: int, bk: int):
+  """(lowest q_lo - k_lo, its step, count) over the dQ kernel's tiles that are not wholly clipped.
+
+  The dQ kernel adds each such tile's dScore into slot (q_lo - k_lo - lowest) // step of a per-head
+  accumulator; the bucket of cell (a, c) there is clip(q_lo - k_lo + a - c), summed in XLA afterwards.
+  """
+  step = math.gcd(bq, bk)
+  lowest = min(0, bk - bq)  # the key tile holding the query tile's last row
+  return lowest, step, (s.num_pos + bk - 3 - lowest) // step + 1
+
+
 def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
   tail = offsets_ref[num_seqs]
   for i in range(ZERO_TILES):
@@ -162,17 +203,18 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
     lo, hi = _kv_range(q_lo, bq, length, first_target, s)
     dv = v_ref.shape[-1]
+    pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
 
     exact = q.dtype == jnp.float32
 
-    def body(n, carry, masked):
+    def body(n, carry, masked, clipped):
       k_lo = n * bk
       cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
       col_ok = cols < length
       k = _rows(k_ref, start, k_lo, bk, col_ok, h)
       v = _rows(v_ref, start, k_lo, bk, col_ok, h)
       ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
-      sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
+      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       if s.activation == "silu":
         (acc,) = carry
@@ -194,12 +236,13 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
 
     acc0 = jnp.zeros((bq, dv), jnp.float32)
     f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
-    loop = functools.partial(_split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body)
+    loop = functools.partial(_split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body,
+                             clip_edge=_clip_edge_kv(q_lo, bk, s))
     if s.activation == "silu":
-      (acc,) = loop((acc0,))
+      (acc,) = loop(carry=(acc0,))
       acc = acc * (1.0 / s.max_seq_len)
     else:
-      acc, m_i, l_i = loop((acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32)))
+      acc, m_i, l_i = loop(carry=(acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32)))
       l_safe = jnp.where(l_i > 0, l_i, 1.0)
       acc = acc / l_safe[:, None]
       lse = (m_i + jnp.log2(l_safe)) / LOG2E  # natural-log units
@@ -255,19 +298,37 @@ def _ds(sc, mask, dp, lse, delta, s: Static, exact: bool):
   return p, ds
 
 
-def _hist_add(hist, values, buckets, lo, hi):
-  """hist[d] += sum(values[buckets == d]) for d in [lo, hi] (values are zero outside the mask)."""
-  iota = jnp.arange(hist.shape[0], dtype=jnp.int32)
+POS_SLOTS = 4  # copies of the position-gradient accumulator (programs pick one by work item: less contention)
 
-  def body(d, hist):
-    return hist + jnp.where(iota == d, jnp.sum(jnp.where(buckets == d, values, 0.0)), 0.0)
 
-  return lax.fori_loop(lo, hi + 1, body, hist)
+def _time_grad(dtime_ref, pid, ds, tb, s: Static):
+  """dtime_ref[pid, b] += sum of ds over the tile's cells of time bucket b (tb = -1: no bucket).
+
+  Summation by parts along each row: with C = cumsum(ds) and b' the bucket of the next cell (-1 past the
+  tile), sum_j ds_j e_{b_j} = sum_j C_j (e_{b_j} - e_{b'_j}). Only cells where the bucket changes add
+  anything (+C to b, -C to b'), one masked atomic each: exact for any bucket pattern, and cheap for sorted
+  timestamps, whose buckets change a few times per row. b' comes from a 0/1 shift matmul (bucket ids < 256
+  are exact in bf16).
+  """
+  bk = tb.shape[1]
+  iota = jnp.arange(bk, dtype=jnp.int32)
+  shift = (iota[:, None] == iota[None, :] + 1).astype(jnp.bfloat16)  # column j takes column j + 1
+  nxt = _dot((tb + 1).astype(jnp.float32).astype(jnp.bfloat16), shift).astype(jnp.int32) - 1
+  c = jnp.cumsum(ds, axis=1)
+  change = (tb != nxt) & (c != 0.0)
+  for idx, val in ((tb, c), (nxt, -c)):
+    ok = change & (idx >= 0)
+    if s.interpret:  # the interpreter has no masked scatter-atomics: one-hot sum instead
+      hit = ok[:, :, None] & (idx[:, :, None] == jnp.arange(dtime_ref.shape[-1], dtype=jnp.int32))
+      dtime_ref[pid, :] += jnp.sum(jnp.where(hit, val[:, :, None], 0.0), axis=(0, 1))
+    else:
+      plgpu.atomic_add(dtime_ref, (pid, jnp.where(ok, idx, 0)), val, mask=ok)
 
 
 def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-               time_ref, do_ref, lse_ref, delta_ref, dq_ref, dpos_ref, dtime_ref, *, s: Static, heads: int,
-               num_work: int, total_rows: int):
+               time_ref, do_ref, lse_ref, delta_ref, dpos_in_ref, dtime_in_ref, dq_ref, dpos_ref, dfar_ref,
+               dtime_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
+  del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
   pid = pl.program_id(0)
   h = pid % heads
   w = pid // heads
@@ -290,49 +351,44 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
       lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
       delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
     lo, hi = _kv_range(q_lo, bq, length, first_target, s)
+    pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+    lowest, step, _ = _pos_offsets(s, bq, bk)
 
     exact = q.dtype == jnp.float32
 
-    def body(n, carry, masked):
-      dq, hpos, htime = carry
+    def body(n, carry, masked, clipped):
+      dq, far = carry
       k_lo = n * bk
       cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
       col_ok = cols < length
       k = _rows(k_ref, start, k_lo, bk, col_ok, h)
       v = _rows(v_ref, start, k_lo, bk, col_ok, h)
       ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
-      sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
+      sc, tb = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
       _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
       dq = dq + _dot(ds.astype(k.dtype), k)
-      if s.has_pos:
-        bucket = jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)
-        b_lo = jnp.clip(q_lo - (k_lo + bk - 1), 0, s.num_pos - 1)
-        b_hi = jnp.clip(q_lo + bq - 1 - k_lo, 0, s.num_pos - 1)
-        hpos = _hist_add(hpos, ds, bucket, b_lo, b_hi)
+      if s.has_pos and clipped:  # the whole tile is the last bucket
+        far = far + jnp.sum(ds)
+      elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
+        slot = (q_lo - k_lo - lowest) // step
+        plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
       if s.has_time:
-        bucket = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
-        valid = (rows[:, None] < length) & (cols[None, :] <= rows[:, None]) if mask is None else mask
-        t_lo = jnp.min(jnp.where(valid, bucket, s.num_time))
-        t_hi = jnp.max(jnp.where(valid, bucket, -1))
-        htime = _hist_add(htime, ds, bucket, t_lo, t_hi)
-      return dq, hpos, htime
+        _time_grad(dtime_ref, pid, ds, tb if mask is None else jnp.where(mask, tb, -1), s)
+      return dq, far
 
-    init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((dpos_ref.shape[-1],), jnp.float32),
-            jnp.zeros((dtime_ref.shape[-1],), jnp.float32))
+    init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((), jnp.float32))
     f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
-    dq, hpos, htime = _split_loop(lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init)
+    dq, far = _split_loop(lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init, clip_edge=_clip_edge_kv(q_lo, bk, s))
     scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
     plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], (dq * (s.alpha * scale)).astype(dq_ref.dtype),
                 mask=row_ok[:, None])
-    dpos_ref[pid, :] = hpos * scale
-    dtime_ref[pid, :] = htime * scale
+    dfar_ref[pid] = far
 
   @pl.when(jnp.logical_not(active))
   def _():
-    dpos_ref[pid, :] = jnp.zeros((dpos_ref.shape[-1],), jnp.float32)
-    dtime_ref[pid, :] = jnp.zeros((dtime_ref.shape[-1],), jnp.float32)
+    dfar_ref[pid] = jnp.zeros((), jnp.float32)
 
   @pl.when(w >= num_work)
   def _():
@@ -359,10 +415,11 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     v = _rows(v_ref, start, k_lo, bk, col_ok, h)
     ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
     lo, hi = _q_range(k_lo, bk, length, first_target, s)
+    pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
 
     exact = q_ref.dtype == jnp.float32
 
-    def body(m, carry, masked):
+    def body(m, carry, masked, clipped):
       dk, dv = carry
       q_lo = m * bq
       rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
@@ -374,7 +431,7 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
       if s.activation == "softmax":
         lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
         delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-      sc = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s)
+      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
       p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
@@ -385,7 +442,8 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
     m_hi = cdiv_dyn(hi, bq)
     f_lo, f_hi = _full_q(k_lo, bq, bk, first_target, m_hi, s)
-    dk, dv = _split_loop(lo // bq, m_hi, f_lo, f_hi, body, init)
+    dk, dv = _split_loop(lo // bq, m_hi, f_lo, f_hi, body, init, clip_edge=_clip_edge_q(k_lo, bk, bq, s),
+                         clipped_below=False)
     scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
     plgpu.store(dk_ref.at[pl.ds(start + k_lo, bk), h, :], (dk * (s.alpha * scale)).astype(dk_ref.dtype),
                 mask=col_ok[:, None])
@@ -397,6 +455,17 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     _zero_tail([(dk_ref, h), (dv_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bk)
 
 
+def _pos_grad(acc, far, head_of, width: int, s: Static):
+  """[H, width] position-table gradient from the dQ kernel's per-tile accumulator and clipped-tile sums."""
+  bq, bk = s.blocks.block_q, s.blocks.block_k
+  lowest, step, count = _pos_offsets(s, bq, bk)
+  off = lowest + step * np.arange(count)[:, None, None] + np.arange(bq)[None, :, None] - np.arange(bk)[None, None, :]
+  bucket = np.clip(off, 0, s.num_pos - 1).reshape(-1)  # masked cells (i < j) hold zeros
+  heads = acc.shape[1]
+  grad = jnp.zeros((heads, width), jnp.float32).at[:, bucket].add(jnp.sum(acc, axis=0).reshape(heads, -1))
+  return grad.at[:, s.num_pos - 1].add(jax.ops.segment_sum(far, head_of, num_segments=heads))
+
+
 def _backward(s: Static, res, do):
   q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = res
   t, heads, _ = q.shape
@@ -405,24 +474,28 @@ def _backward(s: Static, res, do):
     delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T  # [H, T]
   else:
     delta = jnp.zeros((1, 1), jnp.float32)
-  bq = s.blocks.block_q
+  bq, bk = s.blocks.block_q, s.blocks.block_k
   wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
   num_zero = cdiv(t, ZERO_TILES * bq)
   grid = (num_work + num_zero) * heads
   params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
   kernel = functools.partial(_dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
-  # Grid: (work item, head) over query tiles, then tail-zeroing programs; each program also writes its
-  # partial histogram of the bias-table gradients (summed over programs below).
-  dq, dpos, dtime = pl.pallas_call(
+  # Bias-table gradients, accumulated with atomics into zeroed buffers: position, per (slot, head, tile
+  # offset) one [bq, bk] tile of dScore; time, one histogram row per program. Both summed in XLA below.
+  pos_acc = jnp.zeros((POS_SLOTS, heads, _pos_offsets(s, bq, bk)[2], bq, bk) if s.has_pos else (1,) * 5,
+                      jnp.float32)
+  time_acc = jnp.zeros((grid if s.has_time else 1, time_tab.shape[1]), jnp.float32)
+  # Grid: (work item, head) over query tiles, then tail-zeroing programs.
+  dq, pos_acc, far, time_acc = pl.pallas_call(
       kernel,
       grid=(grid,),
-      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((grid, pos_tab.shape[1]), jnp.float32),
-                 jax.ShapeDtypeStruct((grid, time_tab.shape[1]), jnp.float32)),
+      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(pos_acc.shape, jnp.float32),
+                 jax.ShapeDtypeStruct((grid,), jnp.float32), jax.ShapeDtypeStruct(time_acc.shape, jnp.float32)),
+      input_output_aliases={14: 1, 15: 3},
       compiler_params=params,
       interpret=s.interpret,
       name="jagged_attention_bwd_dq",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta)
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta, pos_acc, time_acc)
   bk = s.blocks.block_k_dkv
   wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
   num_zero = cdiv(t, ZERO_TILES * bk)
@@ -436,9 +509,14 @@ def _backward(s: Static, res, do):
       interpret=s.interpret,
       name="jagged_attention_bwd_dkv",
   )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta)
+  scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
   head_of = jnp.arange(grid) % heads
-  dpos = jax.ops.segment_sum(dpos, head_of, num_segments=heads)
-  dtime = jax.ops.segment_sum(dtime, head_of, num_segments=heads)
+  dpos = jnp.zeros(pos_tab.shape, jnp.float32)
+  if s.has_pos:
+    dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
+  dtime = jnp.zeros(time_tab.shape, jnp.float32)
+  if s.has_time:
+    dtime = jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale
   return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
 
 
