@@ -52,6 +52,30 @@ def _rows(ref, start, lo, size, ok, h=None):
   return plgpu.load(ref.at[pl.ds(start + lo, size), h, :], mask=ok[:, None], other=0)
 
 
+def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static):
+  """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta."""
+  rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
+  row_ok = rows < length
+  q = _rows(q_ref, start, q_lo, bq, row_ok, h)
+  do = None if do_ref is None else _rows(do_ref, start, q_lo, bq, row_ok, h)
+  ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+  lse = delta = None
+  if do_ref is not None and s.activation == "softmax":
+    lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+    delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+  return rows, row_ok, q, do, ts_q, lse, delta
+
+
+def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static):
+  """Columns, column mask and the key-side tiles of one head: k, v, timestamps."""
+  cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
+  col_ok = cols < length
+  k = _rows(k_ref, start, k_lo, bk, col_ok, h)
+  v = _rows(v_ref, start, k_lo, bk, col_ok, h)
+  ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+  return cols, col_ok, k, v, ts_k
+
+
 def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None):
   """(alpha * q k^T + relative bias in float32 [rows, cols], time bucket of each cell or None).
 
@@ -197,10 +221,7 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     b, m = wb_ref[w], wm_ref[w]
     start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
     q_lo = m * bq
-    rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
-    row_ok = rows < length
-    q = _rows(q_ref, start, q_lo, bq, row_ok, h)
-    ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+    rows, row_ok, q, _, ts_q, _, _ = _q_side(q_ref, None, ts_ref, None, None, start, q_lo, bq, length, h, s)
     lo, hi = _kv_range(q_lo, bq, length, first_target, s)
     dv = v_ref.shape[-1]
     pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
@@ -209,11 +230,7 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
 
     def body(n, carry, masked, clipped):
       k_lo = n * bk
-      cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
-      col_ok = cols < length
-      k = _rows(k_ref, start, k_lo, bk, col_ok, h)
-      v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-      ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+      cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
       sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       if s.activation == "silu":
@@ -341,15 +358,8 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
     b, m = wb_ref[w], wm_ref[w]
     start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
     q_lo = m * bq
-    rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
-    row_ok = rows < length
-    q = _rows(q_ref, start, q_lo, bq, row_ok, h)
-    do = _rows(do_ref, start, q_lo, bq, row_ok, h)
-    ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
-    lse = delta = None
-    if s.activation == "softmax":
-      lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-      delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+    rows, row_ok, q, do, ts_q, lse, delta = _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq,
+                                                    length, h, s)
     lo, hi = _kv_range(q_lo, bq, length, first_target, s)
     pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
     lowest, step, _ = _pos_offsets(s, bq, bk)
@@ -359,11 +369,7 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
     def body(n, carry, masked, clipped):
       dq, far = carry
       k_lo = n * bk
-      cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
-      col_ok = cols < length
-      k = _rows(k_ref, start, k_lo, bk, col_ok, h)
-      v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-      ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+      cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
       sc, tb = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
@@ -409,11 +415,7 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     b, n = wb_ref[w], wm_ref[w]
     start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
     k_lo = n * bk
-    cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
-    col_ok = cols < length
-    k = _rows(k_ref, start, k_lo, bk, col_ok, h)
-    v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-    ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+    cols, col_ok, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
     lo, hi = _q_range(k_lo, bk, length, first_target, s)
     pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
 
@@ -422,15 +424,8 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     def body(m, carry, masked, clipped):
       dk, dv = carry
       q_lo = m * bq
-      rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
-      row_ok = rows < length
-      q = _rows(q_ref, start, q_lo, bq, row_ok, h)
-      do = _rows(do_ref, start, q_lo, bq, row_ok, h)
-      ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
-      lse = delta = None
-      if s.activation == "softmax":
-        lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-        delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+      rows, _, q, do, ts_q, lse, delta = _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq,
+                                                 length, h, s)
       sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
