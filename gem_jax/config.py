@@ -69,6 +69,7 @@ class ModelConfig:
     value_dim: int = 32  # per head, for V and U
     num_layers: int = 2
     activation: str = "silu"  # "silu" (HSTU) | "softmax"
+    layer: str = "hstu"  # "hstu" | "sasrec" (SASRec's block: softmax attention + ReLU feed-forward)
     attention_implementation: str = "auto"  # "auto" | "reference" | "pallas" | "interpret"
     max_attn_len: int = 0
     num_position_buckets: int = 64  # 0 disables the relative position bias
@@ -122,6 +123,7 @@ class TrainConfig:
     end_learning_rate_fraction: float = 0.1
     weight_decay: float = 1e-4
     clip_norm: float = 1.0
+    adam_b2: float = 0.999  # SASRec uses 0.98
     log_every: int = 10
     eval_every: int = 0  # 0: evaluate once at the end
     eval_batches: int = 0  # 0: all of data.eval_examples
@@ -155,6 +157,8 @@ class RetrievalConfig:
     eval_negatives: int = 100
     eval_users: int = 0  # 0: all evaluated users; else a fixed random subset (quick runs)
     exclude_history: bool = False  # full ranking: drop the user's own items from the candidates
+    # (ICLRec's evaluation code does); the "full_incl_history/" metrics then report the other setting
+    max_minutes: float = 0.0  # training time budget: stop at the first epoch end past it (0: none)
 
 
 @dataclass(frozen=True)
@@ -270,6 +274,7 @@ def validate(config: Config, source: str) -> Config:
     m, d = config.model, config.data
     choices = {
         "model.activation": (m.activation, ("silu", "softmax")),
+        "model.layer": (m.layer, ("hstu", "sasrec")),
         "model.attention_implementation": (
             m.attention_implementation, ("auto", "reference", "pallas", "interpret")),
         "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
@@ -290,6 +295,8 @@ def validate(config: Config, source: str) -> Config:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+    if not 0.0 <= config.train.adam_b2 < 1.0:
+        raise ConfigError(f"{source}: `train.adam_b2` must be in [0, 1), got {config.train.adam_b2}")
     longest = d.max_history_len + d.num_candidates + m.num_context_tokens
     if d.tokens_per_shard < longest:
         raise ConfigError(
@@ -367,7 +374,8 @@ def _validate_retrieval(config: Config, source: str) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
-    for key, value in {"retrieval.patience": r.patience, "retrieval.eval_users": r.eval_users}.items():
+    for key, value in {"retrieval.patience": r.patience, "retrieval.eval_users": r.eval_users,
+                       "retrieval.max_minutes": r.max_minutes}.items():
         if value < 0:
             raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
     if not d.path:

@@ -119,9 +119,11 @@ def test_dense_embedding_is_not_hashed():
     np.testing.assert_array_equal(emb.lookup(ids), emb.table[...][ids])
 
 
-def test_user_vectors_are_causal(tmp_path):
+@pytest.mark.parametrize("layer", ["model.activation=silu", "model.layer=sasrec"])
+def test_user_vectors_are_causal(tmp_path, layer):
     """Changing a later item of a sequence leaves every earlier position's vector unchanged."""
-    config = small(tmp_path / "unused.txt", "model.activation=silu")
+    extra = ("model.num_position_buckets=0",) if "sasrec" in layer else ()
+    config = small(tmp_path / "unused.txt", layer, *extra)
     model = NextItemModel(config, NUM_ITEMS, rngs=nnx.Rngs(0))
     offsets = jnp.array([0, 5, 9] + [9] * 14, jnp.int32)
     items = jnp.zeros(160, jnp.int32).at[:9].set(jnp.arange(1, 10))
@@ -186,6 +188,55 @@ def test_early_stopping_keeps_first_best(tmp_path):
     assert summary["stopped_early"] and summary["best_epoch"] == 1
     assert summary["best_step"] == valid[0]["step"]
     assert "sampled/HR@10" not in valid[0]["valid"]
+
+
+def test_time_budget_stops_with_a_last_evaluation_and_scores_test(tmp_path):
+    """`retrieval.max_minutes` ends training at the first epoch end past the budget: that epoch is
+    evaluated even off the `eval_every_epochs` grid, and the test split is scored for the best one."""
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    workdir = tmp_path / "run"
+    config = small(data, "retrieval.max_minutes=1e-6", "retrieval.eval_every_epochs=5")
+    summary = loop.train(config, workdir)
+    valid = [r for r in records(workdir) if r.get("split") == "valid"]
+    assert [r["epoch"] for r in valid] == [1]
+    assert summary["out_of_time"] and not summary["stopped_early"] and summary["epoch"] == 1
+    assert summary["test"] is not None and (workdir / "test.json").exists()
+    # A finished (out-of-time) run is not trained further when re-run.
+    again = loop.train(config, workdir)
+    assert again["epoch"] == 1 and sum(r.get("split") == "test" for r in records(workdir)) == 1
+
+
+def test_exclude_history_reports_both_full_rankings(tmp_path):
+    """With `exclude_history`, "full/" drops the user's own items and "full_incl_history/" keeps them;
+    dropping candidates can only move a target up, so every HR is at least as high."""
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    config = small(data, "retrieval.exclude_history=true", "retrieval.epochs=5",
+                   "retrieval.select_metric=full/NDCG@10")
+    summary = loop.train(config, tmp_path / "run")
+    test = summary["test"]
+    for k in (5, 10, 20):
+        assert test[f"full/HR@{k}"] >= test[f"full_incl_history/HR@{k}"], test
+    # Some user's history outranks its target (neighbouring items on the cycle), so excluding moves it up.
+    assert any(test[f"full/HR@{k}"] > test[f"full_incl_history/HR@{k}"] for k in (5, 10, 20)), test
+
+
+def test_sasrec_block_learns_with_bce(tmp_path):
+    """SASRec's block (feed-forward, un-normalised keys) on SASRec's loss learns the cycles."""
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    config = small(data, "model.layer=sasrec", "model.num_position_buckets=0", "retrieval.loss=bce",
+                   "retrieval.normalize=false", "train.adam_b2=0.98", "model.dropout=0.1",
+                   "retrieval.epochs=20", "retrieval.eval_every_epochs=20")
+    summary = loop.train(config, tmp_path / "run")
+    assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
+
+
+def test_sasrec_block_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="num_position_buckets"):
+        NextItemModel(small(tmp_path / "x.txt", "model.layer=sasrec"), NUM_ITEMS, rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match="model.layer"):
+        small(tmp_path / "x.txt", "model.layer=gru")
+    with pytest.raises(ConfigError, match="adam_b2"):
+        small(tmp_path / "x.txt", "train.adam_b2=1.0")
 
 
 def test_uniform_sampled_softmax_learns(tmp_path):

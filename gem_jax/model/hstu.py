@@ -20,6 +20,7 @@ from jaxtyping import Array, Float, Int
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import attention
 from gem_jax.model.layers import Dense, LayerNorm, dropout, param
+from gem_jax.model.sasrec import SASRecLayer
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.precision import PrecisionPolicy
 
@@ -80,10 +81,15 @@ class LongHistoryLayer(HSTULayer):
 
 
 class HSTUTower(nnx.Module):
-    """HSTU layers over the jagged pack; with `long_history`, long-history layers and the pyramid."""
+    """HSTU layers over the jagged pack; with `long_history`, long-history layers and the pyramid;
+    with `layer = "sasrec"`, SASRec's blocks (gem_jax/model/sasrec.py) instead."""
 
     def __init__(self, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1):
         layer = LongHistoryLayer if config.long_history else HSTULayer
+        if config.layer == "sasrec":
+            if config.long_history:
+                raise ValueError("model.layer = \"sasrec\" does not support model.long_history")
+            layer = SASRecLayer
         self.max_targets = max_targets
         self.layers = nnx.List([layer(f"hstu/{i}", config, policy, rngs=rngs, max_targets=max_targets)
                                 for i in range(config.num_layers)])

@@ -17,4 +17,4 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(learning_rate_schedule(config), weight_decay=config.weight_decay))
+        optax.adamw(learning_rate_schedule(config), b2=config.adam_b2, weight_decay=config.weight_decay))

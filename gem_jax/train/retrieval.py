@@ -12,7 +12,8 @@ data-parallel shard under `jax.shard_map`, orbax `Checkpointer`, `MetricsWriter`
   or the pack's own targets).
 * Evaluation every `eval_every_epochs` on the validation targets, both protocols: 100 sampled
   negatives (HR@10, NDCG@10) and full ranking (HR/NDCG@5/10/20). `select_metric` picks the best
-  checkpoint (kept in `best/`); `patience` evaluations without improvement stop the run. The
+  checkpoint (kept in `best/`); `patience` evaluations without improvement stop the run, and so
+  does `max_minutes` of training (checked at epoch ends, with one last evaluation). The
   test targets are scored once, at the end, for that checkpoint only, and saved to `test.json`.
 
 Run directory: `config.toml`, `checkpoints/` (latest, for resumption at an evaluation
@@ -297,11 +298,16 @@ def evaluate(trainer: RetrievalTrainer, params, eval_set: EvalSet, shards: int) 
             acc.update(ranks, np.arange(EVAL_CHUNK) < b - a)
         results.update({f"sampled/{k}": v for k, v in acc.compute().items()})
     if r.eval_protocol in ("full", "both"):
-        exclude = None if eval_set.exclude is None else jnp.asarray(eval_set.exclude)
-        ranks = full_ranking_ranks(jnp.asarray(users), table, jnp.asarray(eval_set.targets), exclude)
-        acc = RetrievalAccumulator(FULL_KS)
-        acc.update(ranks)
-        results.update({f"full/{k}": v for k, v in acc.compute().items()})
+        # "full/": as configured; with exclude_history, "full_incl_history/" also keeps the user's items.
+        variants = {"full": eval_set.exclude}
+        if eval_set.exclude is not None:
+            variants["full_incl_history"] = None
+        for prefix, exclude in variants.items():
+            ranks = full_ranking_ranks(jnp.asarray(users), table, jnp.asarray(eval_set.targets),
+                                       None if exclude is None else jnp.asarray(exclude))
+            acc = RetrievalAccumulator(FULL_KS)
+            acc.update(ranks)
+            results.update({f"{prefix}/{k}": v for k, v in acc.compute().items()})
     results["users"] = len(users)
     return results
 
@@ -349,14 +355,15 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
     best_ckpt = Checkpointer(workdir / "best", dataclasses.replace(tc, keep_checkpoints=1))
     progress = _read_json(workdir / "progress.json") or {
         "epoch": 0, "step": 0, "best_step": None, "best_epoch": None, "best_metric": None, "bad_evals": 0,
-        "stopped_early": False}
+        "stopped_early": False, "out_of_time": False}
     latest = latest_ckpt.latest_step()
     if latest is not None and latest == progress["step"]:
         state = latest_ckpt.restore(latest, trainer.abstract_state, trainer.state_shardings, None)
         print(f"resumed at epoch {progress['epoch']} (step {latest}) in {workdir}", file=sys.stderr)
     else:
         state = trainer.init_state()
-        progress.update(epoch=0, step=0, best_step=None, best_epoch=None, best_metric=None, bad_evals=0)
+        progress.update(epoch=0, step=0, best_step=None, best_epoch=None, best_metric=None, bad_evals=0,
+                        stopped_early=False, out_of_time=False, train_time_s=0.0)
     writer = MetricsWriter(workdir)
     interrupted = False
     last: dict[str, float] = {}
@@ -365,7 +372,8 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
         with _StopRequest() as stop:
             epoch = progress["epoch"]
             step = progress["step"]
-            done = progress["stopped_early"] or epoch >= r.epochs
+            done = progress["stopped_early"] or progress.get("out_of_time", False) or epoch >= r.epochs
+            t_train = time.perf_counter() - progress.get("train_time_s", 0.0)  # budget spans resumptions
             t_interval, interval = time.perf_counter(), {"steps": 0, "positions": 0.0, "users": 0}
             while not done and stop.signal is None:
                 for stack in epoch_steps(data, config, epoch, shards):
@@ -390,7 +398,8 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                     interrupted = True
                     break
                 epoch += 1
-                if epoch % r.eval_every_epochs and epoch < r.epochs:
+                out_of_time = bool(r.max_minutes) and time.perf_counter() - t_train >= 60 * r.max_minutes
+                if epoch % r.eval_every_epochs and epoch < r.epochs and not out_of_time:
                     continue
                 last = {k: float(v) for k, v in metrics.items()}
                 if not math.isfinite(last["loss"]):
@@ -408,7 +417,8 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                 latest_ckpt.wait()
                 best_ckpt.wait()
                 stopped = bool(r.patience and progress["bad_evals"] >= r.patience)
-                progress.update(epoch=epoch, step=step, stopped_early=stopped)
+                progress.update(epoch=epoch, step=step, stopped_early=stopped, out_of_time=out_of_time,
+                                train_time_s=time.perf_counter() - t_train)
                 _write_json(workdir / "progress.json", progress)
                 writer.write({"step": step, "epoch": epoch, "split": "valid", "valid": valid,
                               "best_step": progress["best_step"], "eval_time_s": time.perf_counter() - t_eval,
@@ -416,10 +426,15 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                 print(f"epoch {epoch} step {step} loss {last['loss']:.4f} valid "
                       + " ".join(f"{k} {v:.4f}" for k, v in valid.items() if k != "users")
                       + (" *" if improved else ""), file=sys.stderr)
-                done = stopped or epoch >= r.epochs or (stop_after is not None and step >= stop_after)
-                if stop_after is not None and step >= stop_after and not stopped and epoch < r.epochs:
+                if out_of_time:
+                    print(f"stopping: retrieval.max_minutes={r.max_minutes} spent after epoch {epoch}",
+                          file=sys.stderr)
+                ended = stopped or out_of_time or epoch >= r.epochs
+                done = ended or (stop_after is not None and step >= stop_after)
+                if stop_after is not None and step >= stop_after and not ended:
                     interrupted = True
-        finished = not interrupted and (progress["stopped_early"] or progress["epoch"] >= r.epochs)
+        finished = not interrupted and (progress["stopped_early"] or progress.get("out_of_time", False)
+                                        or progress["epoch"] >= r.epochs)
         if finished and test_record is None:
             test_record = _score_test(trainer, best_ckpt, data, shards, progress)
             _write_json(workdir / "test.json", test_record)
@@ -432,6 +447,7 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
         writer.close()
     return {"workdir": str(workdir), "step": progress["step"], "epoch": progress["epoch"],
             "interrupted": interrupted, "stopped_early": progress["stopped_early"],
+            "out_of_time": progress.get("out_of_time", False),
             "best_step": progress["best_step"], "best_epoch": progress["best_epoch"],
             "select_metric": r.select_metric, "best_valid": progress["best_metric"],
             "test": None if test_record is None else test_record["test"],
