@@ -544,8 +544,11 @@ def jagged_attention_gpu(q, k, v, offsets, *, max_seq_len, activation, alpha, nu
   if block_sizes is None:
     block_sizes = BlockSizes.get_default("cpu" if interpret else "gpu", max(dqk, dv), max_seq_len)
     if not interpret and (pos_bias is not None or time_bias is not None):
-      # the bias gathers and histograms need shared memory: the tuned tiles overflow 227 KiB on H100/H200
+      # the bias gathers and gradient atomics convert layouts through shared memory: the tuned tiles overflow
+      # 227 KiB on the H200 (dQ with the time gradient asked for 265 KiB at 128x64, 2 stages): halve block_k
       block_sizes = dataclasses.replace(block_sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
+      if time_bias is not None:
+        block_sizes = dataclasses.replace(block_sizes, block_k=min(block_sizes.block_k, 32))
   b = offsets.shape[0] - 1
   s = Static(
       max_seq_len=max_seq_len, activation=activation, alpha=float(alpha), max_attn_len=max_attn_len,
