@@ -95,27 +95,43 @@ class _Base:
       np.testing.assert_array_equal(a[others], b[others])
       assert not np.allclose(a[changed], b[changed])
 
+  @pytest.mark.parametrize("num_pos, sorted_ts, window, activation",
+                           [(5, False, 0, "silu"), (80, True, 20, "silu"), (5, False, 20, "softmax")])
+  def test_bias_grad_paths(self, num_pos, sorted_ts, window, activation):
+    # 5 buckets < one 16-row tile: most tiles lie wholly in the clipped bucket, others straddle it;
+    # 80 > max_seq_len: no tile is clipped. Unsorted timestamps: time buckets change anywhere along a row
+    # (and a tile's time-bucket range is wide).
+    self._case(6, activation, jnp.float32, targets=True, window=window, bias=True, num_pos=num_pos,
+               sorted_ts=sorted_ts)
+
 
 class TestInterpretGPU(_Base):
   IMPLEMENTATION = "interpret_gpu"
 
-  @pytest.mark.parametrize("num_pos, sorted_ts, window", [(5, False, 0), (80, True, 20)])
-  def test_bias_grad_paths(self, num_pos, sorted_ts, window):
-    # 5 buckets < one 16-row tile: most tiles lie wholly in the clipped bucket, others straddle it;
-    # 80 > max_seq_len: no tile is clipped. Unsorted timestamps: time buckets change anywhere along a row.
-    self._case(6, "silu", jnp.float32, targets=True, window=window, bias=True, num_pos=num_pos,
-               sorted_ts=sorted_ts)
-
 
 class TestInterpretTPU(_Base):
   IMPLEMENTATION = "interpret_tpu"
-  BIAS = False
 
-  def test_bias_asked_explicitly_fails_loudly(self):
-    x = jnp.zeros((8, H, D))
-    with pytest.raises(ValueError, match="relative bias"):
-      jagged_attention(x, x, x, jnp.array([0, 8], jnp.int32), max_seq_len=8, pos_bias=jnp.zeros((H, 4)),
-                       implementation="interpret_tpu")
+  def test_single_bias_table(self):
+    # each table alone (the kernels' ref lists change with it); one position bucket (every cell clipped).
+    # SiLU: under softmax a one-bucket position table only shifts each row, so its gradient is zero.
+    rng = np.random.default_rng(7)
+    offsets = jnp.asarray(_offsets([0, 1, 17, 33]))
+    q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
+    ts = jnp.asarray(rng.integers(0, 10**5, size=CAPACITY), jnp.int32)
+    for extra in (dict(pos_bias=jnp.asarray(rng.standard_normal((H, 1)), jnp.float32)),
+                  dict(time_bias=jnp.asarray(rng.standard_normal((H, 12)), jnp.float32), timestamps=ts)):
+      table = next(key for key in extra if key.endswith("bias"))
+
+      def loss(impl, q, tab):
+        o = jagged_attention(q, k, v, offsets, max_seq_len=N, activation="silu", implementation=impl,
+                             **{**extra, table: tab})
+        return jnp.sum(o * v), o
+
+      (got_g, got), (want_g, want) = (jax.grad(loss, argnums=(1, 2), has_aux=True)(impl, q, extra[table])
+                                      for impl in (self.IMPLEMENTATION, "reference"))
+      for name, a, b in zip(("out", "dq", "d" + table), (got, *got_g), (want, *want_g)):
+        assert _rel(a, b) < 1e-4, f"{table} {name}: rel err {_rel(a, b):.2e}"
 
 
 @pytest.mark.parametrize("backend", [TestInterpretGPU, TestInterpretTPU])

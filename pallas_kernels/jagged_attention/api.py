@@ -40,15 +40,16 @@ IMPLEMENTATIONS = tuple(_IMPLEMENTATIONS) + ("pallas", "interpret")
 def default_implementation(platform: str | None = None) -> str:
   """Best implementation for a platform (default: jax's default backend).
 
-  Pallas GPU kernel on GPU, Mosaic TPU kernel on TPU, the jnp reference elsewhere (CPU). With a
-  relative bias on TPU, jagged_attention(implementation=None) uses the reference (no TPU bias kernel).
+  Pallas GPU kernel on GPU, Mosaic TPU kernel on TPU, the jnp reference elsewhere (CPU). Both kernels
+  fuse the relative bias, so the choice does not depend on it.
   """
   platform = platform or jax.default_backend()
   return _PALLAS_BY_PLATFORM.get(platform, "reference")
 
 
-# backends without the fused relative bias (implementation=None then falls back to the reference)
-_NO_BIAS = ("pallas_tpu", "interpret_tpu")
+# backends without the fused relative bias (implementation=None then falls back to the reference); none
+# now: the TPU kernel has it too (compare-select loops over a tile's bucket range, tpu.py)
+_NO_BIAS: tuple[str, ...] = ()
 
 
 def _resolve(implementation: str | None, has_bias: bool = False) -> str:

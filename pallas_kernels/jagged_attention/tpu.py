@@ -5,8 +5,13 @@ gathers q/k/v into a tile-major [H, tiles, block, D] layout (every tile holds ro
 zero-filled past its end) and scatters the result back. Per-tile tables (sequence, first/last key
 tile, ...) reach the index maps through scalar prefetch, so each (query tile, step) grid point fetches
 exactly the key tile it needs; steps past a tile's causal range repeat the previous block index (no new
-DMA) and skip compute. Relative bias is not implemented here (the TPU has no vector gather for the
-bucket lookup); api.py falls back to the reference when it is asked for implicitly.
+DMA) and skip compute.
+
+Relative bias: the TPU has no vector gather, so a tile's bias is built by compare-select loops over only
+the bucket values the tile can hold (position: at most 2 * block - 1 values from the tile offsets, one for
+a tile wholly past the last bucket; time: [min, max] of the tile's allowed cells). The tables are read as
+scalars from SMEM; timestamps travel in the same tile-major layout as q. The dQ kernel also sums dScore per
+bucket (same loops) into per-(head, query tile) histogram rows, which the wrapper sums over tiles.
 
 No TPU was available: this kernel is validated only in TPU interpret mode (pltpu.InterpretParams).
 """
@@ -76,6 +81,12 @@ def _to_tiles(x, rows, row_ok):
   return jnp.transpose(xt, (2, 0, 1, 3))
 
 
+def _ts_tiles(ts, rows, row_ok):
+  """int32[T] timestamps -> ([tiles, block, 1] query-side columns, [tiles, 1, block] key-side rows)."""
+  tt = jnp.where(row_ok, jnp.take(ts.astype(jnp.int32), jnp.where(row_ok, rows, 0), axis=0), 0)
+  return tt[:, :, None], tt[:, None, :]
+
+
 def _from_tiles(xt, offsets, t: int, s: Static):
   """[H, tiles, block, D] -> [T, H, D] (zeros past offsets[B] and past max_seq_len in a sequence)."""
   bt = s.blocks.block_q
@@ -106,6 +117,67 @@ def _positions(refs, i, other_tile, s: Static, bt: int):
   return r, c
 
 
+def _pad128(n: int) -> int:
+  return cdiv(n, 128) * 128
+
+
+def _bias_inputs(pos, time, ts_rows, ts_cols, rows_side: str, cols_side: str):
+  """(arrays, spec kinds) of the bias inputs a kernel needs: flat tables in SMEM, timestamps as tiles."""
+  arrays, kinds = [], []
+  for x, kind in ((pos, "smem"), (time, "smem"), (ts_rows, rows_side), (ts_cols, cols_side)):
+    if x is not None:
+      arrays.append(x.reshape(-1).astype(jnp.float32) if kind == "smem" else x)
+      kinds.append(kind)
+  return arrays, kinds
+
+
+def _split_bias(refs, s: Static):
+  """(pos_ref, time_ref, ts_rows_ref, ts_cols_ref) (None where absent), rest of the refs."""
+  have = (s.has_pos, s.has_time, s.has_time, s.has_time)
+  out, n = [], 0
+  for h in have:
+    out.append(refs[n] if h else None)
+    n += int(h)
+  return out, refs[n:]
+
+
+def _bias(bias_refs, h, rm, cm, r, c, mask, s: Static, bt: int):
+  """float32 [bt, bt] relative bias of query tile rm against key tile cm (tile indices within the sequence).
+
+  Returns (bias, pos bucket, its [lo, hi] range, time bucket, its [lo, hi] range); buckets are None when
+  the table is absent. Only bucket values the tile can hold are visited (no vector gather on the TPU).
+  """
+  pos_ref, time_ref, tsr_ref, tsc_ref = bias_refs
+  bias = jnp.zeros((bt, bt), jnp.float32)
+  pb = prange = tb = trange = None
+  if s.has_pos:
+    last = s.num_pos - 1
+    pb = jnp.clip(r - c, 0, last)
+    d = (rm - cm) * bt  # i - j of the tiles' first rows; cells span d - (bt - 1) .. d + (bt - 1)
+    prange = (jnp.clip(d - (bt - 1), 0, last), jnp.clip(d + (bt - 1), 0, last))
+    base = h * s.num_pos
+    bias = lax.fori_loop(prange[0], prange[1] + 1, lambda t, b: jnp.where(pb == t, pos_ref[base + t], b), bias)
+  if s.has_time:
+    last = s.num_time - 1
+    tb = tiling.time_bucket(tsr_ref[...] - tsc_ref[...], s.num_time)
+    trange = (jnp.min(jnp.where(mask, tb, last)), jnp.max(jnp.where(mask, tb, 0)))  # empty if no allowed cell
+    base = h * s.num_time
+    bias = lax.fori_loop(trange[0], trange[1] + 1,
+                         lambda t, b: jnp.where(tb == t, b + time_ref[base + t], b), bias)
+  return bias, pb, prange, tb, trange
+
+
+def _histogram(ds, bucket, lo_hi, width: int):
+  """[1, width] row with sum(ds over cells of bucket t) at lane t, for t in [lo, hi]."""
+  lane = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+
+  def add(t, row):
+    tot = jnp.sum(jnp.sum(jnp.where(bucket == t, ds, 0.0), axis=1, keepdims=True), axis=0, keepdims=True)
+    return row + jnp.where(lane == t, tot, 0.0)
+
+  return lax.fori_loop(lo_hi[0], lo_hi[1] + 1, add, jnp.zeros((1, width), jnp.float32))
+
+
 def _act(sc, mask, s: Static, lse=None):
   """(p, sigmoid or None) for a score tile; for SiLU p lacks the 1/max_seq_len factor."""
   if s.activation == "silu":
@@ -120,8 +192,9 @@ def _dot(a, b, dims):
 
 def _fwd_kernel(*refs, s: Static, bt: int, steps: int):
   tabs = refs[:len(_TABLES)]
-  q_ref, k_ref, v_ref, o_ref, lse_ref, acc, m_scr, l_scr = refs[len(_TABLES):]
-  i, j = pl.program_id(1), pl.program_id(2)
+  bias_refs, refs = _split_bias(refs[len(_TABLES):], s)
+  q_ref, k_ref, v_ref, o_ref, lse_ref, acc, m_scr, l_scr = refs
+  h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   kv = _tab(tabs, "kv_lo", i) + j
 
   @pl.when(j == 0)
@@ -135,6 +208,9 @@ def _fwd_kernel(*refs, s: Static, bt: int, steps: int):
     r, c = _positions(tabs, i, kv, s, bt)
     mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
     sc = s.alpha * _dot(q_ref[...], k_ref[...], ((1,), (1,)))
+    if s.has_pos or s.has_time:
+      rm, cm = _tab(tabs, "tile_m", i), kv - _tab(tabs, "base", i)
+      sc = sc + _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)[0]
     v = v_ref[...]
     if s.activation == "silu":
       p, _ = _act(sc, mask, s)
@@ -161,22 +237,29 @@ def _fwd_kernel(*refs, s: Static, bt: int, steps: int):
       lse_ref[...] = m_scr[...] + jnp.log(l_safe)
 
 
-def _specs(bt, d, which):
-  """BlockSpec of a [H, tiles, bt, d] tile array: this grid point's own tile, or its key/query tile."""
+def _specs(shape, which):
+  """BlockSpec of a [H, tiles, a, b] (or head-less [tiles, a, b]) tile array: this grid point's own tile,
+  or its key/query tile; "smem": the whole (flat) array in SMEM, read as scalars."""
+  if which == "smem":
+    return pl.BlockSpec(memory_space=pltpu.SMEM)
+  block = (None,) * (len(shape) - 2) + tuple(shape[-2:])
+  heads = len(shape) == 4
   if which == "own":
-    return pl.BlockSpec((None, None, bt, d), lambda h, i, j, *t: (h, i, 0, 0))
-  lo, hi = ("kv_lo", "kv_hi") if which == "kv" else ("q_lo", "q_hi")
-  a, b = _TABLES.index(lo), _TABLES.index(hi)
+    tile = lambda i, j, t: i
+  else:
+    lo, hi = ("kv_lo", "kv_hi") if which == "kv" else ("q_lo", "q_hi")
+    a, b = _TABLES.index(lo), _TABLES.index(hi)
+    tile = lambda i, j, t: jnp.maximum(jnp.minimum(t[a][i] + j, t[b][i] - 1), 0)  # past the range: last block
 
-  def index(h, i, j, *t):  # clamp: past the range, re-use the last block (no new DMA)
-    return h, jnp.maximum(jnp.minimum(t[a][i] + j, t[b][i] - 1), 0), 0, 0
+  def index(h, i, j, *t):
+    return (h, tile(i, j, t), 0, 0) if heads else (tile(i, j, t), 0, 0)
 
-  return pl.BlockSpec((None, None, bt, d), index)
+  return pl.BlockSpec(block, index)
 
 
 def _call(kernel, tables, inputs, in_kinds, out_shapes, out_kinds, scratch, grid, s: Static, name: str):
-  in_specs = [_specs(s.blocks.block_q, x.shape[-1], kind) for x, kind in zip(inputs, in_kinds)]
-  out_specs = [_specs(s.blocks.block_q, o.shape[-1], kind) for o, kind in zip(out_shapes, out_kinds)]
+  in_specs = [_specs(x.shape, kind) for x, kind in zip(inputs, in_kinds)]
+  out_specs = [_specs(o.shape, kind) for o, kind in zip(out_shapes, out_kinds)]
   grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(_TABLES), grid=grid, in_specs=in_specs,
                                            out_specs=out_specs, scratch_shapes=scratch)
   return pl.pallas_call(
@@ -186,12 +269,13 @@ def _call(kernel, tables, inputs, in_kinds, out_shapes, out_kinds, scratch, grid
   )(*[tables[k] for k in _TABLES], *inputs)
 
 
-def _forward(qt, kt, vt, tables, s: Static):
+def _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
   heads, tiles, bt, dv = vt.shape
   steps = cdiv(s.max_seq_len, bt)
   kernel = functools.partial(_fwd_kernel, s=s, bt=bt, steps=steps)
+  bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
   # Grid: (head, query tile, key step); the key step walks the query tile's causal key range.
-  return _call(kernel, tables, [qt, kt, vt], ["own", "kv", "kv"],
+  return _call(kernel, tables, [*bias_in, qt, kt, vt], [*bias_kinds, "own", "kv", "kv"],
                [jax.ShapeDtypeStruct(vt.shape, vt.dtype), jax.ShapeDtypeStruct((heads, tiles, bt, 1), jnp.float32)],
                ["own", "own"], [pltpu.VMEM((bt, dv), jnp.float32), pltpu.VMEM((bt, 1), jnp.float32),
                                 pltpu.VMEM((bt, 1), jnp.float32)],
@@ -207,13 +291,18 @@ def _dscore(sc, mask, dp, lse, delta, s: Static):
 
 def _dq_kernel(*refs, s: Static, bt: int, steps: int):
   tabs = refs[:len(_TABLES)]
-  q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, acc = refs[len(_TABLES):]
-  i, j = pl.program_id(1), pl.program_id(2)
+  bias_refs, refs = _split_bias(refs[len(_TABLES):], s)
+  q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *hist_refs, acc = refs
+  dpos_ref = hist_refs[0] if s.has_pos else None
+  dtime_ref = hist_refs[-1] if s.has_time else None
+  h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   kv = _tab(tabs, "kv_lo", i) + j
 
   @pl.when(j == 0)
   def _():
     acc[...] = jnp.zeros_like(acc)
+    for ref in hist_refs:
+      ref[...] = jnp.zeros_like(ref)
 
   @pl.when(kv < _tab(tabs, "kv_hi", i))
   def _():
@@ -221,9 +310,17 @@ def _dq_kernel(*refs, s: Static, bt: int, steps: int):
     mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
     k = k_ref[...]
     sc = s.alpha * _dot(q_ref[...], k, ((1,), (1,)))
+    if s.has_pos or s.has_time:
+      rm, cm = _tab(tabs, "tile_m", i), kv - _tab(tabs, "base", i)
+      bias, pb, prange, tb, trange = _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)
+      sc = sc + bias
     dp = _dot(do_ref[...], v_ref[...], ((1,), (1,)))
-    _, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)
+    _, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)  # zero outside the mask
     acc[...] += _dot(ds.astype(k.dtype), k, ((1,), (0,)))
+    if s.has_pos:
+      dpos_ref[...] += _histogram(ds, pb, prange, dpos_ref.shape[-1])
+    if s.has_time:
+      dtime_ref[...] += _histogram(ds, tb, trange, dtime_ref.shape[-1])
 
   @pl.when(j == steps - 1)
   def _():
@@ -233,8 +330,9 @@ def _dq_kernel(*refs, s: Static, bt: int, steps: int):
 
 def _dkv_kernel(*refs, s: Static, bt: int, steps: int):
   tabs = refs[:len(_TABLES)]
-  k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs[len(_TABLES):]
-  i, j = pl.program_id(1), pl.program_id(2)
+  bias_refs, refs = _split_bias(refs[len(_TABLES):], s)
+  k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
+  h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
   qi = _tab(tabs, "q_lo", i) + j
 
   @pl.when(j == 0)
@@ -245,11 +343,14 @@ def _dkv_kernel(*refs, s: Static, bt: int, steps: int):
   @pl.when(qi < _tab(tabs, "q_hi", i))
   def _():
     # rows: query tile qi, cols: this key tile i (same sequence, so the same base)
-    r = (_tab(tabs, "tile_m", qi)) * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-    c = _tab(tabs, "tile_m", i) * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    rm, cm = _tab(tabs, "tile_m", qi), _tab(tabs, "tile_m", i)
+    r = rm * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    c = cm * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
     mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
     q, do = q_ref[...], do_ref[...]
     sc = s.alpha * _dot(q, k_ref[...], ((1,), (1,)))
+    if s.has_pos or s.has_time:
+      sc = sc + _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)[0]
     dp = _dot(do, v_ref[...], ((1,), (1,)))
     p, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)
     dv_acc[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
@@ -263,7 +364,7 @@ def _dkv_kernel(*refs, s: Static, bt: int, steps: int):
 
 
 def _backward(s: Static, res, dot):
-  qt, kt, vt, ot, lse, tables = res
+  qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols = res
   heads, tiles, bt, dqk = qt.shape
   dv = vt.shape[-1]
   dot = dot.astype(vt.dtype)
@@ -272,28 +373,37 @@ def _backward(s: Static, res, dot):
   else:
     delta = jnp.zeros_like(lse)
   steps = cdiv(s.max_seq_len, bt)
-  # Grid: (head, query tile, key step), as the forward.
-  dq = _call(functools.partial(_dq_kernel, s=s, bt=bt, steps=steps), tables,
-             [qt, dot, lse, delta, kt, vt], ["own", "own", "own", "own", "kv", "kv"],
-             [jax.ShapeDtypeStruct(qt.shape, qt.dtype)], ["own"], [pltpu.VMEM((bt, dqk), jnp.float32)],
-             (heads, tiles, steps), s, "jagged_attention_bwd_dq_tpu")[0]
+  # per-(head, query tile) bucket histograms of dScore, lane-padded: block (1, 128 * n) per grid point
+  hists = [jax.ShapeDtypeStruct((heads, tiles, 1, _pad128(n)), jnp.float32)
+           for n, on in ((s.num_pos, s.has_pos), (s.num_time, s.has_time)) if on]
+  bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
+  # Grid: (head, query tile, key step), as the forward; the histograms accumulate over the key step.
+  dq, *hist = _call(functools.partial(_dq_kernel, s=s, bt=bt, steps=steps), tables,
+                    [*bias_in, qt, dot, lse, delta, kt, vt], [*bias_kinds, "own", "own", "own", "own", "kv", "kv"],
+                    [jax.ShapeDtypeStruct(qt.shape, qt.dtype), *hists], ["own"] * (1 + len(hists)),
+                    [pltpu.VMEM((bt, dqk), jnp.float32)], (heads, tiles, steps), s, "jagged_attention_bwd_dq_tpu")
+  scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+  dtab = [jnp.sum(x, axis=(1, 2)) * scale for x in hist]  # [H, padded buckets]
+  dpos = dtab[0][:, :s.num_pos].astype(pos.dtype) if s.has_pos else None
+  dtime = dtab[-1][:, :s.num_time].astype(time.dtype) if s.has_time else None
+  bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "q", "own")
   # Grid: (head, key tile, query step); the query step walks the query tiles that see the key tile.
   dk, dvv = _call(functools.partial(_dkv_kernel, s=s, bt=bt, steps=steps), tables,
-                  [kt, vt, qt, dot, lse, delta], ["own", "own", "q", "q", "q", "q"],
+                  [*bias_in, kt, vt, qt, dot, lse, delta], [*bias_kinds, "own", "own", "q", "q", "q", "q"],
                   [jax.ShapeDtypeStruct(kt.shape, kt.dtype), jax.ShapeDtypeStruct(vt.shape, vt.dtype)],
                   ["own", "own"], [pltpu.VMEM((bt, dqk), jnp.float32), pltpu.VMEM((bt, dv), jnp.float32)],
                   (heads, tiles, steps), s, "jagged_attention_bwd_dkv_tpu")
-  return dq, dk, dvv, None
+  return dq, dk, dvv, None, dpos, dtime, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("s",))
-def _attention_tiles(qt, kt, vt, tables, s: Static):
-  return _forward(qt, kt, vt, tables, s)[0]
+def _attention_tiles(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
+  return _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)[0]
 
 
-def _attention_tiles_fwd(qt, kt, vt, tables, s: Static):
-  ot, lse = _forward(qt, kt, vt, tables, s)
-  return ot, (qt, kt, vt, ot, lse, tables)
+def _attention_tiles_fwd(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
+  ot, lse = _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)
+  return ot, (qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols)
 
 
 _attention_tiles.defvjp(_attention_tiles_fwd, _backward)
@@ -302,22 +412,19 @@ _attention_tiles.defvjp(_attention_tiles_fwd, _backward)
 def jagged_attention_tpu(q, k, v, offsets, *, max_seq_len, activation, alpha, num_targets, max_attn_len,
                          timestamps, pos_bias, time_bias, interpret=False, block_sizes: BlockSizes | None = None):
   """Pallas Mosaic TPU jagged attention (see api.jagged_attention for the arguments)."""
-  del timestamps  # only used by time_bias
-  if pos_bias is not None or time_bias is not None:
-    raise ValueError("the TPU kernel has no relative bias yet: use implementation='reference' with "
-                     f"pos_bias={None if pos_bias is None else pos_bias.shape}, "
-                     f"time_bias={None if time_bias is None else time_bias.shape}")
   t = q.shape[0]
   if alpha is None:
     alpha = 1.0 / math.sqrt(q.shape[-1])
   if block_sizes is None:
     block_sizes = BlockSizes.get_default("cpu" if interpret else "tpu", max(q.shape[-1], v.shape[-1]), max_seq_len)
   s = Static(max_seq_len=max_seq_len, activation=activation, alpha=float(alpha), max_attn_len=max_attn_len,
-             has_targets=num_targets is not None, has_pos=False, has_time=False, num_pos=1, num_time=1,
-             interpret=interpret, blocks=block_sizes)
+             has_targets=num_targets is not None, has_pos=pos_bias is not None, has_time=time_bias is not None,
+             num_pos=1 if pos_bias is None else pos_bias.shape[1],
+             num_time=1 if time_bias is None else time_bias.shape[1], interpret=interpret, blocks=block_sizes)
   b = offsets.shape[0] - 1
   targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
   tables, rows, row_ok, _ = _layout(offsets, targets, t, s)
   qt, kt, vt = (_to_tiles(x, rows, row_ok) for x in (q, k, v))
-  ot = _attention_tiles(qt, kt, vt, tables, s=s)
+  ts_rows, ts_cols = _ts_tiles(timestamps, rows, row_ok) if time_bias is not None else (None, None)
+  ot = _attention_tiles(qt, kt, vt, tables, pos_bias, time_bias, ts_rows, ts_cols, s=s)
   return _from_tiles(ot, offsets, t, s)
