@@ -134,6 +134,22 @@ class TestInterpretTPU(_Base):
         assert _rel(a, b) < 1e-4, f"{table} {name}: rel err {_rel(a, b):.2e}"
 
 
+  def test_mosaic_lowering_with_bias(self):
+    # no TPU here: check that forward and backward with both tables lower to Mosaic (every primitive has a
+    # Pallas TPU lowering rule, block shapes accepted); Mosaic's own compile passes still need a TPU
+    q = jnp.zeros((512, H, 128), jnp.bfloat16)
+    kw = dict(max_seq_len=256, implementation="pallas_tpu", timestamps=jnp.zeros((512,), jnp.int32),
+              num_targets=jnp.array([1, 2], jnp.int32), max_attn_len=100)
+
+    def loss(q, pos, time):
+      o = jagged_attention(q, q, q, jnp.array([0, 200, 456], jnp.int32), pos_bias=pos, time_bias=time, **kw)
+      return jnp.sum(o.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, jnp.zeros((H, 200)), jnp.zeros((H, 40))).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") == 3  # forward, dQ, dK/dV
+
+
 @pytest.mark.parametrize("backend", [TestInterpretGPU, TestInterpretTPU])
 @settings(max_examples=4, deadline=None)
 @given(lengths=st.lists(st.integers(0, N), min_size=6, max_size=6).filter(lambda ls: sum(ls) <= CAPACITY))
