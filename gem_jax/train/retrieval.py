@@ -372,7 +372,7 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
         with _StopRequest() as stop:
             epoch = progress["epoch"]
             step = progress["step"]
-            done = progress["stopped_early"] or progress.get("out_of_time", False) or epoch >= r.epochs
+            done = _ended(progress, r.epochs)
             t_train = time.perf_counter() - progress.get("train_time_s", 0.0)  # budget spans resumptions
             t_interval, interval = time.perf_counter(), {"steps": 0, "positions": 0.0, "users": 0}
             while not done and stop.signal is None:
@@ -433,8 +433,7 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                 done = ended or (stop_after is not None and step >= stop_after)
                 if stop_after is not None and step >= stop_after and not ended:
                     interrupted = True
-        finished = not interrupted and (progress["stopped_early"] or progress.get("out_of_time", False)
-                                        or progress["epoch"] >= r.epochs)
+        finished = not interrupted and _ended(progress, r.epochs)
         if finished and test_record is None:
             test_record = _score_test(trainer, best_ckpt, data, shards, progress)
             _write_json(workdir / "test.json", test_record)
@@ -453,6 +452,11 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
             "test": None if test_record is None else test_record["test"],
             "wall_time_s": time.perf_counter() - t_start, "final": last,
             "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind}
+
+
+def _ended(progress: dict[str, Any], epochs: int) -> bool:
+    """Training is over: early-stopped, out of time, or all epochs done."""
+    return progress["stopped_early"] or progress.get("out_of_time", False) or progress["epoch"] >= epochs
 
 
 def _score_test(trainer: RetrievalTrainer, best_ckpt: Checkpointer, data: RetrievalData, shards: int,
