@@ -156,3 +156,24 @@ class TestInterpretTPU(_Base):
 def test_random_lengths_forward(backend, lengths):
   # fixed B and capacity: offsets are traced values, so every example reuses one compilation
   backend()._case(4, "silu", jnp.float32, targets=True, window=0, bias=False, lengths=lengths, grads=False)
+
+
+@pytest.mark.parametrize("num_time", [1, 5, 40, 64])
+def test_time_thresholds_reproduce_reference_buckets(num_time):
+  # the GPU kernels find a cell's time bucket by comparing float32(max(dt, 1)) against these thresholds (no
+  # per-cell log): it must equal the reference's bucket for every delta, at and beside each threshold too
+  from pallas_kernels.jagged_attention.gpu import time_thresholds
+  from pallas_kernels.jagged_attention.reference import time_buckets
+
+  width = max(16, 1 << (num_time - 1).bit_length())
+  thr = np.asarray(time_thresholds(num_time, width))
+  assert thr[0] == -np.inf and np.all(thr[:-1] <= thr[1:]) and np.all(np.isinf(thr[num_time:]))
+  finite = thr[np.isfinite(thr)].astype(np.int64)
+  rng = np.random.default_rng(0)
+  dt = np.concatenate([finite - 1, finite, finite + 1, rng.integers(-10, 10**4, 2000),
+                       rng.integers(0, 2**31 - 1, 2000), [0, 1, 2, 2**31 - 1]])
+  dt = np.clip(dt, -(2**31), 2**31 - 1).astype(np.int32)
+  x = np.maximum(dt, 1).astype(np.float32)
+  got = np.sum(x[:, None] >= thr[None, 1:], axis=1)
+  want = np.asarray(time_buckets(jnp.asarray(dt), num_time))
+  np.testing.assert_array_equal(got, want)

@@ -52,13 +52,20 @@ def _rows(ref, start, lo, size, ok, h=None):
   return plgpu.load(ref.at[pl.ds(start + lo, size), h, :], mask=ok[:, None], other=0)
 
 
+def _timestamps(ts_ref, start, lo, size, ok):
+  """(timestamps of the tile's rows, their min, their max over valid rows): the time-bias bucket range."""
+  ts = _rows(ts_ref, start, lo, size, ok)
+  big = jnp.iinfo(jnp.int32).max
+  return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
+
+
 def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static):
   """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta."""
   rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
   row_ok = rows < length
   q = _rows(q_ref, start, q_lo, bq, row_ok, h)
   do = None if do_ref is None else _rows(do_ref, start, q_lo, bq, row_ok, h)
-  ts_q = _rows(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+  ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
   lse = delta = None
   if do_ref is not None and s.activation == "softmax":
     lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
@@ -72,7 +79,7 @@ def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static):
   col_ok = cols < length
   k = _rows(k_ref, start, k_lo, bk, col_ok, h)
   v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-  ts_k = _rows(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+  ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
   return cols, col_ok, k, v, ts_k
 
 
@@ -87,11 +94,75 @@ def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipp
       sc = sc + pos_far
     else:
       sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
-  tb = None
+  tt = None
   if s.has_time:
-    tb = tiling.time_bucket(ts_q[:, None] - ts_k[None, :], s.num_time)
-    sc = sc + time_ref[h, tb]
-  return sc, tb
+    tt = _time_cells(ts_q, ts_k, s)
+    sc = sc + _time_bias(tt, h, time_ref)
+  return sc, tt
+
+
+def time_thresholds(num_time: int, width: int) -> jax.Array:
+  """float32[width]: thr[b] = float32 of the smallest integer dt whose bucket is >= b; -inf at 0, +inf from num_time.
+
+  A cell's bucket is then #{b >= 1: float32(max(dt, 1)) >= thr[b]}, the reference's bucket exactly: thr is found
+  by bisection over int32 with the reference's own formula (same XLA ops), and the bucket of a delta depends on it
+  only through float32(max(dt, 1)), a monotone map. So the kernels never take a logarithm per cell.
+  """
+  b = jnp.arange(width, dtype=jnp.int32)
+  unclipped = lambda dt: tiling.time_bucket(dt, 2**30)
+  top = jnp.iinfo(jnp.int32).max
+
+  def bisect(_, lohi):
+    lo, hi = lohi
+    mid = lo + (hi - lo) // 2
+    ok = unclipped(mid) >= b
+    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+  lo, _ = lax.fori_loop(0, 32, bisect, (jnp.ones_like(b), jnp.full_like(b, top)))
+  thr = jnp.where((b < num_time) & (unclipped(jnp.int32(top)) >= b), lo.astype(jnp.float32), jnp.inf)
+  return jnp.where(b == 0, -jnp.inf, thr)
+
+
+def _time_cells(ts_q, ts_k, s: Static):
+  """(float32(max(dt, 1)) per cell, lo, hi): every cell's bucket lies in [lo, hi].
+
+  The bounds come from the tile's extreme deltas with a cheap scalar log, widened by one bucket on each side
+  (a scalar log may differ from XLA's by an ulp); the bias and gradient loops are exact for any wider range.
+  """
+  (tq, q_min, q_max), (tk, k_min, k_max) = ts_q, ts_k
+  x = jnp.maximum(tq[:, None] - tk[None, :], 1).astype(jnp.float32)
+  approx = lambda dt: jnp.floor(jnp.log(jnp.maximum(dt, 1).astype(jnp.float32)) / tiling.LOG_TIME_DIVISOR)
+  lo = jnp.clip(approx(q_min - k_max).astype(jnp.int32) - 1, 0, s.num_time - 1)
+  hi = jnp.clip(approx(q_max - k_min).astype(jnp.int32) + 1, lo, s.num_time - 1)
+  return x, lo, hi
+
+
+def _time_bias(tt, h, time_ref):
+  """time_bias[h, bucket] per cell: a compare-select per bucket of the tile's range (no gather, no log).
+
+  time_ref row -1 holds time_thresholds; a cell at or past thr[b] takes table[b], larger b overriding.
+  """
+  x, lo, hi = tt
+  thr = time_ref.shape[0] - 1
+  return lax.fori_loop(lo + 1, hi + 1, lambda b, bias: jnp.where(x >= time_ref[thr, b], time_ref[h, b], bias),
+                       jnp.full(x.shape, time_ref[h, lo], jnp.float32))
+
+
+def _time_hist(hist, ds, tt, time_ref):
+  """hist[b] += sum of ds over the tile's cells of bucket b; hist is a register row carried through the loop.
+
+  With S_b = sum(ds where x >= thr[b]) (all cells for b = lo), a bucket's sum is S_b - S_{b+1}: one masked
+  reduction per bucket of the tile's range, no atomics.
+  """
+  x, lo, hi = tt
+  thr = time_ref.shape[0] - 1
+  lane = jnp.arange(hist.shape[0], dtype=jnp.int32)
+
+  def body(b, hist):
+    sb = jnp.sum(jnp.where(x >= time_ref[thr, b], ds, 0.0))
+    return hist + jnp.where(lane == b, sb, 0.0) - jnp.where((lane == b - 1) & (b > lo), sb, 0.0)
+
+  return lax.fori_loop(lo, hi + 1, body, hist)
 
 
 LOG2E = 1.4426950408889634
@@ -318,30 +389,6 @@ def _ds(sc, mask, dp, lse, delta, s: Static, exact: bool):
 POS_SLOTS = 4  # copies of the position-gradient accumulator (programs pick one by work item: less contention)
 
 
-def _time_grad(dtime_ref, pid, ds, tb, s: Static):
-  """dtime_ref[pid, b] += sum of ds over the tile's cells of time bucket b (tb = -1: no bucket).
-
-  Summation by parts along each row: with C = cumsum(ds) and b' the bucket of the next cell (-1 past the
-  tile), sum_j ds_j e_{b_j} = sum_j C_j (e_{b_j} - e_{b'_j}). Only cells where the bucket changes add
-  anything (+C to b, -C to b'), one masked atomic each: exact for any bucket pattern, and cheap for sorted
-  timestamps, whose buckets change a few times per row. b' comes from a 0/1 shift matmul (bucket ids < 256
-  are exact in bf16).
-  """
-  bk = tb.shape[1]
-  iota = jnp.arange(bk, dtype=jnp.int32)
-  shift = (iota[:, None] == iota[None, :] + 1).astype(jnp.bfloat16)  # column j takes column j + 1
-  nxt = _dot((tb + 1).astype(jnp.float32).astype(jnp.bfloat16), shift).astype(jnp.int32) - 1
-  c = jnp.cumsum(ds, axis=1)
-  change = (tb != nxt) & (c != 0.0)
-  for idx, val in ((tb, c), (nxt, -c)):
-    ok = change & (idx >= 0)
-    if s.interpret:  # the interpreter has no masked scatter-atomics: one-hot sum instead
-      hit = ok[:, :, None] & (idx[:, :, None] == jnp.arange(dtime_ref.shape[-1], dtype=jnp.int32))
-      dtime_ref[pid, :] += jnp.sum(jnp.where(hit, val[:, :, None], 0.0), axis=(0, 1))
-    else:
-      plgpu.atomic_add(dtime_ref, (pid, jnp.where(ok, idx, 0)), val, mask=ok)
-
-
 def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
                time_ref, do_ref, lse_ref, delta_ref, dpos_in_ref, dtime_in_ref, dq_ref, dpos_ref, dfar_ref,
                dtime_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
@@ -367,10 +414,10 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
     exact = q.dtype == jnp.float32
 
     def body(n, carry, masked, clipped):
-      dq, far = carry
+      dq, far, hist = carry
       k_lo = n * bk
       cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-      sc, tb = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
+      sc, tt = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
       _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
@@ -380,13 +427,17 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
       elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
         slot = (q_lo - k_lo - lowest) // step
         plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
-      if s.has_time:
-        _time_grad(dtime_ref, pid, ds, tb if mask is None else jnp.where(mask, tb, -1), s)
-      return dq, far
+      if s.has_time:  # ds is zero on masked cells
+        hist = _time_hist(hist, ds, tt, time_ref)
+      return dq, far, hist
 
-    init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((), jnp.float32))
+    init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((), jnp.float32),
+            jnp.zeros((dtime_ref.shape[-1],), jnp.float32))
     f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
-    dq, far = _split_loop(lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init, clip_edge=_clip_edge_kv(q_lo, bk, s))
+    dq, far, hist = _split_loop(lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init,
+                                clip_edge=_clip_edge_kv(q_lo, bk, s))
+    if s.has_time:
+      dtime_ref[pid, :] = hist
     scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
     plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], (dq * (s.alpha * scale)).astype(dq_ref.dtype),
                 mask=row_ok[:, None])
@@ -509,9 +560,9 @@ def _backward(s: Static, res, do):
   dpos = jnp.zeros(pos_tab.shape, jnp.float32)
   if s.has_pos:
     dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
-  dtime = jnp.zeros(time_tab.shape, jnp.float32)
+  dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient
   if s.has_time:
-    dtime = jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale
+    dtime = dtime.at[:heads].set(jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale)
   return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
 
 
@@ -559,8 +610,11 @@ def jagged_attention_gpu(q, k, v, offsets, *, max_seq_len, activation, alpha, nu
   ts = jnp.zeros((1,), jnp.int32) if timestamps is None else timestamps.astype(jnp.int32)
   pos_tab = jnp.zeros((heads, 16), jnp.float32) if pos_bias is None else _pad_last(
       pos_bias.astype(jnp.float32), _pow2(pos_bias.shape[1]))
-  time_tab = jnp.zeros((heads, 16), jnp.float32) if time_bias is None else _pad_last(
-      time_bias.astype(jnp.float32), _pow2(time_bias.shape[1]))
+  time_tab = jnp.zeros((heads + 1, 16), jnp.float32)
+  if time_bias is not None:  # the table, plus one row of bucket thresholds the kernels compare against
+    width = _pow2(time_bias.shape[1])
+    time_tab = jnp.concatenate([_pad_last(time_bias.astype(jnp.float32), width),
+                                time_thresholds(time_bias.shape[1], width)[None]])
   dqk_p, dv_p = _pow2(dqk), _pow2(dv)
   out = _attention(_pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p), offsets, targets, ts,
                    pos_tab, time_tab, s=s)
