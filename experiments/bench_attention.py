@@ -186,6 +186,22 @@ def _relaxed_atomics():
     jax.clear_caches()
 
 
+@contextlib.contextmanager
+def _pos_gather(on: bool):
+  """The GPU kernels' per-cell position-bias gather instead of block loads of the expanded table."""
+  from pallas_kernels.jagged_attention import gpu
+  if not on:
+    yield
+    return
+  gpu.POS_EXPANDED = False
+  jax.clear_caches()  # read at trace time
+  try:
+    yield
+  finally:
+    gpu.POS_EXPANDED = True
+    jax.clear_caches()
+
+
 def bench_bias(rng, reps, h, d, variants, n=1024, b=512):
   """The gem_h200 bias setting (128 position + 64 time buckets), the 1024-bucket case, and no bias, N=1024."""
   cases = [("no bias", {}), ("pos 128 + time 64 (gem_h200)", dict(num_pos=128, num_time=64)),
@@ -195,13 +211,16 @@ def bench_bias(rng, reps, h, d, variants, n=1024, b=512):
     cases += [("pos 128 only", dict(num_pos=128)), ("time 64 only", dict(num_time=64)),
               ("pos 128 + time 64, block_k 64", dict(both, block_sizes=BlockSizes(
                   block_k=64, block_q_dkv=64, block_k_dkv=128, num_stages=2))),
-              ("pos 128 + time 64, relaxed atomics", dict(both, relaxed=True))]
+              ("pos 128 + time 64, relaxed atomics", dict(both, relaxed=True)),
+              ("pos 128 only, per-cell position gather", dict(num_pos=128, gather=True)),
+              ("pos 128 + time 64, per-cell position gather", dict(both, gather=True))]
   rows = []
   for name, kw in cases:
     kw = dict(kw)
     relaxed = kw.pop("relaxed", False)
+    gather = kw.pop("gather", False)
     try:
-      with _relaxed_atomics() if relaxed else contextlib.nullcontext():
+      with _relaxed_atomics() if relaxed else contextlib.nullcontext(), _pos_gather(gather):
         r = bench_case(f"silu uniform N={n} B={b} {name}", _lengths("uniform", b, n, rng), h, d, "silu", rng,
                        reps, with_ref=False, **kw)
     except Exception as e:  # one failing variant (e.g. shared memory) must not hide the others

@@ -83,15 +83,19 @@ def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static):
   return cols, col_ok, k, v, ts_k
 
 
-def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None):
-  """(alpha * q k^T + relative bias in float32 [rows, cols], time bucket of each cell or None).
+def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None,
+            pos_tile=None):
+  """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None).
 
-  On a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far.
+  On a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far; otherwise it is
+  pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
   """
   sc = s.alpha * _dot(q, k, trans_b=True)
   if s.has_pos:
     if clipped:
       sc = sc + pos_far
+    elif pos_tile is not None:
+      sc = sc + pos_tile
     else:
       sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
   tt = None
@@ -265,6 +269,27 @@ def _pos_offsets(s: Static, bq: int, bk: int):
   return lowest, step, (s.num_pos + bk - 3 - lowest) // step + 1
 
 
+def _pos_expand(pos_tab, s: Static, bq: int, bk: int):
+  """[H, offsets, bq, bk]: the position bias of every not-wholly-clipped tile offset (_pos_offsets).
+
+  A kernel then loads its tile's bias as one block instead of gathering pos_tab per cell (a gather cost the
+  forward ~2 ms at N=1024 on the H200); built by XLA once per call, a few MB at most.
+  """
+  lowest, step, count = _pos_offsets(s, bq, bk)
+  off = lowest + step * np.arange(count)[:, None, None] + np.arange(bq)[None, :, None] - np.arange(bk)[None, None, :]
+  return pos_tab[:, np.clip(off, 0, s.num_pos - 1)]
+
+
+def _pos_tile(pos_exp_ref, h, q_lo, k_lo, s: Static, bq: int, bk: int):
+  if not (s.has_pos and POS_EXPANDED):
+    return None
+  lowest, step, _ = _pos_offsets(s, bq, bk)
+  return pos_exp_ref[h, (q_lo - k_lo - lowest) // step, :, :]
+
+
+POS_EXPANDED = True  # bench switch (experiments/bench_attention.py): per-cell gather instead when False
+
+
 def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
   tail = offsets_ref[num_seqs]
   for i in range(ZERO_TILES):
@@ -280,7 +305,7 @@ def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
 
 
 def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-                time_ref, o_ref, lse_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
+                pos_exp_ref, time_ref, o_ref, lse_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
   pid = pl.program_id(0)
   h = pid % heads
   w = pid // heads
@@ -302,7 +327,8 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
     def body(n, carry, masked, clipped):
       k_lo = n * bk
       cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
+      pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       if s.activation == "silu":
         (acc,) = carry
@@ -362,8 +388,15 @@ def _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
       compiler_params=plgpu.CompilerParams(num_warps=s.blocks.num_warps, num_stages=s.blocks.num_stages),
       interpret=s.interpret,
       name="jagged_attention_fwd",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab)
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k),
+    time_tab)
   return o, lse
+
+
+def _pos_expand_or_dummy(pos_tab, s: Static, bq: int, bk: int):
+  if s.has_pos and POS_EXPANDED:
+    return _pos_expand(pos_tab, s, bq, bk)
+  return jnp.zeros((1, 1, 16, 16), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- backward
@@ -390,7 +423,7 @@ POS_SLOTS = 4  # copies of the position-gradient accumulator (programs pick one 
 
 
 def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-               time_ref, do_ref, lse_ref, delta_ref, dpos_in_ref, dtime_in_ref, dq_ref, dpos_ref, dfar_ref,
+               pos_exp_ref, time_ref, do_ref, lse_ref, delta_ref, dpos_in_ref, dtime_in_ref, dq_ref, dpos_ref, dfar_ref,
                dtime_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
   del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
   pid = pl.program_id(0)
@@ -417,7 +450,8 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
       dq, far, hist = carry
       k_lo = n * bk
       cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-      sc, tt = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
+      pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+      sc, tt = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
       _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
@@ -453,7 +487,7 @@ def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, 
 
 
 def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-                time_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, s: Static, heads: int, num_work: int,
+                pos_exp_ref, time_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, s: Static, heads: int, num_work: int,
                 total_rows: int):
   pid = pl.program_id(0)
   h = pid % heads
@@ -477,7 +511,8 @@ def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
       q_lo = m * bq
       rows, _, q, do, ts_q, lse, delta = _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq,
                                                  length, h, s)
-      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far)
+      pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       dp = _dot(do, v, trans_b=True)
       p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
@@ -537,11 +572,12 @@ def _backward(s: Static, res, do):
       grid=(grid,),
       out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(pos_acc.shape, jnp.float32),
                  jax.ShapeDtypeStruct((grid,), jnp.float32), jax.ShapeDtypeStruct(time_acc.shape, jnp.float32)),
-      input_output_aliases={14: 1, 15: 3},
+      input_output_aliases={15: 1, 16: 3},
       compiler_params=params,
       interpret=s.interpret,
       name="jagged_attention_bwd_dq",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta, pos_acc, time_acc)
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, _pos_expand_or_dummy(pos_tab, s, bq, bk), time_tab, do, lse,
+    delta, pos_acc, time_acc)
   bk = s.blocks.block_k_dkv
   wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
   num_zero = cdiv(t, ZERO_TILES * bk)
@@ -554,7 +590,8 @@ def _backward(s: Static, res, do):
       compiler_params=params,
       interpret=s.interpret,
       name="jagged_attention_bwd_dkv",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, time_tab, do, lse, delta)
+  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab,
+    _pos_expand_or_dummy(pos_tab, s, s.blocks.block_q_dkv, bk), time_tab, do, lse, delta)
   scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
   head_of = jnp.arange(grid) % heads
   dpos = jnp.zeros(pos_tab.shape, jnp.float32)
