@@ -187,19 +187,25 @@ def _relaxed_atomics():
 
 
 @contextlib.contextmanager
-def _pos_gather(on: bool):
-  """The GPU kernels' per-cell position-bias gather instead of block loads of the expanded table."""
+def _switch(name: str, value, on: bool = True):
+  """Sets a module-level switch of the GPU kernels (read at trace time) for one case."""
   from pallas_kernels.jagged_attention import gpu
   if not on:
     yield
     return
-  gpu.POS_EXPANDED = False
-  jax.clear_caches()  # read at trace time
+  saved = getattr(gpu, name)
+  setattr(gpu, name, value)
+  jax.clear_caches()  # no cached trace of the other setting may be reused
   try:
     yield
   finally:
-    gpu.POS_EXPANDED = True
+    setattr(gpu, name, saved)
     jax.clear_caches()
+
+
+def _pos_gather(on: bool):
+  """The GPU kernels' per-cell position-bias gather instead of block loads of the expanded table."""
+  return _switch("POS_EXPANDED", False, on)
 
 
 def bench_bias(rng, reps, h, d, variants, n=1024, b=512):
@@ -213,14 +219,20 @@ def bench_bias(rng, reps, h, d, variants, n=1024, b=512):
                   block_k=64, block_q_dkv=64, block_k_dkv=128, num_stages=2))),
               ("pos 128 + time 64, relaxed atomics", dict(both, relaxed=True)),
               ("pos 128 only, per-cell position gather", dict(num_pos=128, gather=True)),
-              ("pos 128 + time 64, per-cell position gather", dict(both, gather=True))]
+              ("pos 128 + time 64, per-cell position gather", dict(both, gather=True)),
+              ("no bias, forward SiLU in packed bf16 (probe)", dict(silu_bf16=True, check=True))]
   rows = []
   for name, kw in cases:
     kw = dict(kw)
     relaxed = kw.pop("relaxed", False)
     gather = kw.pop("gather", False)
+    silu_bf16 = kw.pop("silu_bf16", False)
+    with_check = kw.pop("check", False)
     try:
-      with _relaxed_atomics() if relaxed else contextlib.nullcontext(), _pos_gather(gather):
+      with _relaxed_atomics() if relaxed else contextlib.nullcontext(), _pos_gather(gather), _switch(
+          "SILU_BF16X2", True, silu_bf16):
+        if with_check:
+          check(rng, bias_only=True)
         r = bench_case(f"silu uniform N={n} B={b} {name}", _lengths("uniform", b, n, rng), h, d, "silu", rng,
                        reps, with_ref=False, **kw)
     except Exception as e:  # one failing variant (e.g. shared memory) must not hide the others

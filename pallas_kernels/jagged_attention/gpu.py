@@ -185,6 +185,17 @@ def _silu_parts(x, s: Static, exact: bool):
   return x * sig, sig
 
 
+SILU_BF16X2 = False  # bench switch (experiments/bench_attention.py): forward SiLU in packed bf16
+
+
+def _silu_bf16x2(x):
+  """silu(x) rounded to bf16, computed in packed bf16 (tanh.approx.bf16x2): half the ALU ops of float32."""
+  xb = x.astype(jnp.bfloat16)
+  [t] = plgpu.elementwise_inline_asm("tanh.approx.bf16x2 $0, $1;", args=[xb * 0.5], constraints="=r,r", pack=2,
+                                     result_shape_dtypes=[jax.ShapeDtypeStruct(xb.shape, jnp.bfloat16)])
+  return xb * (t * 0.5 + 0.5)
+
+
 def _split_loop(n_lo, n_hi, f_lo, f_hi, body, carry, clip_edge=None, clipped_below=True):
   """Runs body(n, carry, masked, clipped) over [n_lo, n_hi); tiles in [f_lo, f_hi) need no mask.
 
@@ -332,7 +343,10 @@ def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref,
       mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
       if s.activation == "silu":
         (acc,) = carry
-        p, _ = _silu_parts(sc, s, exact)
+        if SILU_BF16X2 and v.dtype == jnp.bfloat16 and not s.interpret:
+          p = _silu_bf16x2(sc)
+        else:
+          p, _ = _silu_parts(sc, s, exact)
         if masked:
           p = jnp.where(mask, p, 0.0)
         return (acc + _dot(p.astype(v.dtype), v),)
