@@ -1,0 +1,316 @@
+"""Pallas Mosaic GPU (Hopper: wgmma + TMA, warp-specialised) forward kernel for jagged attention.
+
+Why: the Triton-lowered forward (gpu.py) spends ~10-25 CUDA-core ops per score element (SiLU, masks,
+casts) that do not overlap with its MMAs. Here, as in FlashAttention-3, one CTA runs three warpgroups:
+a producer that TMA-loads key/value tiles into a ring of shared-memory slots, and two consumer
+warpgroups of 64 query rows each that issue wgmma and do the activation, so one's elementwise work
+overlaps the other's matrix work.
+
+Design (same contract as gpu._forward; the Triton backward stays):
+* Work list: tiling.work_list(lengths, 2 * BLOCK_Q, ...), heaviest first; grid (head, item) with heads
+  fastest, plus tail items that zero rows past offsets[B]. A CTA reads its (sequence, tile) from the
+  work arrays in global memory; causal loop bounds follow from offsets at run time.
+* Jagged loads: TMA boxes `k.at[pl.ds(start + k_lo, bk), h]` at arbitrary row starts. Rows past the
+  sequence belong to the next sequence and are masked in the scores; boxes past T are zero-filled by
+  TMA. Such rows must hold finite values (0 * NaN = NaN), as any real token does.
+* Masks only on the diagonal / sequence-end tiles; key tiles below them run mask-free.
+* Jagged stores: a consumer never writes rows outside [start, start + length): its tile is staged in
+  an unswizzled shared buffer and stored as up to 7 power-of-two-row TMA boxes (binary decomposition
+  of the valid row count, as in jax's ragged_dot_mgpu).
+* SiLU: with h = alpha * s / 2, silu(alpha * s) = h + h * tanh(h) (tanh.approx via approx_math);
+  1/max_seq_len is applied once to the accumulator.
+* Softmax: base-2 online softmax; lse goes to a tile-major [items, H, 2 * BLOCK_Q] buffer (a 1-D TMA of
+  a whole tile) and is gathered to [H, T] in XLA (a row's tile is never shared between sequences).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.jagged_attention import tiling
+from pallas_kernels.jagged_attention.tiling import Static, cdiv
+
+BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
+COMPUTE_WGS = 2
+ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
+LOG2E = 1.4426950408889634
+
+
+def supports(s: Static, q, v, block_k: int = 128) -> bool:
+  """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
+  return (not s.has_pos and not s.has_time and not s.has_targets and s.max_attn_len == 0
+          and not s.interpret and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype
+          and q.shape[-1] == 128 and v.shape[-1] == 128 and s.activation in ("silu", "softmax"))
+
+
+def _cast(interpret: bool, x, layout):
+  """plgpu.layout_cast, skipped in the GPU interpreter (which has no layouts)."""
+  return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def _iota(interpret: bool, shape, dim: int):
+  if interpret:
+    return lax.broadcasted_iota(jnp.int32, shape, dim)
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _store_rows(src_smem, dst, nrows, max_rows: int):
+  """TMA-stores rows [0, nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
+  off = 0
+  size = max_rows
+  while size >= 1:
+    @pl.when((nrows & size) != 0)
+    def _(off=off, size=size):
+      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(off, size)], dst(off, size))
+
+    off = off + (nrows & size)
+    size //= 2
+
+
+def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static,
+            num_work: int, block_k: int, stages: int, total_rows: int, interpret: bool):
+  h = lax.axis_index("heads")
+  w = lax.axis_index("items")
+  wg = lax.axis_index("wg")
+  (q_smem2, o_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free) = scoped
+  dv = v_ref.shape[-1]
+  bq, bk = BLOCK_Q, block_k
+  dtype = q_ref.dtype
+  num_seqs = offsets_ref.shape[0] - 1
+
+  is_work = w < num_work
+  wc = jnp.minimum(w, num_work - 1)
+  b = work_ref[0, wc]
+  m = work_ref[1, wc]
+  valid = is_work & (work_ref[2, wc] > 0)
+  start = offsets_ref[b]
+  length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+  tile_lo = m * (COMPUTE_WGS * bq)
+  # key tiles the whole CTA needs (the producer's range): up to the last valid row of the tile
+  cta_steps = jnp.where(valid, cdiv_dyn(jnp.minimum(tile_lo + COMPUTE_WGS * bq, length), bk), 0)
+
+  @pl.when(valid & (wg < COMPUTE_WGS))
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+    q_lo = tile_lo + wg * bq
+    rows_ok = jnp.clip(length - q_lo, 0, bq)
+    steps = jnp.where(rows_ok > 0, cdiv_dyn(jnp.minimum(q_lo + bq, length), bk), 0)
+    full = jnp.minimum(jnp.minimum(q_lo + 1, length) // bk, steps)  # tiles that need no mask
+
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start + q_lo, bq), h], q_smem, q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])
+
+    @pl.when(steps > 0)
+    def _():
+      plgpu.barrier_wait(k_bar.at[0])
+
+    def body(step, carry, masked: bool):
+      slot = lax.rem(step, jnp.int32(stages))
+
+      def qk_scope(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        return acc_ref[...]
+
+      if interpret:  # the GPU interpreter has no transposed wgmma operands: a plain dot of the tiles
+        sc = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+      else:
+        sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
+      plgpu.barrier_arrive(k_free.at[slot])
+      mask = None
+      if masked:
+        rows = q_lo + _iota(interpret, (bq, bk), 0)
+        cols = step * bk + _iota(interpret, (bq, bk), 1)
+        mask = (cols <= rows) & (cols < length)
+      if s.activation == "silu":
+        (acc,) = carry
+        half = sc * (0.5 * s.alpha)
+        p = half + half * jnp.tanh(half)
+        if masked:
+          p = jnp.where(mask, p, 0.0)
+        carry_out = ()
+      else:
+        acc, m_i, l_i = carry
+        x = sc * (s.alpha * LOG2E)
+        if masked:
+          x = jnp.where(mask, x, -jnp.inf)
+        m_new = jnp.maximum(m_i, x.max(axis=1))
+        corr = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+        l_i = l_i * corr + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
+        carry_out = (m_new, l_i)
+      plgpu.barrier_wait(v_bar.at[slot])
+
+      def pv_scope(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
+        nxt = step + 1
+
+        @pl.when(nxt < steps)
+        def _():
+          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+
+      if interpret:  # ... and no run_state
+        acc = acc + jnp.dot(p.astype(dtype), v_smem.at[slot][...], preferred_element_type=jnp.float32)
+        nxt = step + 1
+
+        @pl.when(nxt < steps)
+        def _():
+          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+      else:
+        acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+      plgpu.barrier_arrive(v_free.at[slot])
+      return (acc,) + carry_out
+
+    acc = _cast(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
+    if s.activation == "silu":
+      carry = (acc,)
+    else:
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      carry = (acc, _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
+               _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout))
+    carry = lax.fori_loop(0, full, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
+
+    @pl.loop(steps, cta_steps)
+    def _drain(step):
+      # The other consumer still needs these tiles: release our share of each slot, but only once the
+      # tile is in it, so that an early arrival never completes a phase the other consumer still holds.
+      slot = lax.rem(step, jnp.int32(stages))
+      plgpu.barrier_wait(k_bar.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_bar.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+
+    if s.activation == "silu":
+      out = carry[0] * (1.0 / s.max_seq_len)
+    else:
+      acc, m_i, l_i = carry
+      l_safe = jnp.where(l_i > 0, l_i, 1.0)
+      out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      lse_smem = lse_smem2.at[wg]
+      lse_smem[...] = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E)
+    o_smem[...] = out.astype(o_smem.dtype)
+    plgpu.commit_smem()
+    _store_rows(o_smem, lambda off, size: o_ref.at[pl.ds(start + q_lo + off, size), h], rows_ok, bq)
+    if s.activation == "softmax":
+      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[w, h, pl.ds(wg * bq, bq)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  @pl.when(valid & (wg == COMPUTE_WGS))
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    @pl.loop(0, cta_steps)
+    def _(step):
+      slot = lax.rem(step, jnp.int32(stages))
+      rows = pl.ds(start + step * bk, bk)
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(k_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_bar.at[slot])
+
+      @pl.when(step >= stages)
+      def _():
+        plgpu.barrier_wait(v_free.at[slot])
+
+      plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_bar.at[slot])
+
+    @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
+    def _(step):  # observe the last releases too: the barriers then end in a consistent phase
+      slot = lax.rem(step, jnp.int32(stages))
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+  @pl.when((w >= num_work) & (wg == 0))
+  def _zero_tail():
+    o_smem = o_smem2.at[0]
+    o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    tail = offsets_ref[num_seqs]
+    for i in range(ZERO_TILES * COMPUTE_WGS):
+      lo = ((w - num_work) * ZERO_TILES * COMPUTE_WGS + i) * bq
+      first = jnp.clip(tail - lo, 0, bq)  # rows [lo, lo + first) are real tokens
+      count = jnp.where(lo < total_rows, bq - first, 0)
+      _store_rows(o_smem, lambda off, size, lo=lo, first=first: o_ref.at[pl.ds(lo + first + off, size), h],
+                  count, bq)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def cdiv_dyn(a, b: int):
+  return (a + b - 1) // b
+
+
+def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_len: int):
+  """[H, T] natural-log lse from the kernel's tile-major [items, H, tile] buffer (0 for rows not computed)."""
+  tile = lse_tiles.shape[-1]
+  n_max = cdiv(max_seq_len, tile)
+  b = offsets.shape[0] - 1
+  item_of = jnp.zeros((b * n_max,), jnp.int32).at[work[0] * n_max + work[1]].set(
+      jnp.where(work[2] > 0, jnp.arange(num_work, dtype=jnp.int32), 0))
+  rows = jnp.arange(total_rows, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1, 0, b - 1)
+  pos = rows - offsets[seq]
+  ok = (rows < offsets[b]) & (pos < max_seq_len)
+  item = item_of[seq * n_max + jnp.clip(pos // tile, 0, n_max - 1)]
+  lse = lse_tiles[item, :, pos % tile]  # [T, H]
+  return jnp.where(ok[:, None], lse, 0.0).T
+
+
+def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static, *, block_k: int = 128,
+                       stages: int = 2, interpret: bool = False):
+  """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
+  del targets, ts, pos_tab, time_tab  # not supported yet (supports() says so)
+  t, heads, dqk = q.shape
+  dv = v.shape[-1]
+  tile = COMPUTE_WGS * BLOCK_Q
+  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+  wb, wm, wv, num_work = tiling.work_list(lengths, tile, s.max_seq_len, t, "query")
+  work = jnp.stack([wb, wm, wv])
+  num_zero = cdiv(t, ZERO_TILES * tile)
+  softmax = s.activation == "softmax"
+
+  def entry(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dqk), q.dtype, transforms=swz),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dv), v.dtype),
+        plgpu.SMEM((stages, block_k, dqk), k.dtype, transforms=swz),
+        plgpu.SMEM((stages, block_k, dv), v.dtype, transforms=swz),
+        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32) if softmax else None,
+    )
+    loaded = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+              plgpu.Barrier(num_barriers=COMPUTE_WGS))
+    freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+    pl.run_scoped(
+        lambda *sc: _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s,
+                            num_work=num_work, block_k=block_k, stages=stages, total_rows=t,
+                            interpret=interpret),
+        smem, loaded, freed, collective_axes="wg")
+
+  lse_shape = (num_work, heads, tile) if softmax else (1, heads, tile)
+  # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
+  # that zero rows past offsets[B]. Three warpgroups per CTA: two consumers, one TMA producer.
+  o, lse_tiles = plgpu.kernel(
+      entry,
+      out_type=(jax.ShapeDtypeStruct((t, heads, dv), v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+      grid=(heads, num_work + num_zero),
+      grid_names=("heads", "items"),
+      num_threads=COMPUTE_WGS + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+  )(work, offsets, q, k, v)
+  if softmax:
+    lse = _tile_lse(lse_tiles, offsets, work, num_work, t, s.max_seq_len)
+  else:
+    lse = jnp.zeros((heads, t), jnp.float32)
+  return o, lse
