@@ -41,9 +41,11 @@ def _unused(b, h):
           jnp.zeros((h, 16), jnp.float32))
 
 
-def _mosaic(s, block_k, stages):
-  return jax.jit(lambda q, k, v, off, *rest: mosaic_gpu.forward_mosaic_gpu(q, k, v, off, *rest, s=s,
-                                                                          block_k=block_k, stages=stages))
+KNOBS = {}  # forward_mosaic_gpu keyword options from the command line (block_k, stages, pingpong, num_ctas)
+
+
+def _mosaic(s):
+  return jax.jit(lambda q, k, v, off, *rest: mosaic_gpu.forward_mosaic_gpu(q, k, v, off, *rest, s=s, **KNOBS))
 
 
 def _triton(s):
@@ -67,17 +69,17 @@ def _ref_lse(q, k, offsets, n, alpha):
   return out
 
 
-def check(activation, lengths, n, h, d, seed, block_k, stages, extra_rows=100) -> tuple[bool, str]:
+def check(activation, lengths, n, h, d, seed, extra_rows=100) -> tuple[bool, str]:
   q, k, v, off = _inputs(lengths, h, d, seed, extra_rows)
   s = _static(n, activation, d)
-  o, lse = _mosaic(s, block_k, stages)(q, k, v, off, *_unused(len(lengths), h))
+  o, lse = _mosaic(s)(q, k, v, off, *_unused(len(lengths), h))
   o = np.asarray(o, np.float32)
   ref = np.asarray(jagged_attention_reference(q, k, v, off, max_seq_len=n, activation=activation), np.float32)
   tail = int(off[-1])
   err = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
   tail_max = float(np.abs(o[tail:]).max()) if tail < o.shape[0] else 0.0
   ok = bool(err < 1e-2 and np.isfinite(o).all() and tail_max == 0.0)
-  msg = f"check {activation} N={n} B={len(lengths)} bk={block_k} st={stages}: rel_l2={err:.2e} tail_max={tail_max}"
+  msg = f"check {activation} N={n} B={len(lengths)} {KNOBS}: rel_l2={err:.2e} tail_max={tail_max}"
   if activation == "softmax":
     lse_ref = _ref_lse(q, k, off, n, 1.0 / math.sqrt(d))
     lse = np.asarray(lse)[:, :tail]
@@ -87,15 +89,14 @@ def check(activation, lengths, n, h, d, seed, block_k, stages, extra_rows=100) -
   return ok, msg + (" OK" if ok else " FAIL")
 
 
-def bench(name, lengths, h, d, activation, reps, block_k, stages, seed=0) -> dict:
+def bench(name, lengths, n, h, d, activation, reps, seed=0, triton=True) -> dict:
   q, k, v, off = _inputs(lengths, h, d, seed)
-  n = int(max(lengths)) if name.startswith("softmax") else None
-  n = n or int(np.ceil(max(lengths) / 128) * 128)
   s = _static(n, activation, d)
   flops = float(sum(2 * h * 2 * d * int(l) ** 2 / 2 for l in lengths))
   rest = _unused(len(lengths), h)
-  row = {"case": name}
-  for label, f in (("triton", _triton(s)), ("mosaic", _mosaic(s, block_k, stages))):
+  row = {"case": name, "triton": float("nan")}
+  impls = (("triton", _triton(s)),) if triton else ()
+  for label, f in impls + (("mosaic", _mosaic(s)),):
     t0 = time.perf_counter()
     try:
       jax.block_until_ready(f(q, k, v, off, *rest))
@@ -115,10 +116,15 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--block-k", type=int, default=128)
   p.add_argument("--stages", type=int, default=2)
+  p.add_argument("--pingpong", type=int, default=1)
+  p.add_argument("--num-ctas", type=int, default=mosaic_gpu.NUM_SMS, help="persistent grid size; 0: one CTA per item")
   p.add_argument("--cases", default="silu1024,silu4096,softmax", help="comma list of silu1024, silu4096, softmax")
   p.add_argument("--check-only", action="store_true")
   p.add_argument("--no-check", action="store_true")
+  p.add_argument("--no-triton", action="store_true", help="skip the Triton baseline")
   args = p.parse_args(argv)
+  KNOBS.update(block_k=args.block_k, stages=args.stages, pingpong=bool(args.pingpong),
+               num_ctas=args.num_ctas or None)
   print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC jax {jax.__version__} "
         f"{jax.devices()[0].device_kind}", flush=True)
   ok = True
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
              ("silu", list(rng.integers(900, 1024, size=6)), 1024),
              ("softmax", list(rng.integers(900, 1024, size=6)), 1024)]
     for act, lengths, n in cases:
-      good, msg = check(act, lengths, n, 2, 128, int(rng.integers(1 << 30)), args.block_k, args.stages)
+      good, msg = check(act, lengths, n, 2, 128, int(rng.integers(1 << 30)))
       print(msg, flush=True)
       ok = ok and good
   if args.check_only or not ok:
@@ -137,14 +143,14 @@ def main(argv: list[str] | None = None) -> int:
   rows = []
   for case in args.cases.split(","):
     if case == "silu1024":
-      rows.append(bench("silu N=1024 B=512 H=4", rng.integers(921, 1024, size=512), 4, 128, "silu", args.reps,
-                        args.block_k, args.stages))
+      rows.append(bench("silu N=1024 B=512 H=4", rng.integers(921, 1024, size=512), 1024, 4, 128, "silu",
+                        args.reps, triton=not args.no_triton))
     elif case == "silu4096":
-      rows.append(bench("silu N=4096 B=512 H=4", rng.integers(3686, 4096, size=512), 4, 128, "silu", args.reps,
-                        args.block_k, args.stages))
+      rows.append(bench("silu N=4096 B=512 H=4", rng.integers(3686, 4096, size=512), 4096, 4, 128, "silu",
+                        args.reps, triton=not args.no_triton))
     elif case == "softmax":
-      rows.append(bench("softmax T=4096 B=8 H=16", np.full(8, 4096), 16, 128, "softmax", args.reps,
-                        args.block_k, args.stages))
+      rows.append(bench("softmax T=4096 B=8 H=16", np.full(8, 4096), 4096, 16, 128, "softmax", args.reps,
+                        triton=not args.no_triton))
   print(f"\n| case | Triton fwd TFLOP/s | Mosaic GPU fwd TFLOP/s | ratio |\n| --- | --- | --- | --- |")
   for r in rows:
     print(f"| {r['case']} | {r['triton']:.1f} | {r['mosaic']:.1f} | {r['mosaic'] / r['triton']:.2f} |")

@@ -40,6 +40,7 @@ BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2
 COMPUTE_WGS = 2
 ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
 LOG2E = 1.4426950408889634
+NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
 
 
 def supports(s: Static, q, v, block_k: int = 128) -> bool:
@@ -73,31 +74,55 @@ def _store_rows(src_smem, dst, nrows, max_rows: int):
     size //= 2
 
 
-def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static,
-            num_work: int, block_k: int, stages: int, total_rows: int, interpret: bool):
-  h = lax.axis_index("heads")
-  w = lax.axis_index("items")
+def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static, heads: int,
+            num_work: int, num_zero: int, block_k: int, stages: int, total_rows: int, interpret: bool,
+            pingpong: bool, num_ctas: int | None):
   wg = lax.axis_index("wg")
-  (q_smem2, o_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free) = scoped
+  (q_smem2, o_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
   dv = v_ref.shape[-1]
   bq, bk = BLOCK_Q, block_k
   dtype = q_ref.dtype
   num_seqs = offsets_ref.shape[0] - 1
 
-  is_work = w < num_work
-  wc = jnp.minimum(w, num_work - 1)
-  b = work_ref[0, wc]
-  m = work_ref[1, wc]
-  valid = is_work & (work_ref[2, wc] > 0)
-  start = offsets_ref[b]
-  length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
-  tile_lo = m * (COMPUTE_WGS * bq)
-  # key tiles the whole CTA needs (the producer's range): up to the last valid row of the tile
-  cta_steps = jnp.where(valid, cdiv_dyn(jnp.minimum(tile_lo + COMPUTE_WGS * bq, length), bk), 0)
+  # Items of this CTA: one (head, item) pair per CTA, or (persistent) pairs cta, cta + num_ctas, ... of the
+  # flat list with heads fastest. The K/V ring runs on across items: step g + i of the CTA uses slot
+  # (g + i) % stages, where g counts the key tiles of the CTA's earlier items.
+  if num_ctas is None:
+    num_iters = 1
 
-  @pl.when(valid & (wg < COMPUTE_WGS))
-  def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    def item_of(i):
+      del i
+      return lax.axis_index("heads"), lax.axis_index("items")
+  else:
+    cta = lax.axis_index("sm")
+    num_iters = cdiv_dyn(jnp.maximum((num_work + num_zero) * heads - cta, 0), num_ctas)
+
+    def item_of(i):
+      idx = cta + i * num_ctas
+      return idx % heads, idx // heads
+
+  def info(i):
+    h, w = item_of(i)
+    wc = jnp.minimum(w, num_work - 1)
+    valid = (w < num_work) & (work_ref[2, wc] > 0)
+    start = offsets_ref[work_ref[0, wc]]
+    length = jnp.minimum(offsets_ref[work_ref[0, wc] + 1] - start, s.max_seq_len)
+    tile_lo = work_ref[1, wc] * (COMPUTE_WGS * bq)
+    # key tiles the whole CTA needs (the producer's range): up to the last valid row of the tile
+    cta_steps = jnp.where(valid, cdiv_dyn(jnp.minimum(tile_lo + COMPUTE_WGS * bq, length), bk), 0)
+    return h, w, valid, start, length, tile_lo, cta_steps
+
+  def slot_of(g):
+    return lax.rem(g, jnp.int32(stages))
+
+  def sync():
+    # Ping-pong (FA3): both consumers meet here twice per key tile, once after issuing the QK wgmma and
+    # once after the activation, offset by one meeting, so one's activation overlaps the other's wgmmas.
+    if pingpong:
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+  def consumer_item(h, w, start, length, tile_lo, cta_steps, g0):
     q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
     q_lo = tile_lo + wg * bq
     rows_ok = jnp.clip(length - q_lo, 0, bq)
@@ -109,18 +134,20 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
 
     @pl.when(steps > 0)
     def _():
-      plgpu.barrier_wait(k_bar.at[0])
+      plgpu.barrier_wait(k_bar.at[slot_of(g0)])
 
     def body(step, carry, masked: bool):
-      slot = lax.rem(step, jnp.int32(stages))
+      slot = slot_of(g0 + step)
 
       def qk_scope(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        sync()
         return acc_ref[...]
 
       if interpret:  # the GPU interpreter has no transposed wgmma operands: a plain dot of the tiles
         sc = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
+        sync()
       else:
         sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
@@ -147,23 +174,26 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
         l_i = l_i * corr + p.sum(axis=1)
         acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
         carry_out = (m_new, l_i)
+      p = p.astype(dtype)
+      if pingpong:
+        acc, p, carry_out = lax.optimization_barrier((acc, p, carry_out))  # activation before the meeting
+        plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(v_bar.at[slot])
+      if pingpong:
+        plgpu.barrier_wait(sched)
+
+      def wait_next_k():
+        @pl.when(step + 1 < steps)
+        def _():
+          plgpu.barrier_wait(k_bar.at[slot_of(g0 + step + 1)])
 
       def pv_scope(acc_ref):
-        plgpu.wgmma(acc_ref, p.astype(dtype), v_smem.at[slot])
-        nxt = step + 1
-
-        @pl.when(nxt < steps)
-        def _():
-          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        wait_next_k()
 
       if interpret:  # ... and no run_state
-        acc = acc + jnp.dot(p.astype(dtype), v_smem.at[slot][...], preferred_element_type=jnp.float32)
-        nxt = step + 1
-
-        @pl.when(nxt < steps)
-        def _():
-          plgpu.barrier_wait(k_bar.at[lax.rem(nxt, jnp.int32(stages))])
+        acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+        wait_next_k()
       else:
         acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
       plgpu.barrier_arrive(v_free.at[slot])
@@ -176,6 +206,7 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       carry = (acc, _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
                _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout))
+    pl.when(wg == 1)(sync)
     carry = lax.fori_loop(0, full, functools.partial(body, masked=False), carry)
     carry = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
 
@@ -183,57 +214,34 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
     def _drain(step):
       # The other consumer still needs these tiles: release our share of each slot, but only once the
       # tile is in it, so that an early arrival never completes a phase the other consumer still holds.
-      slot = lax.rem(step, jnp.int32(stages))
+      slot = slot_of(g0 + step)
       plgpu.barrier_wait(k_bar.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_wait(v_bar.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
+      sync()
+      sync()
 
+    pl.when(wg == 0)(sync)
     if s.activation == "silu":
       out = carry[0] * (1.0 / s.max_seq_len)
     else:
       acc, m_i, l_i = carry
       l_safe = jnp.where(l_i > 0, l_i, 1.0)
       out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-      lse_smem = lse_smem2.at[wg]
-      lse_smem[...] = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
+    if s.activation == "softmax":
+      lse_smem2.at[wg][...] = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E)
     o_smem[...] = out.astype(o_smem.dtype)
     plgpu.commit_smem()
     _store_rows(o_smem, lambda off, size: o_ref.at[pl.ds(start + q_lo + off, size), h], rows_ok, bq)
     if s.activation == "softmax":
       plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[w, h, pl.ds(wg * bq, bq)])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem_to_gmem_group()
 
-  @pl.when(valid & (wg == COMPUTE_WGS))
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-
-    @pl.loop(0, cta_steps)
-    def _(step):
-      slot = lax.rem(step, jnp.int32(stages))
-      rows = pl.ds(start + step * bk, bk)
-
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(k_free.at[slot])
-
-      plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_bar.at[slot])
-
-      @pl.when(step >= stages)
-      def _():
-        plgpu.barrier_wait(v_free.at[slot])
-
-      plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_bar.at[slot])
-
-    @pl.loop(jnp.maximum(cta_steps - stages, 0), cta_steps)
-    def _(step):  # observe the last releases too: the barriers then end in a consistent phase
-      slot = lax.rem(step, jnp.int32(stages))
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-
-  @pl.when((w >= num_work) & (wg == 0))
-  def _zero_tail():
+  def zero_tail(h, w):
     o_smem = o_smem2.at[0]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
     tail = offsets_ref[num_seqs]
@@ -243,7 +251,53 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       count = jnp.where(lo < total_rows, bq - first, 0)
       _store_rows(o_smem, lambda off, size, lo=lo, first=first: o_ref.at[pl.ds(lo + first + off, size), h],
                   count, bq)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    plgpu.commit_smem_to_gmem_group()
+
+  @pl.when(wg < COMPUTE_WGS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+
+    def one(i, g):
+      h, w, valid, start, length, tile_lo, cta_steps = info(i)
+      pl.when(valid)(lambda: consumer_item(h, w, start, length, tile_lo, cta_steps, g))
+      pl.when((w >= num_work) & (wg == 0))(lambda: zero_tail(h, w))
+      return g + cta_steps
+
+    lax.fori_loop(0, num_iters, one, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == COMPUTE_WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def one(i, g):
+      h, _, _, start, _, _, cta_steps = info(i)
+
+      @pl.loop(0, cta_steps)
+      def _(step):
+        slot = slot_of(g + step)
+        rows = pl.ds(start + step * bk, bk)
+
+        @pl.when(g + step >= stages)
+        def _():
+          plgpu.barrier_wait(k_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_bar.at[slot])
+
+        @pl.when(g + step >= stages)
+        def _():
+          plgpu.barrier_wait(v_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_bar.at[slot])
+
+      return g + cta_steps
+
+    g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+
+    @pl.loop(jnp.maximum(g - stages, 0), g)
+    def _(step):  # observe the last releases too: the barriers then end in a consistent phase
+      plgpu.barrier_wait(k_free.at[slot_of(step)])
+      plgpu.barrier_wait(v_free.at[slot_of(step)])
 
 
 def cdiv_dyn(a, b: int):
@@ -267,7 +321,8 @@ def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_
 
 
 def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static, *, block_k: int = 128,
-                       stages: int = 2, interpret: bool = False):
+                       stages: int = 2, pingpong: bool = True, num_ctas: int | None = NUM_SMS,
+                       interpret: bool = False):
   """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
   del targets, ts, pos_tab, time_tab  # not supported yet (supports() says so)
   t, heads, dqk = q.shape
@@ -291,11 +346,12 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
     loaded = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
               plgpu.Barrier(num_barriers=COMPUTE_WGS))
     freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+    sched = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
     pl.run_scoped(
-        lambda *sc: _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s,
-                            num_work=num_work, block_k=block_k, stages=stages, total_rows=t,
-                            interpret=interpret),
-        smem, loaded, freed, collective_axes="wg")
+        lambda *sc: _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s, heads=heads,
+                            num_work=num_work, num_zero=num_zero, block_k=block_k, stages=stages,
+                            total_rows=t, interpret=interpret, pingpong=pingpong, num_ctas=num_ctas),
+        smem, loaded, freed, sched, collective_axes="wg")
 
   lse_shape = (num_work, heads, tile) if softmax else (1, heads, tile)
   # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
@@ -303,8 +359,8 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
   o, lse_tiles = plgpu.kernel(
       entry,
       out_type=(jax.ShapeDtypeStruct((t, heads, dv), v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
-      grid=(heads, num_work + num_zero),
-      grid_names=("heads", "items"),
+      grid=(heads, num_work + num_zero) if num_ctas is None else (num_ctas,),
+      grid_names=("heads", "items") if num_ctas is None else ("sm",),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
