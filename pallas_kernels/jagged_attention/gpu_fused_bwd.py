@@ -30,7 +30,9 @@ def _add_rows(ref, start, lo, size, ok, h, val, s: Static):
     blk = ref.at[pl.ds(start + lo, size), h, :]
     plgpu.store(blk, plgpu.load(blk, mask=ok[:, None], other=0.0) + val, mask=ok[:, None])
   else:
-    plgpu.atomic_add(ref, (pl.ds(start + lo, size), h, pl.ds(0, ref.shape[-1])), val, mask=ok[:, None])
+    # the atomic's mask must have the value's full shape (Triton verifies it; loads and stores broadcast)
+    plgpu.atomic_add(ref, (pl.ds(start + lo, size), h, pl.ds(0, ref.shape[-1])), val,
+                     mask=jnp.broadcast_to(ok[:, None], val.shape))
 
 
 def _fused_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
