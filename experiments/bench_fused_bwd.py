@@ -41,10 +41,16 @@ def _extras(b, h):
           jnp.zeros((h, 16), jnp.float32))
 
 
+@jax.jit
+def _rel_err(a, r):
+  """(||a - r|| / ||r||, all finite) on the device: the N=4096 gradients are 2 GB each."""
+  a, r = a.astype(jnp.float32), r.astype(jnp.float32)
+  return jnp.linalg.norm(a - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30), jnp.isfinite(a).all()
+
+
 def _rel(a, r) -> str:
-  a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-  e = np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)
-  return f"{e:.1e}" + ("" if np.isfinite(a).all() else "(NaN!)")
+  e, finite = _rel_err(a, r)
+  return f"{float(e):.1e}" + ("" if bool(finite) else "(NaN!)")
 
 
 def check(rng, n=512, b=24, h=4, d=128) -> list[str]:
@@ -114,17 +120,24 @@ def bench_case(name, n, activation, rng, reps, variants, b=512, h=4, d=128):
   return rows
 
 
-def _variants(spec: str, sweep: bool, relaxed: bool):
+SWEEP = "64x128s2,128x128s2,128x128s1,128x64s1,128x64s3,32x128s2"
+
+
+def _variants(tiles: str, relaxed: bool):
+  """(label, BlockSizes, fused, relaxed) per timed backward: the two-kernel baseline first, then the fused one
+  at the default tiles and at each BQxBKsSTAGES[wWARPS] of `tiles`, each also with relaxed atomics if asked."""
   two = BlockSizes()
-  out = [("two-kernel (gpu._backward)", two, False, False), ("fused 128x64 w8 s2", two, True, False)]
-  if relaxed:
-    out.append(("fused 128x64 w8 s2 relaxed", two, True, True))
-  if sweep:
-    for bq, bk, st in ((64, 128, 2), (128, 128, 2), (128, 128, 1), (128, 64, 1), (128, 64, 3), (64, 64, 2)):
-      bs = dataclasses.replace(two, block_q_dkv=bq, block_k_dkv=bk, num_stages_bwd=st)
-      out.append((f"fused {bq}x{bk} w8 s{st}", bs, True, False))
-      if relaxed:
-        out.append((f"fused {bq}x{bk} w8 s{st} relaxed", bs, True, True))
+  out = [("two-kernel (gpu._backward)", two, False, False)]
+  for spec in ["128x64s2"] + [x for x in tiles.split(",") if x and x != "128x64s2"]:
+    shape, _, rest = spec.partition("s")
+    stages, _, warps = rest.partition("w")
+    bq, bk = (int(x) for x in shape.split("x"))
+    bs = dataclasses.replace(two, block_q_dkv=bq, block_k_dkv=bk, num_stages_bwd=int(stages),
+                             num_warps_bwd=int(warps or two.num_warps_bwd))
+    label = f"fused {bq}x{bk} w{bs.num_warps_bwd} s{bs.num_stages_bwd}"
+    out.append((label, bs, True, False))
+    if relaxed:
+      out.append((label + " relaxed", bs, True, True))
   return out
 
 
@@ -133,7 +146,8 @@ def main(argv: list[str]) -> int:
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--cases", default="1024:silu,4096:silu,1024:softmax", help="comma list of N:activation")
   p.add_argument("--batch", type=int, default=512)
-  p.add_argument("--sweep", action="store_true", help="also time other fused tile shapes / stage counts")
+  p.add_argument("--sweep", action="store_true", help=f"also time the fused backward at --tiles")
+  p.add_argument("--tiles", default=SWEEP, help="comma list of BQxBKsSTAGES[wWARPS] for --sweep")
   p.add_argument("--sweep-cases", default="1024:silu", help="cases the sweep applies to")
   p.add_argument("--relaxed", action="store_true", help="also time relaxed-ordering atomics (jax-internal probe)")
   p.add_argument("--no-check", action="store_true")
@@ -147,7 +161,7 @@ def main(argv: list[str]) -> int:
   kw = dict(b=8, h=2, d=16) if args.quick else dict(b=args.batch)
   for case in args.cases.split(","):
     n, activation = case.split(":")
-    variants = _variants(case, args.sweep and case in args.sweep_cases.split(","), args.relaxed)
+    variants = _variants(args.tiles if args.sweep and case in args.sweep_cases.split(",") else "", args.relaxed)
     rows += bench_case(f"{activation} uniform N={n} B={kw['b']}", int(n), activation, rng, args.reps, variants,
                        **kw)
   print("\n| case | backward | TFLOP/s | ms | vs two-kernel |\n| --- | --- | --- | --- | --- |")
