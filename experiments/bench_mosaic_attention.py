@@ -120,9 +120,15 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--num-ctas", type=int, default=mosaic_gpu.NUM_SMS, help="persistent grid size; 0: one CTA per item")
   p.add_argument("--cases", default="silu1024,silu4096,softmax", help="comma list of silu1024, silu4096, softmax")
   p.add_argument("--check-only", action="store_true")
+  p.add_argument("--bringup", default="", help="mosaic_gpu.BRINGUP switches, e.g. flat_work=1,flat_gmem=0")
   p.add_argument("--no-check", action="store_true")
   p.add_argument("--no-triton", action="store_true", help="skip the Triton baseline")
   args = p.parse_args(argv)
+  for item in filter(None, args.bringup.split(",")):
+    key, val = item.split("=")
+    if key not in mosaic_gpu.BRINGUP:
+      raise ValueError(f"unknown bring-up switch {key!r}, expected one of {sorted(mosaic_gpu.BRINGUP)}")
+    mosaic_gpu.BRINGUP[key] = bool(int(val))
   KNOBS.update(block_k=args.block_k, stages=args.stages, pingpong=bool(args.pingpong),
                num_ctas=args.num_ctas or None)
   print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC jax {jax.__version__} "

@@ -41,6 +41,10 @@ COMPUTE_WGS = 2
 ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
 LOG2E = 1.4426950408889634
 NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
+# Bring-up switches (jax 0.11.2's Mosaic GPU layout inference rejected the first version; these isolate why):
+# flat_work: work list as one 1-D array; split_staging: one output/lse staging buffer per consumer (no
+# sub-views of untransformed shared memory); flat_gmem: q/k/v/o as [T, H * D] with column slices, lse 1-D.
+BRINGUP = {"flat_work": True, "split_staging": True, "flat_gmem": True}
 
 
 def supports(s: Static, q, v, block_k: int = 128) -> bool:
@@ -78,8 +82,24 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
             num_work: int, num_zero: int, block_k: int, stages: int, total_rows: int, interpret: bool,
             pingpong: bool, num_ctas: int | None):
   wg = lax.axis_index("wg")
-  (q_smem2, o_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-  dv = v_ref.shape[-1]
+  (q_smem2, o_bufs, k_smem, v_smem, lse_bufs), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+  dv = v_smem.shape[-1]
+  flat = BRINGUP["flat_gmem"]
+
+  def rows_of(ref, row, size, h, d):
+    """[size, d] GMEM window of head h at row (ref is [T, H, d], or [T, H * d] when flat)."""
+    if flat:
+      return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
+    return ref.at[pl.ds(row, size), h]
+
+  def work(k, wc):
+    return work_ref[k * num_work + wc] if BRINGUP["flat_work"] else work_ref[k, wc]
+
+  def staged(bufs, i):
+    """Consumer i's staging buffer: its own allocation (split) or a sub-view of a stacked one."""
+    if bufs is None:
+      return None
+    return bufs[i] if BRINGUP["split_staging"] else bufs.at[i]
   bq, bk = BLOCK_Q, block_k
   dtype = q_ref.dtype
   num_seqs = offsets_ref.shape[0] - 1
@@ -104,10 +124,11 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
   def info(i):
     h, w = item_of(i)
     wc = jnp.minimum(w, num_work - 1)
-    valid = (w < num_work) & (work_ref[2, wc] > 0)
-    start = offsets_ref[work_ref[0, wc]]
-    length = jnp.minimum(offsets_ref[work_ref[0, wc] + 1] - start, s.max_seq_len)
-    tile_lo = work_ref[1, wc] * (COMPUTE_WGS * bq)
+    valid = (w < num_work) & (work(2, wc) > 0)
+    b = work(0, wc)
+    start = offsets_ref[b]
+    length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+    tile_lo = work(1, wc) * (COMPUTE_WGS * bq)
     # key tiles the whole CTA needs (the producer's range): up to the last valid row of the tile
     cta_steps = jnp.where(valid, cdiv_dyn(jnp.minimum(tile_lo + COMPUTE_WGS * bq, length), bk), 0)
     return h, w, valid, start, length, tile_lo, cta_steps
@@ -123,13 +144,13 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       plgpu.barrier_wait(sched)
 
   def consumer_item(h, w, start, length, tile_lo, cta_steps, g0):
-    q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+    q_smem = q_smem2.at[wg]
     q_lo = tile_lo + wg * bq
     rows_ok = jnp.clip(length - q_lo, 0, bq)
     steps = jnp.where(rows_ok > 0, cdiv_dyn(jnp.minimum(q_lo + bq, length), bk), 0)
     full = jnp.minimum(jnp.minimum(q_lo + 1, length) // bk, steps)  # tiles that need no mask
 
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(start + q_lo, bq), h], q_smem, q_bar.at[wg])
+    plgpu.copy_gmem_to_smem(rows_of(q_ref, start + q_lo, bq, h, q_smem.shape[-1]), q_smem, q_bar.at[wg])
     plgpu.barrier_wait(q_bar.at[wg])
 
     @pl.when(steps > 0)
@@ -229,18 +250,32 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       acc, m_i, l_i = carry
       l_safe = jnp.where(l_i > 0, l_i, 1.0)
       out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
-    if s.activation == "softmax":
-      lse_smem2.at[wg][...] = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E)
-    o_smem[...] = out.astype(o_smem.dtype)
-    plgpu.commit_smem()
-    _store_rows(o_smem, lambda off, size: o_ref.at[pl.ds(start + q_lo + off, size), h], rows_ok, bq)
-    if s.activation == "softmax":
-      plgpu.copy_smem_to_gmem(lse_smem2.at[wg], lse_ref.at[w, h, pl.ds(wg * bq, bq)])
-    plgpu.commit_smem_to_gmem_group()
+    lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if s.activation == "softmax" else None
+    out = out.astype(o_ref.dtype)
+
+    def epilogue(i):
+      o_smem, lse_smem = staged(o_bufs, i), staged(lse_bufs, i)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
+      if lse is not None:
+        lse_smem[...] = lse
+      o_smem[...] = out
+      plgpu.commit_smem()
+      _store_rows(o_smem, lambda off, size: rows_of(o_ref, start + q_lo + off, size, h, dv), rows_ok, bq)
+      if lse is not None:
+        if flat:
+          dst = lse_ref.at[pl.ds(((w * heads + h) * COMPUTE_WGS + i) * bq, bq)]
+        else:
+          dst = lse_ref.at[w, h, pl.ds(i * bq, bq)]
+        plgpu.copy_smem_to_gmem(lse_smem, dst)
+
+    if BRINGUP["split_staging"]:  # static buffers: one branch per consumer
+      for i in range(COMPUTE_WGS):
+        pl.when(wg == i)(functools.partial(epilogue, i))
+    else:
+      epilogue(wg)
 
   def zero_tail(h, w):
-    o_smem = o_smem2.at[0]
+    o_smem = staged(o_bufs, 0)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
     plgpu.commit_smem()
@@ -249,9 +284,8 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       lo = ((w - num_work) * ZERO_TILES * COMPUTE_WGS + i) * bq
       first = jnp.clip(tail - lo, 0, bq)  # rows [lo, lo + first) are real tokens
       count = jnp.where(lo < total_rows, bq - first, 0)
-      _store_rows(o_smem, lambda off, size, lo=lo, first=first: o_ref.at[pl.ds(lo + first + off, size), h],
+      _store_rows(o_smem, lambda off, size, lo=lo, first=first: rows_of(o_ref, lo + first + off, size, h, dv),
                   count, bq)
-    plgpu.commit_smem_to_gmem_group()
 
   @pl.when(wg < COMPUTE_WGS)
   def _consumer():
@@ -276,19 +310,19 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       @pl.loop(0, cta_steps)
       def _(step):
         slot = slot_of(g + step)
-        rows = pl.ds(start + step * bk, bk)
 
         @pl.when(g + step >= stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(k_ref.at[rows, h], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rows_of(k_ref, start + step * bk, bk, h, k_smem.shape[-1]), k_smem.at[slot],
+                                k_bar.at[slot])
 
         @pl.when(g + step >= stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(v_ref.at[rows, h], v_smem.at[slot], v_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rows_of(v_ref, start + step * bk, bk, h, dv), v_smem.at[slot], v_bar.at[slot])
 
       return g + cta_steps
 
@@ -333,15 +367,23 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
   work = jnp.stack([wb, wm, wv])
   num_zero = cdiv(t, ZERO_TILES * tile)
   softmax = s.activation == "softmax"
+  flat = BRINGUP["flat_gmem"]
+  split = BRINGUP["split_staging"]
 
   def entry(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def staging(shape, dtype):
+      if split:
+        return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
+      return plgpu.SMEM((COMPUTE_WGS,) + shape, dtype)
+
     smem = (
         plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dqk), q.dtype, transforms=swz),
-        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dv), v.dtype),
+        staging((BLOCK_Q, dv), v.dtype),
         plgpu.SMEM((stages, block_k, dqk), k.dtype, transforms=swz),
         plgpu.SMEM((stages, block_k, dv), v.dtype, transforms=swz),
-        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.float32) if softmax else None,
+        staging((BLOCK_Q,), jnp.float32) if softmax else None,
     )
     loaded = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
               plgpu.Barrier(num_barriers=COMPUTE_WGS))
@@ -353,20 +395,27 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
                             total_rows=t, interpret=interpret, pingpong=pingpong, num_ctas=num_ctas),
         smem, loaded, freed, sched, collective_axes="wg")
 
-  lse_shape = (num_work, heads, tile) if softmax else (1, heads, tile)
+  lse_shape = (num_work if softmax else 1, heads, tile)
+  if flat:
+    lse_shape = (math.prod(lse_shape),)
+  o_shape = (t, heads * dv) if flat else (t, heads, dv)
+  ins = (work.reshape(-1) if BRINGUP["flat_work"] else work, offsets)
+  ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)) if flat else (q, k, v)
   # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
-  # that zero rows past offsets[B]. Three warpgroups per CTA: two consumers, one TMA producer.
+  # that zero rows past offsets[B]; or (persistent) NUM_SMS CTAs walking that list. Three warpgroups per
+  # CTA: two consumers, one TMA producer.
   o, lse_tiles = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((t, heads, dv), v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+      out_type=(jax.ShapeDtypeStruct(o_shape, v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
       grid=(heads, num_work + num_zero) if num_ctas is None else (num_ctas,),
       grid_names=("heads", "items") if num_ctas is None else ("sm",),
       num_threads=COMPUTE_WGS + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(work, offsets, q, k, v)
+  )(*ins)
+  o = o.reshape(t, heads, dv)
   if softmax:
-    lse = _tile_lse(lse_tiles, offsets, work, num_work, t, s.max_seq_len)
+    lse = _tile_lse(lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, s.max_seq_len)
   else:
     lse = jnp.zeros((heads, t), jnp.float32)
   return o, lse
