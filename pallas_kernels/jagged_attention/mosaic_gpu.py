@@ -143,15 +143,24 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(sched)
 
-  def consumer_item(h, w, start, length, tile_lo, cta_steps, g0):
+  def load_q(i):
+    """Starts the TMA of this consumer's query rows of the CTA's i-th item (if it is a real tile)."""
+    h, _, valid, start, _, tile_lo, _ = info(i)
+
+    @pl.when(valid & (i < num_iters))
+    def _():
+      q_smem = q_smem2.at[wg]
+      plgpu.copy_gmem_to_smem(rows_of(q_ref, start + tile_lo + wg * bq, bq, h, q_smem.shape[-1]), q_smem,
+                              q_bar.at[wg])
+
+  def consumer_item(i, h, w, start, length, tile_lo, cta_steps, g0):
     q_smem = q_smem2.at[wg]
     q_lo = tile_lo + wg * bq
     rows_ok = jnp.clip(length - q_lo, 0, bq)
     steps = jnp.where(rows_ok > 0, cdiv_dyn(jnp.minimum(q_lo + bq, length), bk), 0)
     full = jnp.minimum(jnp.minimum(q_lo + 1, length) // bk, steps)  # tiles that need no mask
 
-    plgpu.copy_gmem_to_smem(rows_of(q_ref, start + q_lo, bq, h, q_smem.shape[-1]), q_smem, q_bar.at[wg])
-    plgpu.barrier_wait(q_bar.at[wg])
+    plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
 
     @pl.when(steps > 0)
     def _():
@@ -244,6 +253,7 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       sync()
 
     pl.when(wg == 0)(sync)
+    load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
     if s.activation == "silu":
       out = carry[0] * (1.0 / s.max_seq_len)
     else:
@@ -293,10 +303,11 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
 
     def one(i, g):
       h, w, valid, start, length, tile_lo, cta_steps = info(i)
-      pl.when(valid)(lambda: consumer_item(h, w, start, length, tile_lo, cta_steps, g))
+      pl.when(valid)(lambda: consumer_item(i, h, w, start, length, tile_lo, cta_steps, g))
       pl.when((w >= num_work) & (wg == 0))(lambda: zero_tail(h, w))
       return g + cta_steps
 
+    load_q(0)
     lax.fori_loop(0, num_iters, one, jnp.int32(0))
     plgpu.wait_smem_to_gmem(0)
 
