@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--block-k", type=int, default=128)
   p.add_argument("--stages", type=int, default=2)
   p.add_argument("--pingpong", type=int, default=1)
+  p.add_argument("--half-diag", type=int, default=0, help="half-width last key tile where it suffices")
   p.add_argument("--num-ctas", type=int, default=mosaic_gpu.NUM_SMS, help="persistent grid size; 0: one CTA per item")
   p.add_argument("--cases", default="silu1024,silu4096,softmax", help="comma list of silu1024, silu4096, softmax")
   p.add_argument("--check-only", action="store_true")
@@ -130,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
       raise ValueError(f"unknown bring-up switch {key!r}, expected one of {sorted(mosaic_gpu.BRINGUP)}")
     mosaic_gpu.BRINGUP[key] = bool(int(val))
   KNOBS.update(block_k=args.block_k, stages=args.stages, pingpong=bool(args.pingpong),
+               half_diag=bool(args.half_diag),
                num_ctas=args.num_ctas or None)
   print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC jax {jax.__version__} "
         f"{jax.devices()[0].device_kind}", flush=True)

@@ -31,17 +31,17 @@ def _unused(b, h):
           jnp.zeros((h, 16), jnp.float32))
 
 
-@pytest.mark.parametrize("activation,block_k,stages,n,num_ctas,pingpong", [
-    ("silu", 128, 2, 1024, 132, True), ("silu", 64, 3, 4096, None, False), ("softmax", 128, 2, 4096, 132, True),
-    ("softmax", 64, 2, 200, None, True)])
-def test_lowers_to_mosaic_gpu(activation, block_k, stages, n, num_ctas, pingpong):
+@pytest.mark.parametrize("activation,block_k,stages,n,num_ctas,pingpong,half_diag", [
+    ("silu", 128, 2, 1024, 132, True, True), ("silu", 64, 3, 4096, None, False, False),
+    ("softmax", 128, 2, 4096, 132, True, False), ("softmax", 64, 2, 200, None, True, True)])
+def test_lowers_to_mosaic_gpu(activation, block_k, stages, n, num_ctas, pingpong, half_diag):
   t, h, d, b = 3000, 4, 128, 7
   sd = jax.ShapeDtypeStruct
   args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tuple(
       sd(x.shape, x.dtype) for x in _unused(b, h))
   s = _static(n, activation)
   f = jax.jit(lambda *a: mosaic_gpu.forward_mosaic_gpu(*a, s=s, block_k=block_k, stages=stages, num_ctas=num_ctas,
-                                                       pingpong=pingpong))
+                                                       pingpong=pingpong, half_diag=half_diag))
   text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text
 
@@ -74,8 +74,9 @@ def _ref_lse(q, k, offsets, n, alpha):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation,num_ctas,pingpong", [("silu", None, False), ("softmax", 1, True)])
-def test_interpret_matches_reference(activation, num_ctas, pingpong):
+@pytest.mark.parametrize("activation,block_k,num_ctas,pingpong,half_diag", [
+    ("silu", 64, None, False, False), ("softmax", 128, 1, True, True)])
+def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, half_diag):
   """num_ctas=1: one persistent CTA walks every item (the K/V ring and barrier phases run on across items)."""
   from jax._src.pallas.mosaic_gpu.interpret import params as gp
 
@@ -91,8 +92,8 @@ def test_interpret_matches_reference(activation, num_ctas, pingpong):
   params = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
   with gp.force_gpu_interpret_mode(params):
     o, lse = mosaic_gpu.forward_mosaic_gpu(q, k, v, jnp.asarray(offsets), *_unused(len(lengths), h), s=s,
-                                           block_k=64, stages=3, num_ctas=num_ctas, pingpong=pingpong,
-                                           interpret=True)
+                                           block_k=block_k, stages=3 if block_k == 64 else 2, num_ctas=num_ctas,
+                                           pingpong=pingpong, half_diag=half_diag, interpret=True)
   want = jagged_attention_reference(q, k, v, jnp.asarray(offsets), max_seq_len=n, activation=activation)
   o, want = np.asarray(o, np.float32), np.asarray(want, np.float32)
   assert np.isfinite(o).all()

@@ -80,7 +80,7 @@ def _store_rows(src_smem, dst, nrows, max_rows: int):
 
 def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static, heads: int,
             num_work: int, num_zero: int, block_k: int, stages: int, total_rows: int, interpret: bool,
-            pingpong: bool, num_ctas: int | None):
+            pingpong: bool, num_ctas: int | None, half_diag: bool):
   wg = lax.axis_index("wg")
   (q_smem2, o_bufs, k_smem, v_smem, lse_bufs), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
   dv = v_smem.shape[-1]
@@ -166,25 +166,29 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
     def _():
       plgpu.barrier_wait(k_bar.at[slot_of(g0)])
 
-    def body(step, carry, masked: bool):
+    def body(step, carry, masked: bool, width: int = bk):
+      # width < bk: only the first `width` keys of the tile are visible to this consumer (its diagonal
+      # tile when its rows start the tile): half-size QK and PV wgmmas on the leading rows of the slot.
       slot = slot_of(g0 + step)
+      k_tile = k_smem.at[slot] if width == bk else k_smem.at[slot, pl.ds(0, width)]
+      v_tile = v_smem.at[slot] if width == bk else v_smem.at[slot, pl.ds(0, width)]
 
       def qk_scope(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
         sync()
         return acc_ref[...]
 
       if interpret:  # the GPU interpreter has no transposed wgmma operands: a plain dot of the tiles
-        sc = lax.dot_general(q_smem[...], k_smem.at[slot][...], (((1,), (1,)), ((), ())),
+        sc = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
         sync()
       else:
-        sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
+        sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, width), jnp.float32))
       plgpu.barrier_arrive(k_free.at[slot])
       mask = None
       if masked:
-        rows = q_lo + _iota(interpret, (bq, bk), 0)
-        cols = step * bk + _iota(interpret, (bq, bk), 1)
+        rows = q_lo + _iota(interpret, (bq, width), 0)
+        cols = step * bk + _iota(interpret, (bq, width), 1)
         mask = (cols <= rows) & (cols < length)
       if s.activation == "silu":
         (acc,) = carry
@@ -218,11 +222,11 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
           plgpu.barrier_wait(k_bar.at[slot_of(g0 + step + 1)])
 
       def pv_scope(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+        plgpu.wgmma(acc_ref, p, v_tile)
         wait_next_k()
 
       if interpret:  # ... and no run_state
-        acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=jnp.float32)
+        acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
         wait_next_k()
       else:
         acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
@@ -238,7 +242,18 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
                _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout))
     pl.when(wg == 1)(sync)
     carry = lax.fori_loop(0, full, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
+    if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
+      # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
+      half_ok = jnp.minimum(q_lo + bq, length) - (steps - 1) * bk <= bk // 2
+      masked_full = functools.partial(body, masked=True)
+      masked_half = functools.partial(body, masked=True, width=bk // 2)
+
+      def masked_step(step, carry):
+        return lax.cond(half_ok & (step == steps - 1), masked_half, masked_full, step, carry)
+
+      carry = lax.fori_loop(full, steps, masked_step, carry)
+    else:
+      carry = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
 
     @pl.loop(steps, cta_steps)
     def _drain(step):
@@ -367,7 +382,7 @@ def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_
 
 def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static, *, block_k: int = 128,
                        stages: int = 2, pingpong: bool = True, num_ctas: int | None = NUM_SMS,
-                       interpret: bool = False):
+                       half_diag: bool = False, interpret: bool = False):
   """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
   del targets, ts, pos_tab, time_tab  # not supported yet (supports() says so)
   t, heads, dqk = q.shape
@@ -403,7 +418,8 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
     pl.run_scoped(
         lambda *sc: _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s, heads=heads,
                             num_work=num_work, num_zero=num_zero, block_k=block_k, stages=stages,
-                            total_rows=t, interpret=interpret, pingpong=pingpong, num_ctas=num_ctas),
+                            total_rows=t, interpret=interpret, pingpong=pingpong, num_ctas=num_ctas,
+                            half_diag=half_diag),
         smem, loaded, freed, sched, collective_axes="wg")
 
   lse_shape = (num_work if softmax else 1, heads, tile)
