@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.jagged_attention import mosaic_gpu, tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+from pallas_kernels.jagged_attention.reference import allowed_mask, jagged_attention_reference
 
 
 def _static(n, activation, d=128, **kw):
@@ -31,15 +31,16 @@ def _unused(b, h):
           jnp.zeros((h, 16), jnp.float32))
 
 
-@pytest.mark.parametrize("activation,block_k,stages,n,num_ctas,pingpong,half_diag", [
-    ("silu", 128, 2, 1024, 132, True, True), ("silu", 64, 3, 4096, None, False, False),
-    ("softmax", 128, 2, 4096, 132, True, False), ("softmax", 64, 2, 200, None, True, True)])
-def test_lowers_to_mosaic_gpu(activation, block_k, stages, n, num_ctas, pingpong, half_diag):
+@pytest.mark.parametrize("activation,block_k,stages,n,num_ctas,pingpong,half_diag,window,targets", [
+    ("silu", 128, 2, 1024, 132, True, True, 0, False), ("silu", 64, 3, 4096, None, False, False, 100, True),
+    ("softmax", 128, 2, 4096, 132, True, False, 0, False), ("softmax", 64, 2, 200, None, True, True, 0, True),
+    ("softmax", 128, 2, 1024, 132, True, True, 300, True)])
+def test_lowers_to_mosaic_gpu(activation, block_k, stages, n, num_ctas, pingpong, half_diag, window, targets):
   t, h, d, b = 3000, 4, 128, 7
   sd = jax.ShapeDtypeStruct
   args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tuple(
       sd(x.shape, x.dtype) for x in _unused(b, h))
-  s = _static(n, activation)
+  s = _static(n, activation, max_attn_len=window, has_targets=targets)
   f = jax.jit(lambda *a: mosaic_gpu.forward_mosaic_gpu(*a, s=s, block_k=block_k, stages=stages, num_ctas=num_ctas,
                                                        pingpong=pingpong, half_diag=half_diag))
   text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -50,8 +51,7 @@ def test_supports():
   q = jnp.zeros((8, 2, 128), jnp.bfloat16)
   assert mosaic_gpu.supports(_static(256, "silu"), q, q)
   assert mosaic_gpu.supports(_static(256, "softmax"), q, q)
-  assert not mosaic_gpu.supports(_static(256, "silu", has_targets=True), q, q)
-  assert not mosaic_gpu.supports(_static(256, "silu", max_attn_len=8), q, q)
+  assert mosaic_gpu.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
   assert not mosaic_gpu.supports(_static(256, "silu", has_pos=True), q, q)
   assert not mosaic_gpu.supports(_static(256, "silu", interpret=True), q, q)
   assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
@@ -59,24 +59,27 @@ def test_supports():
   assert not mosaic_gpu.supports(_static(256, "silu", alpha=0.125), q64, q64)
 
 
-def _ref_lse(q, k, offsets, n, alpha):
+def _ref_lse(q, k, offsets, n, alpha, targets, window):
+  """[H, T] natural-log softmax lse over the allowed keys (DESIGN.md mask), float64 numpy."""
   t, h, _ = q.shape
-  out = np.zeros((h, t), np.float32)
-  qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
-  for b in range(len(offsets) - 1):
-    lo, hi = offsets[b], min(offsets[b + 1], offsets[b] + n)
-    if hi > lo:
-      sc = alpha * np.einsum("ihd,jhd->hij", qf[lo:hi], kf[lo:hi])
-      sc = np.where(np.tril(np.ones((hi - lo, hi - lo), bool))[None], sc, -np.inf)
+  lengths = np.minimum(np.diff(offsets), n)
+  mask = np.asarray(allowed_mask(jnp.asarray(lengths), jnp.clip(targets, 0, jnp.asarray(lengths)), n, window))
+  out = np.zeros((h, t))
+  qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  for b, length in enumerate(lengths):
+    lo = offsets[b]
+    if length:
+      sc = alpha * np.einsum("ihd,jhd->hij", qf[lo:lo + length], kf[lo:lo + length])
+      sc = np.where(mask[b, :length, :length][None], sc, -np.inf)
       mx = sc.max(-1, keepdims=True)
-      out[:, lo:hi] = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
+      out[:, lo:lo + length] = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
   return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("activation,block_k,num_ctas,pingpong,half_diag", [
-    ("silu", 64, None, False, False), ("softmax", 128, 1, True, True)])
-def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, half_diag):
+@pytest.mark.parametrize("activation,block_k,num_ctas,pingpong,half_diag,window", [
+    ("silu", 64, None, False, False, 40), ("softmax", 128, 1, True, True, 0)])
+def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, half_diag, window):
   """num_ctas=1: one persistent CTA walks every item (the K/V ring and barrier phases run on across items)."""
   from jax._src.pallas.mosaic_gpu.interpret import params as gp
 
@@ -87,18 +90,20 @@ def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, ha
   t = int(offsets[-1]) + 20  # capacity past offsets[B]
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16) for _ in range(3))
-  s = _static(n, activation)
+  targets = jnp.asarray(rng.integers(0, 40, size=len(lengths)), jnp.int32)
+  s = _static(n, activation, max_attn_len=window, has_targets=True)
   # TMA zero-fills boxes past the array: the interpreter's "uninitialized" reads with zero fill do the same
   params = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
   with gp.force_gpu_interpret_mode(params):
-    o, lse = mosaic_gpu.forward_mosaic_gpu(q, k, v, jnp.asarray(offsets), *_unused(len(lengths), h), s=s,
+    o, lse = mosaic_gpu.forward_mosaic_gpu(q, k, v, jnp.asarray(offsets), targets, *_unused(len(lengths), h)[1:], s=s,
                                            block_k=block_k, stages=3 if block_k == 64 else 2, num_ctas=num_ctas,
                                            pingpong=pingpong, half_diag=half_diag, interpret=True)
-  want = jagged_attention_reference(q, k, v, jnp.asarray(offsets), max_seq_len=n, activation=activation)
+  want = jagged_attention_reference(q, k, v, jnp.asarray(offsets), max_seq_len=n, activation=activation,
+                                    num_targets=targets, max_attn_len=window)
   o, want = np.asarray(o, np.float32), np.asarray(want, np.float32)
   assert np.isfinite(o).all()
   assert np.linalg.norm(o - want) / np.linalg.norm(want) < 1e-2
   assert not o[offsets[-1]:].any()
   if activation == "softmax":
-    lse_want = _ref_lse(q, k, offsets, n, s.alpha)
+    lse_want = _ref_lse(q, k, offsets, n, s.alpha, targets, window)
     np.testing.assert_allclose(np.asarray(lse)[:, :offsets[-1]], lse_want[:, :offsets[-1]], atol=1e-2)

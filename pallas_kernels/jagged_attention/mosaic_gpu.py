@@ -49,8 +49,8 @@ BRINGUP = {"flat_work": True, "split_staging": True, "flat_gmem": True}
 
 def supports(s: Static, q, v, block_k: int = 128) -> bool:
   """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
-  return (not s.has_pos and not s.has_time and not s.has_targets and s.max_attn_len == 0
-          and not s.interpret and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype
+  return (not s.has_pos and not s.has_time and not s.interpret
+          and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype
           and q.shape[-1] == 128 and v.shape[-1] == 128 and s.activation in ("silu", "softmax"))
 
 
@@ -78,7 +78,7 @@ def _store_rows(src_smem, dst, nrows, max_rows: int):
     size //= 2
 
 
-def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static, heads: int,
+def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static, heads: int,
             num_work: int, num_zero: int, block_k: int, stages: int, total_rows: int, interpret: bool,
             pingpong: bool, num_ctas: int | None, half_diag: bool):
   wg = lax.axis_index("wg")
@@ -128,10 +128,36 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
     b = work(0, wc)
     start = offsets_ref[b]
     length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+    first_target = length
+    if s.has_targets:
+      first_target = length - jnp.clip(targets_ref[b], 0, length)
     tile_lo = work(1, wc) * (COMPUTE_WGS * bq)
-    # key tiles the whole CTA needs (the producer's range): up to the last valid row of the tile
-    cta_steps = jnp.where(valid, cdiv_dyn(jnp.minimum(tile_lo + COMPUTE_WGS * bq, length), bk), 0)
-    return h, w, valid, start, length, tile_lo, cta_steps
+    # key tiles the whole CTA needs (the producer's range): the union of both consumers' ranges
+    lo0, hi0 = kv_range(tile_lo, length, first_target)
+    lo1, hi1 = kv_range(tile_lo + bq, length, first_target)
+    cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
+    cta_hi = jnp.where(valid, jnp.maximum(hi0, hi1), cta_lo)
+    return h, w, valid, start, length, first_target, tile_lo, cta_lo, cta_hi
+
+  def kv_range(q_lo, length, first_target):
+    """[lo, hi) key tiles that rows [q_lo, q_lo + bq) of a sequence see (lo = hi: no valid rows)."""
+    hi = jnp.where(q_lo < length, cdiv_dyn(jnp.minimum(q_lo + bq, length), bk), 0)
+    lo = jnp.int32(0)
+    if s.max_attn_len > 0:
+      lo_col = jnp.maximum(q_lo - s.max_attn_len, 0)
+      if s.has_targets:  # a tile holding targets sees the whole history
+        lo_col = jnp.where(q_lo + bq > first_target, 0, lo_col)
+      lo = lo_col // bk
+    return jnp.minimum(lo, hi), hi
+
+  def mask_free(q_lo, first_target, lo, hi):
+    """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + bq) sees whole (no mask)."""
+    f_hi = jnp.minimum(q_lo + 1, first_target) // bk  # below the diagonal and inside the history
+    f_lo = jnp.int32(0)
+    if s.max_attn_len > 0:
+      f_lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk)
+    f_lo = jnp.clip(f_lo, lo, hi)
+    return f_lo, jnp.clip(f_hi, f_lo, hi)
 
   def slot_of(g):
     return lax.rem(g, jnp.int32(stages))
@@ -145,7 +171,7 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
 
   def load_q(i):
     """Starts the TMA of this consumer's query rows of the CTA's i-th item (if it is a real tile)."""
-    h, _, valid, start, _, tile_lo, _ = info(i)
+    h, _, valid, start, _, _, tile_lo, _, _ = info(i)
 
     @pl.when(valid & (i < num_iters))
     def _():
@@ -153,23 +179,43 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       plgpu.copy_gmem_to_smem(rows_of(q_ref, start + tile_lo + wg * bq, bq, h, q_smem.shape[-1]), q_smem,
                               q_bar.at[wg])
 
-  def consumer_item(i, h, w, start, length, tile_lo, cta_steps, g0):
+  def consumer_item(i, h, w, start, length, first_target, tile_lo, cta_lo, cta_hi, g0):
+    # Key tile n of this item sits in ring slot (g0 + n - cta_lo) % stages. This consumer computes tiles
+    # [lo, hi) (masked ones only at the ends) and releases the others of [cta_lo, cta_hi) unread.
     q_smem = q_smem2.at[wg]
     q_lo = tile_lo + wg * bq
     rows_ok = jnp.clip(length - q_lo, 0, bq)
-    steps = jnp.where(rows_ok > 0, cdiv_dyn(jnp.minimum(q_lo + bq, length), bk), 0)
-    full = jnp.minimum(jnp.minimum(q_lo + 1, length) // bk, steps)  # tiles that need no mask
+    lo, hi = kv_range(q_lo, length, first_target)
+    lo = jnp.where(hi > lo, lo, cta_lo)
+    hi = jnp.where(hi > lo, hi, cta_lo)
+    f_lo, f_hi = mask_free(q_lo, first_target, lo, hi)
+
+    def slot_at(n):
+      return slot_of(g0 + n - cta_lo)
+
+    def drain(n):
+      # The other consumer needs this tile: release our share of its slot, but only once the tile is in
+      # it, so that an early arrival never completes a phase the other consumer still holds.
+      slot = slot_at(n)
+      plgpu.barrier_wait(k_bar.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_bar.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      sync()
+      sync()
 
     plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
+    pl.when(wg == 1)(sync)
+    pl.loop(cta_lo, lo)(drain)
 
-    @pl.when(steps > 0)
+    @pl.when(hi > lo)
     def _():
-      plgpu.barrier_wait(k_bar.at[slot_of(g0)])
+      plgpu.barrier_wait(k_bar.at[slot_at(lo)])
 
     def body(step, carry, masked: bool, width: int = bk):
       # width < bk: only the first `width` keys of the tile are visible to this consumer (its diagonal
       # tile when its rows start the tile): half-size QK and PV wgmmas on the leading rows of the slot.
-      slot = slot_of(g0 + step)
+      slot = slot_at(step)
       k_tile = k_smem.at[slot] if width == bk else k_smem.at[slot, pl.ds(0, width)]
       v_tile = v_smem.at[slot] if width == bk else v_smem.at[slot, pl.ds(0, width)]
 
@@ -189,7 +235,7 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       if masked:
         rows = q_lo + _iota(interpret, (bq, width), 0)
         cols = step * bk + _iota(interpret, (bq, width), 1)
-        mask = (cols <= rows) & (cols < length)
+        mask = tiling.allowed_2d(rows, cols, length, first_target, s)
       if s.activation == "silu":
         (acc,) = carry
         half = sc * (0.5 * s.alpha)
@@ -217,9 +263,9 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
         plgpu.barrier_wait(sched)
 
       def wait_next_k():
-        @pl.when(step + 1 < steps)
+        @pl.when(step + 1 < hi)
         def _():
-          plgpu.barrier_wait(k_bar.at[slot_of(g0 + step + 1)])
+          plgpu.barrier_wait(k_bar.at[slot_at(step + 1)])
 
       def pv_scope(acc_ref):
         plgpu.wgmma(acc_ref, p, v_tile)
@@ -240,33 +286,21 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       carry = (acc, _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
                _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout))
-    pl.when(wg == 1)(sync)
-    carry = lax.fori_loop(0, full, functools.partial(body, masked=False), carry)
+    masked = functools.partial(body, masked=True)
+    carry = lax.fori_loop(lo, f_lo, masked, carry)  # window edge
+    carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
     if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
       # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
-      half_ok = jnp.minimum(q_lo + bq, length) - (steps - 1) * bk <= bk // 2
-      masked_full = functools.partial(body, masked=True)
+      half_ok = jnp.minimum(q_lo + bq, length) - (hi - 1) * bk <= bk // 2
       masked_half = functools.partial(body, masked=True, width=bk // 2)
 
       def masked_step(step, carry):
-        return lax.cond(half_ok & (step == steps - 1), masked_half, masked_full, step, carry)
+        return lax.cond(half_ok & (step == hi - 1), masked_half, masked, step, carry)
 
-      carry = lax.fori_loop(full, steps, masked_step, carry)
+      carry = lax.fori_loop(f_hi, hi, masked_step, carry)  # diagonal, targets, sequence end
     else:
-      carry = lax.fori_loop(full, steps, functools.partial(body, masked=True), carry)
-
-    @pl.loop(steps, cta_steps)
-    def _drain(step):
-      # The other consumer still needs these tiles: release our share of each slot, but only once the
-      # tile is in it, so that an early arrival never completes a phase the other consumer still holds.
-      slot = slot_of(g0 + step)
-      plgpu.barrier_wait(k_bar.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_wait(v_bar.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      sync()
-      sync()
-
+      carry = lax.fori_loop(f_hi, hi, masked, carry)
+    pl.loop(hi, cta_hi)(drain)
     pl.when(wg == 0)(sync)
     load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
     if s.activation == "silu":
@@ -317,10 +351,10 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
     plgpu.set_max_registers(232, action="increase")
 
     def one(i, g):
-      h, w, valid, start, length, tile_lo, cta_steps = info(i)
-      pl.when(valid)(lambda: consumer_item(i, h, w, start, length, tile_lo, cta_steps, g))
+      h, w, valid, start, length, first_target, tile_lo, cta_lo, cta_hi = info(i)
+      pl.when(valid)(lambda: consumer_item(i, h, w, start, length, first_target, tile_lo, cta_lo, cta_hi, g))
       pl.when((w >= num_work) & (wg == 0))(lambda: zero_tail(h, w))
-      return g + cta_steps
+      return g + cta_hi - cta_lo
 
     load_q(0)
     lax.fori_loop(0, num_iters, one, jnp.int32(0))
@@ -331,26 +365,27 @@ def _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, 
     plgpu.set_max_registers(40, action="decrease")
 
     def one(i, g):
-      h, _, _, start, _, _, cta_steps = info(i)
+      h, _, _, start, _, _, _, cta_lo, cta_hi = info(i)
 
-      @pl.loop(0, cta_steps)
-      def _(step):
-        slot = slot_of(g + step)
+      @pl.loop(cta_lo, cta_hi)
+      def _(n):
+        j = g + n - cta_lo  # the CTA's running key-tile count
+        slot = slot_of(j)
 
-        @pl.when(g + step >= stages)
+        @pl.when(j >= stages)
         def _():
           plgpu.barrier_wait(k_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(rows_of(k_ref, start + step * bk, bk, h, k_smem.shape[-1]), k_smem.at[slot],
+        plgpu.copy_gmem_to_smem(rows_of(k_ref, start + n * bk, bk, h, k_smem.shape[-1]), k_smem.at[slot],
                                 k_bar.at[slot])
 
-        @pl.when(g + step >= stages)
+        @pl.when(j >= stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(rows_of(v_ref, start + step * bk, bk, h, dv), v_smem.at[slot], v_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rows_of(v_ref, start + n * bk, bk, h, dv), v_smem.at[slot], v_bar.at[slot])
 
-      return g + cta_steps
+      return g + cta_hi - cta_lo
 
     g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
 
@@ -384,8 +419,10 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
                        stages: int = 2, pingpong: bool = True, num_ctas: int | None = NUM_SMS,
                        half_diag: bool = False, interpret: bool = False):
   """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
-  del targets, ts, pos_tab, time_tab  # not supported yet (supports() says so)
+  del ts, pos_tab, time_tab  # no relative bias (supports() says so)
   t, heads, dqk = q.shape
+  if not s.has_targets:
+    targets = jnp.zeros((1,), jnp.int32)
   dv = v.shape[-1]
   tile = COMPUTE_WGS * BLOCK_Q
   lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
@@ -396,7 +433,7 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
   flat = BRINGUP["flat_gmem"]
   split = BRINGUP["split_staging"]
 
-  def entry(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+  def entry(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     def staging(shape, dtype):
@@ -416,7 +453,8 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
     freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
     sched = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
     pl.run_scoped(
-        lambda *sc: _kernel(work_ref, offsets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s, heads=heads,
+        lambda *sc: _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s,
+                            heads=heads,
                             num_work=num_work, num_zero=num_zero, block_k=block_k, stages=stages,
                             total_rows=t, interpret=interpret, pingpong=pingpong, num_ctas=num_ctas,
                             half_diag=half_diag),
@@ -426,7 +464,7 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
   if flat:
     lse_shape = (math.prod(lse_shape),)
   o_shape = (t, heads * dv) if flat else (t, heads, dv)
-  ins = (work.reshape(-1) if BRINGUP["flat_work"] else work, offsets)
+  ins = (work.reshape(-1) if BRINGUP["flat_work"] else work, offsets, targets.astype(jnp.int32))
   ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)) if flat else (q, k, v)
   # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
   # that zero rows past offsets[B]; or (persistent) NUM_SMS CTAs walking that list. Three warpgroups per
