@@ -19,13 +19,13 @@ import numpy as np
 from experiments.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, mosaic_gpu, tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+from pallas_kernels.jagged_attention.reference import allowed_mask, jagged_attention_reference
 
 
-def _static(n, activation, d, interpret=False):
-  return tiling.Static(max_seq_len=n, activation=activation, alpha=1.0 / math.sqrt(d), max_attn_len=0,
-                       has_targets=False, has_pos=False, has_time=False, num_pos=1, num_time=1,
-                       interpret=interpret, blocks=BlockSizes.get_default("gpu", d, n))
+def _static(n, activation, d, window=0, targets=False):
+  return tiling.Static(max_seq_len=n, activation=activation, alpha=1.0 / math.sqrt(d), max_attn_len=window,
+                       has_targets=targets, has_pos=False, has_time=False, num_pos=1, num_time=1,
+                       interpret=False, blocks=BlockSizes.get_default("gpu", d, n))
 
 
 def _inputs(lengths, h, d, seed, extra_rows=0, dtype=jnp.bfloat16):
@@ -36,8 +36,9 @@ def _inputs(lengths, h, d, seed, extra_rows=0, dtype=jnp.bfloat16):
   return q, k, v, jnp.asarray(offsets)
 
 
-def _unused(b, h):
-  return (jnp.zeros((b,), jnp.int32), jnp.zeros((1,), jnp.int32), jnp.zeros((h, 16), jnp.float32),
+def _unused(b, h, targets=None):
+  targets = jnp.zeros((b,), jnp.int32) if targets is None else targets
+  return (targets, jnp.zeros((1,), jnp.int32), jnp.zeros((h, 16), jnp.float32),
           jnp.zeros((h, 16), jnp.float32))
 
 
@@ -52,36 +53,40 @@ def _triton(s):
   return jax.jit(lambda q, k, v, off, *rest: gpu._forward(q, k, v, off, *rest, s=s))
 
 
-def _ref_lse(q, k, offsets, n, alpha):
-  """[H, T] softmax lse from a padded float32 computation (small shapes only)."""
+def _ref_lse(q, k, offsets, n, alpha, targets, window):
+  """[H, T] softmax lse over the allowed keys (DESIGN.md mask), float64 numpy (small shapes only)."""
   t, h, _ = q.shape
   off = np.asarray(offsets)
-  out = np.zeros((h, t), np.float32)
-  qf, kf = np.asarray(q, np.float32), np.asarray(k, np.float32)
-  for b in range(len(off) - 1):
-    lo, hi = off[b], min(off[b + 1], off[b] + n)
-    if hi <= lo:
-      continue
-    sc = alpha * np.einsum("ihd,jhd->hij", qf[lo:hi], kf[lo:hi])
-    sc = np.where(np.tril(np.ones((hi - lo, hi - lo), bool))[None], sc, -np.inf)
-    mx = sc.max(-1, keepdims=True)
-    out[:, lo:hi] = (mx[..., 0] + np.log(np.exp(sc - mx).sum(-1)))
+  lengths = np.minimum(np.diff(off), n)
+  mask = np.asarray(allowed_mask(jnp.asarray(lengths), jnp.clip(targets, 0, jnp.asarray(lengths)), n, window))
+  out = np.zeros((h, t))
+  qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  for b, length in enumerate(lengths):
+    lo = off[b]
+    if length:
+      sc = alpha * np.einsum("ihd,jhd->hij", qf[lo:lo + length], kf[lo:lo + length])
+      sc = np.where(mask[b, :length, :length][None], sc, -np.inf)
+      mx = sc.max(-1, keepdims=True)
+      out[:, lo:lo + length] = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
   return out
 
 
-def check(activation, lengths, n, h, d, seed, extra_rows=100) -> tuple[bool, str]:
+def check(activation, lengths, n, h, d, seed, extra_rows=100, window=0, targets=False) -> tuple[bool, str]:
   q, k, v, off = _inputs(lengths, h, d, seed, extra_rows)
-  s = _static(n, activation, d)
-  o, lse = _mosaic(s)(q, k, v, off, *_unused(len(lengths), h))
+  s = _static(n, activation, d, window, targets)
+  tg = jnp.asarray(np.random.default_rng(seed).integers(0, 60, size=len(lengths)), jnp.int32)
+  o, lse = _mosaic(s)(q, k, v, off, *_unused(len(lengths), h, tg if targets else None))
   o = np.asarray(o, np.float32)
-  ref = np.asarray(jagged_attention_reference(q, k, v, off, max_seq_len=n, activation=activation), np.float32)
+  ref = jagged_attention_reference(q, k, v, off, max_seq_len=n, activation=activation, max_attn_len=window,
+                                   num_targets=tg if targets else None)
+  ref = np.asarray(ref, np.float32)
   tail = int(off[-1])
   err = float(np.linalg.norm(o - ref) / max(np.linalg.norm(ref), 1e-30))
   tail_max = float(np.abs(o[tail:]).max()) if tail < o.shape[0] else 0.0
   ok = bool(err < 1e-2 and np.isfinite(o).all() and tail_max == 0.0)
-  msg = f"check {activation} N={n} B={len(lengths)} {KNOBS}: rel_l2={err:.2e} tail_max={tail_max}"
+  msg = f"check {activation} N={n} B={len(lengths)} window={window} targets={targets} {KNOBS}: rel_l2={err:.2e} tail_max={tail_max}"
   if activation == "softmax":
-    lse_ref = _ref_lse(q, k, off, n, 1.0 / math.sqrt(d))
+    lse_ref = _ref_lse(q, k, off, n, 1.0 / math.sqrt(d), tg if targets else jnp.zeros_like(tg), window)
     lse = np.asarray(lse)[:, :tail]
     lse_err = float(np.abs(lse - lse_ref[:, :tail]).max())
     ok = ok and lse_err < 1e-2
@@ -138,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
   ok = True
   if not args.no_check:
     rng = np.random.default_rng(1)
-    cases = [("silu", [200, 5, 130, 1, 256, 64], 256), ("softmax", [200, 5, 130, 1, 256, 64], 256),
-             ("silu", list(rng.integers(900, 1024, size=6)), 1024),
-             ("softmax", list(rng.integers(900, 1024, size=6)), 1024)]
-    for act, lengths, n in cases:
-      good, msg = check(act, lengths, n, 2, 128, int(rng.integers(1 << 30)))
+    short = [200, 5, 130, 1, 256, 64]
+    cases = [("silu", short, 256, 0, False), ("softmax", short, 256, 0, False),
+             ("silu", list(rng.integers(900, 1024, size=6)), 1024, 0, False),
+             ("softmax", list(rng.integers(900, 1024, size=6)), 1024, 0, False),
+             ("silu", short, 256, 100, True), ("softmax", short, 256, 40, True)]
+    for act, lengths, n, window, targets in cases:
+      good, msg = check(act, lengths, n, 2, 128, int(rng.integers(1 << 30)), window=window, targets=targets)
       print(msg, flush=True)
       ok = ok and good
   if args.check_only or not ok:

@@ -3,24 +3,40 @@
 Why: the Triton-lowered forward (gpu.py) spends ~10-25 CUDA-core ops per score element (SiLU, masks,
 casts) that do not overlap with its MMAs. Here, as in FlashAttention-3, one CTA runs three warpgroups:
 a producer that TMA-loads key/value tiles into a ring of shared-memory slots, and two consumer
-warpgroups of 64 query rows each that issue wgmma and do the activation, so one's elementwise work
-overlaps the other's matrix work.
+warpgroups of BLOCK_Q = 64 query rows each that issue wgmma and do the activation, so one's elementwise
+work overlaps the other's matrix work.
 
-Design (same contract as gpu._forward; the Triton backward stays):
-* Work list: tiling.work_list(lengths, 2 * BLOCK_Q, ...), heaviest first; grid (head, item) with heads
-  fastest, plus tail items that zero rows past offsets[B]. A CTA reads its (sequence, tile) from the
-  work arrays in global memory; causal loop bounds follow from offsets at run time.
-* Jagged loads: TMA boxes `k.at[pl.ds(start + k_lo, bk), h]` at arbitrary row starts. Rows past the
-  sequence belong to the next sequence and are masked in the scores; boxes past T are zero-filled by
-  TMA. Such rows must hold finite values (0 * NaN = NaN), as any real token does.
-* Masks only on the diagonal / sequence-end tiles; key tiles below them run mask-free.
-* Jagged stores: a consumer never writes rows outside [start, start + length): its tile is staged in
-  an unswizzled shared buffer and stored as up to 7 power-of-two-row TMA boxes (binary decomposition
-  of the valid row count, as in jax's ragged_dot_mgpu).
+Design (same contract as gpu._forward, so it can be the forward of gpu's custom_vjp; supports() lists
+what it handles: no relative bias, Dqk = Dv = 128, bf16/fp16; SiLU or softmax, targets, window):
+* Work list: tiling.work_list(lengths, 2 * BLOCK_Q, ...), heaviest first, items (head fastest) then tail
+  items that zero rows past offsets[B]. Persistent grid (default): NUM_SMS CTAs walk that list with a
+  stride; the K/V ring and its barrier phases run on across items, so the producer prefetches the next
+  item's keys while the consumers finish the current one, and each consumer fetches its next query
+  rows during its epilogue. num_ctas=None: one CTA per (head, item) instead.
+* Per-item scalars (sequence, tile, offsets, targets) are read from global memory at run time; each
+  consumer derives its own key-tile range [lo, hi) (causal, window, targets) and its mask-free middle;
+  the producer loads the union of both ranges, and a consumer releases the slots outside its own range
+  (after waiting for their data, so an early release never completes a phase the other still holds).
+* Jagged loads: TMA boxes of bk rows of one head at arbitrary row starts. Rows past the sequence belong
+  to the next sequence and are masked in the scores; boxes past T are zero-filled by TMA. Rows past
+  offsets[B] must hold finite values (0 * NaN = NaN in the PV product), as any real token does.
+* Jagged stores: a consumer never writes rows outside [start, start + length): its tile is staged in an
+  unswizzled shared buffer and stored as up to 7 power-of-two-row TMA boxes (binary decomposition of the
+  valid row count, as in jax's ragged_dot_mgpu). Rows of a sequence past max_seq_len are not written
+  (as in gpu.py; the reference has zeros there, so callers keep L_b <= max_seq_len as api.py requires).
+* Ping-pong (FA3): the two consumers meet on a barrier twice per key tile so that one's activation runs
+  while the other's wgmmas do. half_diag: a consumer whose last visible key lies in the first half of
+  its last 128-key tile (the first consumer's diagonal tile) uses half-width wgmmas there.
 * SiLU: with h = alpha * s / 2, silu(alpha * s) = h + h * tanh(h) (tanh.approx via approx_math);
   1/max_seq_len is applied once to the accumulator.
-* Softmax: base-2 online softmax; lse goes to a tile-major [items, H, 2 * BLOCK_Q] buffer (a 1-D TMA of
-  a whole tile) and is gathered to [H, T] in XLA (a row's tile is never shared between sequences).
+* Softmax: base-2 online softmax; lse goes to a tile-major [items, H, 2 * BLOCK_Q] buffer (a 1-D TMA of a
+  whole consumer tile) and is gathered to [H, T] in XLA (a tile never holds two sequences' lse).
+
+CPU checks: tests/test_jagged_attention_mosaic_gpu.py lowers the kernel for several configs
+(`lower(lowering_platforms=("cuda",))`) and runs it in Mosaic GPU interpret mode against the reference,
+with the two wgmma calls replaced by plain dots there (interpret=True: the interpreter has neither
+transposed wgmma operands nor run_state). Numbers come only from the device
+(experiments/bench_mosaic_attention.py).
 """
 from __future__ import annotations
 
@@ -47,7 +63,7 @@ NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
 BRINGUP = {"flat_work": True, "split_staging": True, "flat_gmem": True}
 
 
-def supports(s: Static, q, v, block_k: int = 128) -> bool:
+def supports(s: Static, q, v) -> bool:
   """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
   return (not s.has_pos and not s.has_time and not s.interpret
           and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype
