@@ -100,7 +100,7 @@ def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipp
       sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
   tt = None
   if s.has_time:
-    tt = _time_cells(ts_q, ts_k, s, time_ref)
+    tt = _time_cells(ts_q, ts_k, s)
     sc = sc + _time_bias(tt, h, time_ref)
   return sc, tt
 
@@ -127,34 +127,18 @@ def time_thresholds(num_time: int, width: int) -> jax.Array:
   return jnp.where(b == 0, -jnp.inf, thr)
 
 
-def _bucket(x, time_ref, s: Static):
-  """Exact bucket of one float32(max(dt, 1)) scalar: a scalar log, then one step against the thresholds."""
-  thr = time_ref.shape[0] - 1
-  b = jnp.clip(jnp.floor(jnp.log(jnp.minimum(x, 2.0**31)) / tiling.LOG_TIME_DIVISOR).astype(jnp.int32), 0,
-               s.num_time - 1)
-  up = jnp.where(b + 1 < s.num_time, time_ref[thr, jnp.minimum(b + 1, time_ref.shape[1] - 1)], jnp.inf)
-  return b - (x < time_ref[thr, b]).astype(jnp.int32) + (x >= up).astype(jnp.int32)
+def _time_cells(ts_q, ts_k, s: Static):
+  """(float32(max(dt, 1)) per cell, lo, hi): every cell's bucket lies in [lo, hi].
 
-
-def _time_cells(ts_q, ts_k, s: Static, time_ref):
-  """(float32(max(dt, 1)) per cell, lo, nxt, hi): the tile's buckets are lo and a subset of [nxt, hi].
-
-  lo and hi are the buckets of the tile's extreme deltas (from the row and column timestamps' min and max);
-  a tile spanning many buckets (the diagonal ones: deltas from 0 up) also looks for the first bucket above lo
-  that holds a cell (one reduction), so the loops skip the empty gap above bucket 0.
+  The bounds come from the tile's extreme deltas with a cheap scalar log, widened by one bucket on each side
+  (a scalar log may differ from XLA's by an ulp); the bias and gradient loops are exact for any wider range.
   """
   (tq, q_min, q_max), (tk, k_min, k_max) = ts_q, ts_k
   x = jnp.maximum(tq[:, None] - tk[None, :], 1).astype(jnp.float32)
-  scalar = lambda dt: jnp.maximum(dt, 1).astype(jnp.float32)
-  lo = _bucket(scalar(q_min - k_max), time_ref, s)
-  hi = jnp.maximum(_bucket(scalar(q_max - k_min), time_ref, s), lo)
-
-  def first_above_lo():
-    above = jnp.min(jnp.where(x >= time_ref[time_ref.shape[0] - 1, lo + 1], x, jnp.inf))
-    return jnp.where(above < jnp.inf, _bucket(above, time_ref, s), hi + 1)
-
-  nxt = lax.cond(hi - lo > 3, first_above_lo, lambda: lo + 1)
-  return x, lo, nxt, hi
+  approx = lambda dt: jnp.floor(jnp.log(jnp.maximum(dt, 1).astype(jnp.float32)) / tiling.LOG_TIME_DIVISOR)
+  lo = jnp.clip(approx(q_min - k_max).astype(jnp.int32) - 1, 0, s.num_time - 1)
+  hi = jnp.clip(approx(q_max - k_min).astype(jnp.int32) + 1, lo, s.num_time - 1)
+  return x, lo, hi
 
 
 def _time_bias(tt, h, time_ref):
@@ -162,29 +146,27 @@ def _time_bias(tt, h, time_ref):
 
   time_ref row -1 holds time_thresholds; a cell at or past thr[b] takes table[b], larger b overriding.
   """
-  x, lo, nxt, hi = tt
+  x, lo, hi = tt
   thr = time_ref.shape[0] - 1
-  return lax.fori_loop(nxt, hi + 1, lambda b, bias: jnp.where(x >= time_ref[thr, b], time_ref[h, b], bias),
+  return lax.fori_loop(lo + 1, hi + 1, lambda b, bias: jnp.where(x >= time_ref[thr, b], time_ref[h, b], bias),
                        jnp.full(x.shape, time_ref[h, lo], jnp.float32))
 
 
 def _time_hist(hist, ds, tt, time_ref):
   """hist[b] += sum of ds over the tile's cells of bucket b; hist is a register row carried through the loop.
 
-  With S_b = sum(ds where x >= thr[b]) (all cells for b = lo), a bucket's sum is S_b - S_(next bucket): one
-  masked reduction per bucket of the tile's range, no atomics.
+  With S_b = sum(ds where x >= thr[b]) (all cells for b = lo), a bucket's sum is S_b - S_{b+1}: one masked
+  reduction per bucket of the tile's range, no atomics.
   """
-  x, lo, nxt, hi = tt
+  x, lo, hi = tt
   thr = time_ref.shape[0] - 1
   lane = jnp.arange(hist.shape[0], dtype=jnp.int32)
-  hist = hist + jnp.where(lane == lo, jnp.sum(ds), 0.0)
 
   def body(b, hist):
     sb = jnp.sum(jnp.where(x >= time_ref[thr, b], ds, 0.0))
-    prev = jnp.where(b == nxt, lo, b - 1)
-    return hist + jnp.where(lane == b, sb, 0.0) - jnp.where(lane == prev, sb, 0.0)
+    return hist + jnp.where(lane == b, sb, 0.0) - jnp.where((lane == b - 1) & (b > lo), sb, 0.0)
 
-  return lax.fori_loop(nxt, hi + 1, body, hist)
+  return lax.fori_loop(lo, hi + 1, body, hist)
 
 
 LOG2E = 1.4426950408889634
