@@ -289,6 +289,9 @@ def main(argv: list[str]) -> int:
                        rng, args.reps, ref_batch=32)
     rows += bench_case("silu uniform N=1024 B=512 + pos/time bias", _lengths("uniform", 512, 1024, rng), h, d,
                        "silu", rng, args.reps, with_ref=False, num_pos=1024, num_time=64)
+    rows += bench_case("silu uniform N=1024 B=512 + pos 128 / time 64 bias (gem_h200)",
+                       _lengths("uniform", 512, 1024, rng), h, d, "silu", rng, args.reps, with_ref=False,
+                       num_pos=128, num_time=64)
     rows += bench_case("softmax uniform N=1024 B=512", _lengths("uniform", 512, 1024, rng), h, d, "softmax", rng,
                        args.reps, ref_batch=128)
     if jax.default_backend() == "gpu":
