@@ -96,14 +96,15 @@ def bench_case(name, n, activation, rng, reps, variants, b=512, h=4, d=128):
   for label, blocks, fused, relaxed in variants:
     s = _static(n, d, activation, blocks)
     try:
+      fn = gpu._backward if fused is None else functools.partial(gpu_fused_bwd.backward_fused, dq_probe=fused)
       if relaxed:  # does the probe reach the lowering? (its kernel text must differ from the default's)
-        lowered = lambda: jax.jit(functools.partial(gpu_fused_bwd.backward_fused, s)).lower(res, do).as_text()
+        lowered = lambda: jax.jit(functools.partial(fn, s)).lower(res, do).as_text()
         default = lowered()
         with _relaxed_atomics():
           print(f"{label}: lowering differs from acq_rel: {lowered() != default}", flush=True)
       with _relaxed_atomics() if relaxed else contextlib.nullcontext():
         # a fresh function object per variant: jit must re-lower (the relaxed patch acts at lowering time)
-        bwd = jax.jit(functools.partial(gpu_fused_bwd.backward_fused if fused else gpu._backward, s))
+        bwd = jax.jit(functools.partial(fn, s))
         grads = jax.block_until_ready(bwd(res, do))[:3]
       err = "-"
       if base is None:
@@ -123,11 +124,12 @@ def bench_case(name, n, activation, rng, reps, variants, b=512, h=4, d=128):
 SWEEP = "64x128s2,128x128s2,128x128s1,128x64s1,128x64s3,32x128s2"
 
 
-def _variants(tiles: str, relaxed: bool):
-  """(label, BlockSizes, fused, relaxed) per timed backward: the two-kernel baseline first, then the fused one
-  at the default tiles and at each BQxBKsSTAGES[wWARPS] of `tiles`, each also with relaxed atomics if asked."""
+def _variants(tiles: str, relaxed: bool, probes: bool = False):
+  """(label, BlockSizes, dq mode or None for two-kernel, relaxed) per timed backward: the two-kernel baseline
+  first, then the fused one at the default tiles and at each BQxBKsSTAGES[wWARPS] of `tiles`, each also with
+  relaxed atomics and the cost probes (gpu_fused_bwd.DQ_PROBES: wrong dQ, for attribution) if asked."""
   two = BlockSizes()
-  out = [("two-kernel (gpu._backward)", two, False, False)]
+  out = [("two-kernel (gpu._backward)", two, None, False)]
   for spec in ["128x64s2"] + [x for x in tiles.split(",") if x and x != "128x64s2"]:
     shape, _, rest = spec.partition("s")
     stages, _, warps = rest.partition("w")
@@ -135,9 +137,11 @@ def _variants(tiles: str, relaxed: bool):
     bs = dataclasses.replace(two, block_q_dkv=bq, block_k_dkv=bk, num_stages_bwd=int(stages),
                              num_warps_bwd=int(warps or two.num_warps_bwd))
     label = f"fused {bq}x{bk} w{bs.num_warps_bwd} s{bs.num_stages_bwd}"
-    out.append((label, bs, True, False))
+    out.append((label, bs, "atomic", False))
     if relaxed:
-      out.append((label + " relaxed", bs, True, True))
+      out.append((label + " relaxed", bs, "atomic", True))
+    if probes:
+      out += [(f"{label} probe dq={p} (wrong dQ)", bs, p, False) for p in gpu_fused_bwd.DQ_PROBES[1:]]
   return out
 
 
@@ -150,6 +154,7 @@ def main(argv: list[str]) -> int:
   p.add_argument("--tiles", default=SWEEP, help="comma list of BQxBKsSTAGES[wWARPS] for --sweep")
   p.add_argument("--sweep-cases", default="1024:silu", help="cases the sweep applies to")
   p.add_argument("--relaxed", action="store_true", help="also time relaxed-ordering atomics (jax-internal probe)")
+  p.add_argument("--probes", action="store_true", help="also time the fused kernel without dQ atomics (wrong dQ)")
   p.add_argument("--no-check", action="store_true")
   p.add_argument("--quick", action="store_true", help="small shapes (smoke test, e.g. on CPU)")
   args = p.parse_args(argv)
@@ -161,7 +166,7 @@ def main(argv: list[str]) -> int:
   kw = dict(b=8, h=2, d=16) if args.quick else dict(b=args.batch)
   for case in args.cases.split(","):
     n, activation = case.split(":")
-    variants = _variants(args.tiles if args.sweep and case in args.sweep_cases.split(",") else "", args.relaxed)
+    variants = _variants(args.tiles if args.sweep and case in args.sweep_cases.split(",") else "", args.relaxed, args.probes)
     rows += bench_case(f"{activation} uniform N={n} B={kw['b']}", int(n), activation, rng, args.reps, variants,
                        **kw)
   print("\n| case | backward | TFLOP/s | ms | vs two-kernel |\n| --- | --- | --- | --- | --- |")

@@ -35,9 +35,12 @@ def _add_rows(ref, start, lo, size, ok, h, val, s: Static):
                      mask=jnp.broadcast_to(ok[:, None], val.shape))
 
 
+DQ_PROBES = ("atomic", "store", "carry")  # "atomic" is the kernel; the others compute a wrong dQ (cost probes)
+
+
 def _fused_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
                   delta_ref, dq_in_ref, dq_ref, dk_ref, dv_ref, *, s: Static, heads: int, num_work: int,
-                  total_rows: int):
+                  total_rows: int, dq_probe: str):
   del dq_in_ref  # zeros, aliased to dq_ref
   pid = pl.program_id(0)
   h = pid % heads
@@ -56,7 +59,7 @@ def _fused_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, q_ref, k_ref
 
     def body(m, carry, masked, clipped):
       del clipped  # no position bias
-      dk, dv = carry
+      dk, dv, dq_sum = carry
       q_lo = m * bq
       rows, row_ok, q, do, _, lse, delta = gpu._q_side(q_ref, do_ref, None, lse_ref, delta_ref, start, q_lo, bq,
                                                        length, h, s)
@@ -67,13 +70,22 @@ def _fused_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, q_ref, k_ref
       ds = ds.astype(q.dtype)
       dv = dv + gpu._dot(p.astype(do.dtype), do, trans_a=True)
       dk = dk + gpu._dot(ds, q, trans_a=True)
-      _add_rows(dq_ref, start, q_lo, bq, row_ok, h, gpu._dot(ds, k), s)  # unscaled: scaled once in XLA
-      return dk, dv
+      dq = gpu._dot(ds, k)  # unscaled: scaled once in XLA
+      if dq_probe == "atomic":
+        _add_rows(dq_ref, start, q_lo, bq, row_ok, h, dq, s)
+      elif dq_probe == "store":  # cost probe: the same rows written without atomics (races: wrong dQ)
+        plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], dq, mask=row_ok[:, None])
+      else:  # cost probe "carry": the dQ matmul kept, no memory traffic per tile (wrong dQ)
+        dq_sum = dq_sum + dq
+      return dk, dv, dq_sum
 
-    init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
+    init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32),
+            jnp.zeros((bq, q_ref.shape[-1]) if dq_probe == "carry" else (), jnp.float32))
     m_hi = gpu.cdiv_dyn(hi, bq)
     f_lo, f_hi = gpu._full_q(k_lo, bq, bk, first_target, m_hi, s)
-    dk, dv = gpu._split_loop(lo // bq, m_hi, f_lo, f_hi, body, init)
+    dk, dv, dq_sum = gpu._split_loop(lo // bq, m_hi, f_lo, f_hi, body, init)
+    if dq_probe == "carry":
+      plgpu.store(dq_ref.at[pl.ds(start + k_lo, bq), h, :], dq_sum, mask=(k_lo + jnp.arange(bq) < length)[:, None])
     scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
     plgpu.store(dk_ref.at[pl.ds(start + k_lo, bk), h, :], (dk * (s.alpha * scale)).astype(dk_ref.dtype),
                 mask=col_ok[:, None])
@@ -85,8 +97,14 @@ def _fused_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, q_ref, k_ref
     gpu._zero_tail([(dk_ref, h), (dv_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bk)
 
 
-def backward_fused(s: Static, res, do):
-  """Drop-in for gpu._backward (same residuals, same cotangent tuple) when supports(s); one kernel."""
+def backward_fused(s: Static, res, do, *, dq_probe: str = "atomic"):
+  """Drop-in for gpu._backward (same residuals, same cotangent tuple) when supports(s); one kernel.
+
+  dq_probe other than "atomic" is for benchmarks only: it times the kernel without the dQ atomics (the dQ
+  it returns is wrong), see DQ_PROBES.
+  """
+  if dq_probe not in DQ_PROBES:
+    raise ValueError(f"dq_probe must be one of {DQ_PROBES}, got {dq_probe!r}")
   if not supports(s):
     raise ValueError(f"backward_fused needs no relative bias, got has_pos={s.has_pos} has_time={s.has_time}")
   q, k, v, offsets, targets, _, pos_tab, time_tab, o, lse = res
@@ -99,7 +117,7 @@ def backward_fused(s: Static, res, do):
   bk = s.blocks.block_k_dkv
   wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
   num_zero = cdiv(t, gpu.ZERO_TILES * bk)
-  kernel = functools.partial(_fused_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+  kernel = functools.partial(_fused_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, dq_probe=dq_probe)
   # Grid: one program per (key-tile work item, head), heaviest first, then programs that zero dK/dV rows
   # past offsets[B]. Blocks: whole arrays (masked row loads); dQ rows are only ever atomically added to
   # the zeroed buffer, so its rows past offsets[B] stay zero.
