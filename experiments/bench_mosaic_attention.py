@@ -30,7 +30,7 @@ def _static(n, activation, d, window=0, targets=False):
 
 def _inputs(lengths, h, d, seed, extra_rows=0, dtype=jnp.bfloat16):
   offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-  t = int(offsets[-1]) + extra_rows
+  t = -(-(int(offsets[-1]) + extra_rows) // mosaic_gpu.ALIGN) * mosaic_gpu.ALIGN  # the Mosaic kernel needs T % 8 == 0
   keys = jax.random.split(jax.random.key(seed), 3)
   q, k, v = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys)
   return q, k, v, jnp.asarray(offsets)

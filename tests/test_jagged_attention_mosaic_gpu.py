@@ -54,6 +54,7 @@ def test_supports():
   assert mosaic_gpu.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
   assert not mosaic_gpu.supports(_static(256, "silu", has_pos=True), q, q)
   assert not mosaic_gpu.supports(_static(256, "silu", interpret=True), q, q)
+  assert not mosaic_gpu.supports(_static(256, "silu"), q[:7], q[:7])  # T % 8 != 0
   assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
   q64 = jnp.zeros((8, 2, 64), jnp.bfloat16)
   assert not mosaic_gpu.supports(_static(256, "silu", alpha=0.125), q64, q64)
@@ -87,7 +88,7 @@ def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, ha
   lengths = [130, 0, 1, 70]
   n, h, d = 256, 1, 128
   offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-  t = int(offsets[-1]) + 20  # capacity past offsets[B]
+  t = (int(offsets[-1]) + 20 + 7) // 8 * 8  # capacity past offsets[B], a multiple of mosaic_gpu.ALIGN
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16) for _ in range(3))
   targets = jnp.asarray(rng.integers(0, 40, size=len(lengths)), jnp.int32)

@@ -57,6 +57,10 @@ COMPUTE_WGS = 2
 ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
 LOG2E = 1.4426950408889634
 NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
+# Mosaic GPU tiles the GMEM side of a TMA into swizzled shared memory by the (8, 64) smem tiling, so a load's
+# row start must be a multiple of 8 (and T too): every sequence is processed in its aligned frame, frame row
+# f = global row start - start % ALIGN + f, and the frame rows before the sequence are masked and not stored.
+ALIGN = 8
 # Bring-up switches (jax 0.11.2's Mosaic GPU layout inference rejected the first version; these isolate why):
 # flat_work: work list as one 1-D array; split_staging: one output/lse staging buffer per consumer (no
 # sub-views of untransformed shared memory); flat_gmem: q/k/v/o as [T, H * D] with column slices, lse 1-D.
@@ -66,7 +70,7 @@ BRINGUP = {"flat_work": True, "split_staging": True, "flat_gmem": True}
 def supports(s: Static, q, v) -> bool:
   """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
   return (not s.has_pos and not s.has_time and not s.interpret
-          and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype
+          and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype and q.shape[0] % ALIGN == 0
           and q.shape[-1] == 128 and v.shape[-1] == 128 and s.activation in ("silu", "softmax"))
 
 
@@ -81,14 +85,14 @@ def _iota(interpret: bool, shape, dim: int):
   return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
-def _store_rows(src_smem, dst, nrows, max_rows: int):
-  """TMA-stores rows [0, nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
+def _store_rows(src_smem, dst, nrows, max_rows: int, first=0):
+  """TMA-stores rows [first, first + nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
   off = 0
   size = max_rows
   while size >= 1:
     @pl.when((nrows & size) != 0)
     def _(off=off, size=size):
-      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(off, size)], dst(off, size))
+      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(first + off, size)], dst(off, size))
 
     off = off + (nrows & size)
     size //= 2
@@ -143,37 +147,43 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
     valid = (w < num_work) & (work(2, wc) > 0)
     b = work(0, wc)
     start = offsets_ref[b]
+    d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its aligned frame
+    base = start - d  # global row of frame row 0
     length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
     first_target = length
     if s.has_targets:
       first_target = length - jnp.clip(targets_ref[b], 0, length)
-    tile_lo = work(1, wc) * (COMPUTE_WGS * bq)
+    tile_lo = work(1, wc) * (COMPUTE_WGS * bq)  # frame row
     # key tiles the whole CTA needs (the producer's range): the union of both consumers' ranges
-    lo0, hi0 = kv_range(tile_lo, length, first_target)
-    lo1, hi1 = kv_range(tile_lo + bq, length, first_target)
+    lo0, hi0 = kv_range(tile_lo, d, length, first_target)
+    lo1, hi1 = kv_range(tile_lo + bq, d, length, first_target)
     cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
     cta_hi = jnp.where(valid, jnp.maximum(hi0, hi1), cta_lo)
-    return h, w, valid, start, length, first_target, tile_lo, cta_lo, cta_hi
+    return h, w, valid, base, d, length, first_target, tile_lo, cta_lo, cta_hi
 
-  def kv_range(q_lo, length, first_target):
-    """[lo, hi) key tiles that rows [q_lo, q_lo + bq) of a sequence see (lo = hi: no valid rows)."""
-    hi = jnp.where(q_lo < length, cdiv_dyn(jnp.minimum(q_lo + bq, length), bk), 0)
+  def kv_range(q_lo, d, length, first_target):
+    """[lo, hi) key tiles that frame rows [q_lo, q_lo + bq) see (lo = hi: no rows of the sequence)."""
+    end = d + length
+    hi = jnp.where((q_lo < end) & (q_lo + bq > d), cdiv_dyn(jnp.minimum(q_lo + bq, end), bk), 0)
     lo = jnp.int32(0)
     if s.max_attn_len > 0:
-      lo_col = jnp.maximum(q_lo - s.max_attn_len, 0)
+      lo_col = jnp.maximum(jnp.maximum(q_lo, d) - s.max_attn_len, d)
       if s.has_targets:  # a tile holding targets sees the whole history
-        lo_col = jnp.where(q_lo + bq > first_target, 0, lo_col)
+        lo_col = jnp.where(q_lo + bq > d + first_target, d, lo_col)
       lo = lo_col // bk
     return jnp.minimum(lo, hi), hi
 
-  def mask_free(q_lo, first_target, lo, hi):
+  def mask_free(q_lo, d, first_target, lo, hi):
     """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + bq) sees whole (no mask)."""
-    f_hi = jnp.minimum(q_lo + 1, first_target) // bk  # below the diagonal and inside the history
-    f_lo = jnp.int32(0)
+    f_hi = jnp.minimum(q_lo + 1, d + first_target) // bk  # below the diagonal and inside the history
+    f_lo = cdiv_dyn(d, bk)  # frame rows before the sequence (in tile 0 when d > 0) are masked
     if s.max_attn_len > 0:
-      f_lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk)
+      f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk))
     f_lo = jnp.clip(f_lo, lo, hi)
     return f_lo, jnp.clip(f_hi, f_lo, hi)
+
+  def aligned(row):
+    return pl.multiple_of(row, ALIGN)
 
   def slot_of(g):
     return lax.rem(g, jnp.int32(stages))
@@ -187,24 +197,25 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
 
   def load_q(i):
     """Starts the TMA of this consumer's query rows of the CTA's i-th item (if it is a real tile)."""
-    h, _, valid, start, _, _, tile_lo, _, _ = info(i)
+    h, _, valid, base, _, _, _, tile_lo, _, _ = info(i)
 
     @pl.when(valid & (i < num_iters))
     def _():
       q_smem = q_smem2.at[wg]
-      plgpu.copy_gmem_to_smem(rows_of(q_ref, start + tile_lo + wg * bq, bq, h, q_smem.shape[-1]), q_smem,
+      plgpu.copy_gmem_to_smem(rows_of(q_ref, aligned(base + tile_lo + wg * bq), bq, h, q_smem.shape[-1]), q_smem,
                               q_bar.at[wg])
 
-  def consumer_item(i, h, w, start, length, first_target, tile_lo, cta_lo, cta_hi, g0):
+  def consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g0):
     # Key tile n of this item sits in ring slot (g0 + n - cta_lo) % stages. This consumer computes tiles
     # [lo, hi) (masked ones only at the ends) and releases the others of [cta_lo, cta_hi) unread.
     q_smem = q_smem2.at[wg]
     q_lo = tile_lo + wg * bq
-    rows_ok = jnp.clip(length - q_lo, 0, bq)
-    lo, hi = kv_range(q_lo, length, first_target)
+    first_row = jnp.clip(d - q_lo, 0, bq)  # this consumer's rows of the sequence: [first_row, last_row)
+    last_row = jnp.clip(d + length - q_lo, 0, bq)
+    lo, hi = kv_range(q_lo, d, length, first_target)
     lo = jnp.where(hi > lo, lo, cta_lo)
     hi = jnp.where(hi > lo, hi, cta_lo)
-    f_lo, f_hi = mask_free(q_lo, first_target, lo, hi)
+    f_lo, f_hi = mask_free(q_lo, d, first_target, lo, hi)
 
     def slot_at(n):
       return slot_of(g0 + n - cta_lo)
@@ -249,9 +260,9 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
       plgpu.barrier_arrive(k_free.at[slot])
       mask = None
       if masked:
-        rows = q_lo + _iota(interpret, (bq, width), 0)
-        cols = step * bk + _iota(interpret, (bq, width), 1)
-        mask = tiling.allowed_2d(rows, cols, length, first_target, s)
+        rows = (q_lo - d) + _iota(interpret, (bq, width), 0)  # sequence positions
+        cols = (step * bk - d) + _iota(interpret, (bq, width), 1)
+        mask = tiling.allowed_2d(rows, cols, length, first_target, s) & (cols >= 0)
       if s.activation == "silu":
         (acc,) = carry
         half = sc * (0.5 * s.alpha)
@@ -307,7 +318,7 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
     carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
     if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
       # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
-      half_ok = jnp.minimum(q_lo + bq, length) - (hi - 1) * bk <= bk // 2
+      half_ok = jnp.minimum(q_lo + bq, d + length) - (hi - 1) * bk <= bk // 2
       masked_half = functools.partial(body, masked=True, width=bk // 2)
 
       def masked_step(step, carry):
@@ -335,7 +346,8 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
         lse_smem[...] = lse
       o_smem[...] = out
       plgpu.commit_smem()
-      _store_rows(o_smem, lambda off, size: rows_of(o_ref, start + q_lo + off, size, h, dv), rows_ok, bq)
+      _store_rows(o_smem, lambda off, size: rows_of(o_ref, base + q_lo + first_row + off, size, h, dv),
+                  jnp.maximum(last_row - first_row, 0), bq, first=first_row)
       if lse is not None:
         if flat:
           dst = lse_ref.at[pl.ds(((w * heads + h) * COMPUTE_WGS + i) * bq, bq)]
@@ -367,8 +379,8 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
     plgpu.set_max_registers(232, action="increase")
 
     def one(i, g):
-      h, w, valid, start, length, first_target, tile_lo, cta_lo, cta_hi = info(i)
-      pl.when(valid)(lambda: consumer_item(i, h, w, start, length, first_target, tile_lo, cta_lo, cta_hi, g))
+      h, w, valid, base, d, length, first_target, tile_lo, cta_lo, cta_hi = info(i)
+      pl.when(valid)(lambda: consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g))
       pl.when((w >= num_work) & (wg == 0))(lambda: zero_tail(h, w))
       return g + cta_hi - cta_lo
 
@@ -381,7 +393,7 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
     plgpu.set_max_registers(40, action="decrease")
 
     def one(i, g):
-      h, _, _, start, _, _, _, cta_lo, cta_hi = info(i)
+      h, _, _, base, _, _, _, _, cta_lo, cta_hi = info(i)
 
       @pl.loop(cta_lo, cta_hi)
       def _(n):
@@ -392,14 +404,15 @@ def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_
         def _():
           plgpu.barrier_wait(k_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(rows_of(k_ref, start + n * bk, bk, h, k_smem.shape[-1]), k_smem.at[slot],
+        plgpu.copy_gmem_to_smem(rows_of(k_ref, aligned(base + n * bk), bk, h, k_smem.shape[-1]), k_smem.at[slot],
                                 k_bar.at[slot])
 
         @pl.when(j >= stages)
         def _():
           plgpu.barrier_wait(v_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(rows_of(v_ref, start + n * bk, bk, h, dv), v_smem.at[slot], v_bar.at[slot])
+        plgpu.copy_gmem_to_smem(rows_of(v_ref, aligned(base + n * bk), bk, h, dv), v_smem.at[slot],
+                                v_bar.at[slot])
 
       return g + cta_hi - cta_lo
 
@@ -416,9 +429,12 @@ def cdiv_dyn(a, b: int):
 
 
 def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_len: int):
-  """[H, T] natural-log lse from the kernel's tile-major [items, H, tile] buffer (0 for rows not computed)."""
+  """[H, T] natural-log lse from the kernel's tile-major [items, H, tile] buffer (0 for rows not computed).
+
+  The buffer is indexed by frame row (sequence position + offsets[b] % ALIGN), as the kernel's tiles are.
+  """
   tile = lse_tiles.shape[-1]
-  n_max = cdiv(max_seq_len, tile)
+  n_max = cdiv(max_seq_len + ALIGN - 1, tile)
   b = offsets.shape[0] - 1
   item_of = jnp.zeros((b * n_max,), jnp.int32).at[work[0] * n_max + work[1]].set(
       jnp.where(work[2] > 0, jnp.arange(num_work, dtype=jnp.int32), 0))
@@ -426,8 +442,9 @@ def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_
   seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1, 0, b - 1)
   pos = rows - offsets[seq]
   ok = (rows < offsets[b]) & (pos < max_seq_len)
-  item = item_of[seq * n_max + jnp.clip(pos // tile, 0, n_max - 1)]
-  lse = lse_tiles[item, :, pos % tile]  # [T, H]
+  fpos = pos + offsets[seq] % ALIGN
+  item = item_of[seq * n_max + jnp.clip(fpos // tile, 0, n_max - 1)]
+  lse = lse_tiles[item, :, fpos % tile]  # [T, H]
   return jnp.where(ok[:, None], lse, 0.0).T
 
 
@@ -441,8 +458,14 @@ def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Stat
     targets = jnp.zeros((1,), jnp.int32)
   dv = v.shape[-1]
   tile = COMPUTE_WGS * BLOCK_Q
+  if t % ALIGN:
+    raise ValueError(f"the Mosaic GPU kernel needs a token capacity T that is a multiple of {ALIGN}, got {t}")
   lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-  wb, wm, wv, num_work = tiling.work_list(lengths, tile, s.max_seq_len, t, "query")
+  # tiles of each sequence's aligned frame: frame length L + offsets[b] % ALIGN (at most ALIGN - 1 more rows
+  # per sequence, hence the larger static bounds)
+  frame = jnp.where(lengths > 0, lengths + offsets[:-1] % ALIGN, 0)
+  wb, wm, wv, num_work = tiling.work_list(frame, tile, s.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0],
+                                          "query")
   work = jnp.stack([wb, wm, wv])
   num_zero = cdiv(t, ZERO_TILES * tile)
   softmax = s.activation == "softmax"
