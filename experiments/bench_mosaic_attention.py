@@ -19,7 +19,7 @@ import numpy as np
 from experiments.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, mosaic_gpu, tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.reference import allowed_mask, jagged_attention_reference
+from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 
 
 def _static(n, activation, d, window=0, targets=False):
@@ -53,24 +53,6 @@ def _triton(s):
   return jax.jit(lambda q, k, v, off, *rest: gpu._forward(q, k, v, off, *rest, s=s))
 
 
-def _ref_lse(q, k, offsets, n, alpha, targets, window):
-  """[H, T] softmax lse over the allowed keys (DESIGN.md mask), float64 numpy (small shapes only)."""
-  t, h, _ = q.shape
-  off = np.asarray(offsets)
-  lengths = np.minimum(np.diff(off), n)
-  mask = np.asarray(allowed_mask(jnp.asarray(lengths), jnp.clip(targets, 0, jnp.asarray(lengths)), n, window))
-  out = np.zeros((h, t))
-  qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
-  for b, length in enumerate(lengths):
-    lo = off[b]
-    if length:
-      sc = alpha * np.matmul(qf[lo:lo + length].transpose(1, 0, 2), kf[lo:lo + length].transpose(1, 2, 0))
-      sc = np.where(mask[b, :length, :length][None], sc, -np.inf)
-      mx = sc.max(-1, keepdims=True)
-      out[:, lo:lo + length] = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
-  return out
-
-
 def check(activation, lengths, n, h, d, seed, extra_rows=100, window=0, targets=False) -> tuple[bool, str]:
   q, k, v, off = _inputs(lengths, h, d, seed, extra_rows)
   s = _static(n, activation, d, window, targets)
@@ -86,7 +68,7 @@ def check(activation, lengths, n, h, d, seed, extra_rows=100, window=0, targets=
   ok = bool(err < 1e-2 and np.isfinite(o).all() and tail_max == 0.0)
   msg = f"check {activation} N={n} B={len(lengths)} window={window} targets={targets} {KNOBS}: rel_l2={err:.2e} tail_max={tail_max}"
   if activation == "softmax":
-    lse_ref = _ref_lse(q, k, off, n, 1.0 / math.sqrt(d), tg if targets else jnp.zeros_like(tg), window)
+    lse_ref = softmax_lse_reference(q, k, off, n, 1.0 / math.sqrt(d), tg if targets else jnp.zeros_like(tg), window)
     lse = np.asarray(lse)[:, :tail]
     lse_err = float(np.abs(lse - lse_ref[:, :tail]).max())
     ok = ok and lse_err < 1e-2

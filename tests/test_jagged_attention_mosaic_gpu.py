@@ -15,7 +15,7 @@ import pytest
 
 from pallas_kernels.jagged_attention import mosaic_gpu, tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.reference import allowed_mask, jagged_attention_reference
+from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 
 
 def _static(n, activation, d=128, **kw):
@@ -60,23 +60,6 @@ def test_supports():
   assert not mosaic_gpu.supports(_static(256, "silu", alpha=0.125), q64, q64)
 
 
-def _ref_lse(q, k, offsets, n, alpha, targets, window):
-  """[H, T] natural-log softmax lse over the allowed keys (DESIGN.md mask), float64 numpy."""
-  t, h, _ = q.shape
-  lengths = np.minimum(np.diff(offsets), n)
-  mask = np.asarray(allowed_mask(jnp.asarray(lengths), jnp.clip(targets, 0, jnp.asarray(lengths)), n, window))
-  out = np.zeros((h, t))
-  qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
-  for b, length in enumerate(lengths):
-    lo = offsets[b]
-    if length:
-      sc = alpha * np.einsum("ihd,jhd->hij", qf[lo:lo + length], kf[lo:lo + length])
-      sc = np.where(mask[b, :length, :length][None], sc, -np.inf)
-      mx = sc.max(-1, keepdims=True)
-      out[:, lo:lo + length] = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
-  return out
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("activation,block_k,num_ctas,pingpong,half_diag,window", [
     ("silu", 64, 1, False, False, 40), ("softmax", 128, 1, True, True, 0)])
@@ -111,5 +94,5 @@ def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, ha
   assert np.linalg.norm(o - want) / np.linalg.norm(want) < 1e-2
   assert not o[offsets[-1]:].any()
   if activation == "softmax":
-    lse_want = _ref_lse(q, k, offsets, n, s.alpha, targets, window)
+    lse_want = softmax_lse_reference(q, k, offsets, n, s.alpha, targets, window)
     np.testing.assert_allclose(np.asarray(lse)[:, :offsets[-1]], lse_want[:, :offsets[-1]], atol=1e-2)

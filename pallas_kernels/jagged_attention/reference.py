@@ -7,6 +7,7 @@ Cost is O(B * N^2): this is also the "padded XLA" baseline of the benchmark.
 from __future__ import annotations
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
@@ -112,3 +113,22 @@ def jagged_attention_reference(
   flat = jnp.zeros((t, h, v.shape[-1]), jnp.float32)
   flat = flat.at[scatter_rows.reshape(-1)].set(out.reshape(b * n, h, -1), mode="drop")
   return flat.astype(v.dtype)
+
+
+def softmax_lse_reference(q, k, offsets, max_seq_len: int, alpha: float, targets, window: int) -> np.ndarray:
+  """float64 [H, T] natural-log softmax log-sum-exp over each row's allowed keys (checks a kernel's lse)."""
+  t, h, _ = q.shape
+  off = np.asarray(offsets)
+  lengths = np.minimum(np.diff(off), max_seq_len)
+  mask = np.asarray(allowed_mask(jnp.asarray(lengths), jnp.clip(targets, 0, jnp.asarray(lengths)), max_seq_len,
+                                 window))
+  out = np.zeros((h, t))
+  qf, kf = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  for b, length in enumerate(lengths):
+    lo = off[b]
+    if length:
+      sc = alpha * np.matmul(qf[lo:lo + length].transpose(1, 0, 2), kf[lo:lo + length].transpose(1, 2, 0))
+      sc = np.where(mask[b, :length, :length][None], sc, -np.inf)
+      mx = sc.max(-1, keepdims=True)
+      out[:, lo:lo + length] = mx[..., 0] + np.log(np.exp(sc - mx).sum(-1))
+  return out
