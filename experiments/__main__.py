@@ -17,22 +17,37 @@ import sys
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
-BENCHMARKS = {"attention": "experiments.bench_attention",
-              "block_attention": "experiments.bench_block_attention",
-              "train_step": "experiments.bench_train_step"}
+BENCHMARKS = {
+    "attention": "experiments.bench_attention",
+    "block_attention": "experiments.bench_block_attention",
+    "train_step": "experiments.bench_train_step",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m experiments",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train (or resume) a run")
     train.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name})")
     train.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config value, e.g. --set train.steps=100 (repeatable)")
-    train.add_argument("--stop-after", type=int, default=None,
-                       help="stop (with a checkpoint) after this step, as a preemption would")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. --set train.steps=100 (repeatable)",
+    )
+    train.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop (with a checkpoint) after this step, as a preemption would",
+    )
     ev = sub.add_parser("eval", help="evaluate the latest checkpoint of a run")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -76,14 +91,17 @@ def _format_summary(summary: dict) -> str:
     lines = [f"== {summary.get('workdir')} at step {summary.get('step')}"]
     if "wall_time_s" in summary:
         state = "interrupted (checkpoint saved)" if summary.get("interrupted") else "done"
-        lines.append(f"   {state}: {summary['wall_time_s']:.1f} s on {summary['devices']} x "
-                     f"{summary['device_kind']}")
+        lines.append(
+            f"   {state}: {summary['wall_time_s']:.1f} s on {summary['devices']} x {summary['device_kind']}"
+        )
     final = summary.get("final") or {}
     if final:
         lines.append(f"   final train loss {final.get('loss', float('nan')):.4f}")
     for task, m in (summary.get("eval") or {}).items():
-        lines.append(f"   eval {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
-                     f"(positives {m['positive_rate']:.3f} of {m['examples']})")
+        lines.append(
+            f"   eval {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
+            f"(positives {m['positive_rate']:.3f} of {m['examples']})"
+        )
     lines.append(json.dumps(summary, default=str))
     return "\n".join(lines)
 

@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.timing import median_seconds
-
 from pallas_kernels.block_attention import block_attention
 
 
@@ -80,17 +79,28 @@ def check(seed: int, smoke: bool, num_cases: int) -> bool:
         off = jnp.asarray(offsets)
 
         def run(implementation):
-            return jax.jit(lambda q, k, v, do: jax.vjp(
-                lambda q, k, v: block_attention(q, k, v, off, block_size=block_size,
-                                                causal=causal,
-                                                implementation=implementation),
-                q, k, v)[1](do) + (block_attention(
-                    q, k, v, off, block_size=block_size, causal=causal,
-                    implementation=implementation),))
+            return jax.jit(
+                lambda q, k, v, do: (
+                    jax.vjp(
+                        lambda q, k, v: block_attention(
+                            q, k, v, off, block_size=block_size, causal=causal, implementation=implementation
+                        ),
+                        q,
+                        k,
+                        v,
+                    )[1](do)
+                    + (
+                        block_attention(
+                            q, k, v, off, block_size=block_size, causal=causal, implementation=implementation
+                        ),
+                    )
+                )
+            )
 
         got = run(impl)(q, k, v, do)
-        ref = run("reference")(q.astype(jnp.float32), k.astype(jnp.float32),
-                               v.astype(jnp.float32), do.astype(jnp.float32))
+        ref = run("reference")(
+            q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), do.astype(jnp.float32)
+        )
         errs = {name: _rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "out"), got, ref)}
         # bf16 operands: ~2e-3 expected. fp32: Triton's fp32 dots on the H200 ran at
         # TF32 precision (4-5e-4 measured, 2026-11-29), like XLA's default on GPU.
@@ -99,10 +109,13 @@ def check(seed: int, smoke: bool, num_cases: int) -> bool:
         finite = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in got)
         good = spare_zero and finite and all(e < tol for e in errs.values())
         ok &= good
-        print(f"check bs={block_size:3d} causal={causal!s:5} {jnp.dtype(dtype).name:8} "
-              f"T={t:6d} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items())
-              + f" spare_zero={spare_zero} finite={finite} -> {'OK' if good else 'FAIL'}",
-              flush=True)
+        print(
+            f"check bs={block_size:3d} causal={causal!s:5} {jnp.dtype(dtype).name:8} "
+            f"T={t:6d} "
+            + " ".join(f"{n}={e:.1e}" for n, e in errs.items())
+            + f" spare_zero={spare_zero} finite={finite} -> {'OK' if good else 'FAIL'}",
+            flush=True,
+        )
     return ok
 
 
@@ -132,8 +145,7 @@ def _dense_blocks(implementation, block_size, causal):
     def fn(q, k, v):
         t, h, d = q.shape
         r = lambda x: x.reshape(t // block_size, block_size, h, x.shape[-1])
-        out = jax.nn.dot_product_attention(r(q), r(k), r(v), is_causal=causal,
-                                           implementation=implementation)
+        out = jax.nn.dot_product_attention(r(q), r(k), r(v), is_causal=causal, implementation=implementation)
         return out.reshape(t, h, v.shape[-1])
 
     return fn
@@ -141,8 +153,11 @@ def _dense_blocks(implementation, block_size, causal):
 
 def flatness(args, results) -> None:
     heads, d, bs = args.heads, args.dim, args.block_size
-    print(f"\n== flatness: ~{args.total_tokens} tokens, H={heads} D={d} bf16, "
-          f"block_size={bs}, causal={args.causal}", flush=True)
+    print(
+        f"\n== flatness: ~{args.total_tokens} tokens, H={heads} D={d} bf16, "
+        f"block_size={bs}, causal={args.causal}",
+        flush=True,
+    )
     for length in args.lengths:
         num = max(1, args.total_tokens // length)
         lengths = [length] * num
@@ -150,8 +165,11 @@ def flatness(args, results) -> None:
         off = jnp.asarray(_offsets(lengths))
         q, k, v, do = (_normal(length + i, (t, heads, d), jnp.bfloat16) for i in range(4))
         flops = _block_flops(lengths, bs, heads, d, d, args.causal)
-        impls = {"pallas": lambda q, k, v: block_attention(
-            q, k, v, off, block_size=bs, causal=args.causal, implementation=_kernel_impl())}
+        impls = {
+            "pallas": lambda q, k, v: block_attention(
+                q, k, v, off, block_size=bs, causal=args.causal, implementation=_kernel_impl()
+            )
+        }
         for name in args.baselines if not args.smoke else ():
             impls[name] = _dense_blocks(name, bs, args.causal)
         for name, fn in impls.items():
@@ -165,16 +183,30 @@ def flatness(args, results) -> None:
                 try:
                     sec = _time(f, *a, reps=args.reps)
                 except Exception as e:  # noqa: BLE001 - report and go on (one device call)
-                    print(f"  L={length:6d} {name:6s} {mode:7s} FAILED: {type(e).__name__}: "
-                          f"{str(e)[:300]}", flush=True)
+                    print(
+                        f"  L={length:6d} {name:6s} {mode:7s} FAILED: {type(e).__name__}: {str(e)[:300]}",
+                        flush=True,
+                    )
                     continue
-                row = dict(section="flatness", length=length, seqs=num, tokens=t,
-                           impl=name, mode=mode, ms=sec * 1e3, ns_per_token=sec / t * 1e9,
-                           tflops=fl / sec / 1e12, gbps=nbytes / sec / 1e9)
+                row = dict(
+                    section="flatness",
+                    length=length,
+                    seqs=num,
+                    tokens=t,
+                    impl=name,
+                    mode=mode,
+                    ms=sec * 1e3,
+                    ns_per_token=sec / t * 1e9,
+                    tflops=fl / sec / 1e12,
+                    gbps=nbytes / sec / 1e9,
+                )
                 results.append(row)
-                print(f"  L={length:6d} B={num:5d} {name:6s} {mode:7s} {sec*1e3:8.3f} ms "
-                      f"{row['ns_per_token']:7.3f} ns/token {row['tflops']:6.1f} TFLOP/s "
-                      f"{row['gbps']:7.0f} GB/s", flush=True)
+                print(
+                    f"  L={length:6d} B={num:5d} {name:6s} {mode:7s} {sec * 1e3:8.3f} ms "
+                    f"{row['ns_per_token']:7.3f} ns/token {row['tflops']:6.1f} TFLOP/s "
+                    f"{row['gbps']:7.0f} GB/s",
+                    flush=True,
+                )
         del q, k, v, do
 
 
@@ -189,9 +221,11 @@ def crossover(args, results) -> None:
         return
     heads, d, bs, s = args.heads, args.dim, args.block_size, args.suffix
     impl = _kernel_impl()
-    print(f"\n== crossover (per layer, fwd+bwd, causal softmax): ~{args.crossover_tokens} "
-          f"tokens, suffix={s} events by jagged attention, prefix by BlockAttention bs={bs}",
-          flush=True)
+    print(
+        f"\n== crossover (per layer, fwd+bwd, causal softmax): ~{args.crossover_tokens} "
+        f"tokens, suffix={s} events by jagged attention, prefix by BlockAttention bs={bs}",
+        flush=True,
+    )
     for length in args.crossover_lengths:
         num = max(1, args.crossover_tokens // length)
         t = length * num
@@ -202,25 +236,32 @@ def crossover(args, results) -> None:
         starts = off[:-1]
         pre_len = max(length - s, 0)
         suf_len = length - pre_len
-        split_off = jnp.asarray(np.stack([starts, starts + pre_len], 1).reshape(-1).tolist()
-                                + [t], jnp.int32)
+        split_off = jnp.asarray(np.stack([starts, starts + pre_len], 1).reshape(-1).tolist() + [t], jnp.int32)
         suf_idx = (starts[:, None] + pre_len + np.arange(suf_len)[None]).reshape(-1)
         suf_off = jnp.asarray(_offsets([suf_len] * num))
         suf_idx, offj = jnp.asarray(suf_idx), jnp.asarray(off)
         q, k, v, do = (_normal(7 * length + i, (t, heads, d), jnp.bfloat16) for i in range(4))
 
         def full(q, k, v):
-            return jagged_attention(q, k, v, offj, max_seq_len=length, activation="softmax",
-                                    implementation=impl)
+            return jagged_attention(
+                q, k, v, offj, max_seq_len=length, activation="softmax", implementation=impl
+            )
 
         def tower(q, k, v):
             # Block attention also runs over the suffix rows (s / L of the work) and
             # is overwritten there: cheaper than gathering the prefix.
-            out = block_attention(q, k, v, split_off, block_size=bs, causal=True,
-                                  implementation=impl)
-            return out.at[suf_idx].set(jagged_attention(
-                q[suf_idx], k[suf_idx], v[suf_idx], suf_off, max_seq_len=suf_len,
-                activation="softmax", implementation=impl))
+            out = block_attention(q, k, v, split_off, block_size=bs, causal=True, implementation=impl)
+            return out.at[suf_idx].set(
+                jagged_attention(
+                    q[suf_idx],
+                    k[suf_idx],
+                    v[suf_idx],
+                    suf_off,
+                    max_seq_len=suf_len,
+                    activation="softmax",
+                    implementation=impl,
+                )
+            )
 
         row = dict(section="crossover", length=length, seqs=num, tokens=t)
         for name, fn in (("full_jagged", full), ("long_history", tower)):
@@ -228,13 +269,15 @@ def crossover(args, results) -> None:
             try:
                 row[name + "_ms"] = _time(f, q, k, v, do, reps=max(3, args.reps // 4)) * 1e3
             except Exception as e:  # noqa: BLE001
-                print(f"  L={length:6d} {name} FAILED: {type(e).__name__}: {str(e)[:300]}",
-                      flush=True)
+                print(f"  L={length:6d} {name} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
         results.append(row)
         if "full_jagged_ms" in row and "long_history_ms" in row:
-            print(f"  L={length:6d} B={num:5d} full jagged {row['full_jagged_ms']:9.3f} ms  "
-                  f"long-history {row['long_history_ms']:9.3f} ms  ratio "
-                  f"{row['full_jagged_ms'] / row['long_history_ms']:5.2f}", flush=True)
+            print(
+                f"  L={length:6d} B={num:5d} full jagged {row['full_jagged_ms']:9.3f} ms  "
+                f"long-history {row['long_history_ms']:9.3f} ms  ratio "
+                f"{row['full_jagged_ms'] / row['long_history_ms']:5.2f}",
+                flush=True,
+            )
         del q, k, v, do
 
 
@@ -246,9 +289,11 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments bench block_attention",
-                                description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m experiments bench block_attention",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, interpret mode)")
     p.add_argument("--total-tokens", type=int, default=4_000_000)
     p.add_argument("--lengths", type=_ints, default=[1024, 4096, 16384, 65536])
@@ -258,15 +303,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--crossover-tokens", type=int, default=1 << 20)
-    p.add_argument("--crossover-lengths", type=_ints,
-                   default=[512, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--suffix", type=int, default=256,
-                   help="recent events handled by full jagged attention in the tower")
-    p.add_argument("--skip", default="", help="comma list of sections to skip: "
-                   "check,flatness,crossover")
-    p.add_argument("--baselines", type=lambda x: [b for b in x.split(",") if b],
-                   default=["xla", "cudnn"],
-                   help="jax.nn.dot_product_attention implementations timed on the blocks")
+    p.add_argument("--crossover-lengths", type=_ints, default=[512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument(
+        "--suffix", type=int, default=256, help="recent events handled by full jagged attention in the tower"
+    )
+    p.add_argument("--skip", default="", help="comma list of sections to skip: check,flatness,crossover")
+    p.add_argument(
+        "--baselines",
+        type=lambda x: [b for b in x.split(",") if b],
+        default=["xla", "cudnn"],
+        help="jax.nn.dot_product_attention implementations timed on the blocks",
+    )
     p.add_argument("--check-cases", type=int, default=6)
     p.add_argument("--json", default=None, help="write all rows here")
     args = p.parse_args(argv)
@@ -276,13 +323,15 @@ def main(argv: list[str]) -> int:
         args.suffix = 64
     skip = set(args.skip.split(","))
     dev = jax.devices()[0]
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"jax {jax.__version__}, {dev.platform} {dev.device_kind}", flush=True)
+    print(
+        f"# {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, "
+        f"jax {jax.__version__}, {dev.platform} {dev.device_kind}",
+        flush=True,
+    )
     results: list[dict] = []
     ok = True
     if "check" not in skip:
-        ok = check(seed=int(time.time()) % 100_000, smoke=args.smoke,
-                   num_cases=args.check_cases)
+        ok = check(seed=int(time.time()) % 100_000, smoke=args.smoke, num_cases=args.check_cases)
         print(f"correctness: {'OK' if ok else 'FAILED'}", flush=True)
     for name, section in (("flatness", flatness), ("crossover", crossover)):
         if name in skip:
@@ -292,8 +341,11 @@ def main(argv: list[str]) -> int:
         except Exception:  # noqa: BLE001 - keep the other section's numbers
             traceback.print_exc()
             ok = False
-    pallas = {(r["length"], r["mode"]): r["ns_per_token"] for r in results
-              if r.get("section") == "flatness" and r["impl"] == "pallas"}
+    pallas = {
+        (r["length"], r["mode"]): r["ns_per_token"]
+        for r in results
+        if r.get("section") == "flatness" and r["impl"] == "pallas"
+    }
     for mode in ("fwd", "fwd+bwd"):
         vals = [v for (length, m), v in pallas.items() if m == mode]
         if len(vals) > 1:

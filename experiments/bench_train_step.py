@@ -56,11 +56,19 @@ def main(argv: list[str]) -> int:
     step_s = float(np.median(times))
     peak = device_peak_flops(jax.devices()[0].device_kind)
     tflops = float(np.mean(flops)) / step_s / jax.device_count() / 1e12
-    result = {"config": args.config, "overrides": args.overrides, "device": jax.devices()[0].device_kind,
-              "jax": jax.__version__, "devices": jax.device_count(),
-              "pipeline_s_per_batch": pipeline_s, "device_step_s_median": step_s,
-              "device_step_s_min": float(np.min(times)), "tokens_per_step": float(np.mean(tokens)),
-              "tokens_per_s_device_only": float(np.mean(tokens)) / step_s,
-              "tflops_per_device": tflops, "mfu": (tflops * 1e12 / peak) if peak else None}
+    result = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "devices": jax.device_count(),
+        "pipeline_s_per_batch": pipeline_s,
+        "device_step_s_median": step_s,
+        "device_step_s_min": float(np.min(times)),
+        "tokens_per_step": float(np.mean(tokens)),
+        "tokens_per_s_device_only": float(np.mean(tokens)) / step_s,
+        "tflops_per_device": tflops,
+        "mfu": (tflops * 1e12 / peak) if peak else None,
+    }
     print(json.dumps(result, indent=1))
     return 0

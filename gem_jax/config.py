@@ -183,9 +183,7 @@ def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
     origin = typing.get_origin(annotation)
 
     def fail(expected: str) -> ConfigError:
-        return ConfigError(
-            f"{source}: `{key}` must be {expected}, got {type(value).__name__} {value!r}"
-        )
+        return ConfigError(f"{source}: `{key}` must be {expected}, got {type(value).__name__} {value!r}")
 
     if annotation is bool:
         if not isinstance(value, bool):
@@ -276,7 +274,9 @@ def validate(config: Config, source: str) -> Config:
         "model.activation": (m.activation, ("silu", "softmax")),
         "model.layer": (m.layer, ("hstu", "sasrec")),
         "model.attention_implementation": (
-            m.attention_implementation, ("auto", "reference", "pallas", "interpret")),
+            m.attention_implementation,
+            ("auto", "reference", "pallas", "interpret"),
+        ),
         "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
         "data.kind": (d.kind, ("synthetic", "interactions")),
     }
@@ -301,17 +301,20 @@ def validate(config: Config, source: str) -> Config:
     if d.tokens_per_shard < longest:
         raise ConfigError(
             f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than one example's "
-            f"longest sequence ({longest} = max_history_len + num_candidates + num_context_tokens)")
+            f"longest sequence ({longest} = max_history_len + num_candidates + num_context_tokens)"
+        )
     p = config.parallel
     if len(p.mesh_axes) != len(p.mesh_shape):
         raise ConfigError(
             f"{source}: `parallel.mesh_axes` {p.mesh_axes} and `parallel.mesh_shape` {p.mesh_shape} "
-            "differ in length")
+            "differ in length"
+        )
     for name, axes in p.rules.items():
         for axis in axes:
             if axis not in p.mesh_axes:
                 raise ConfigError(
-                    f"{source}: `parallel.rules.{name}` maps to mesh axis {axis!r}, not in {p.mesh_axes}")
+                    f"{source}: `parallel.rules.{name}` maps to mesh axis {axis!r}, not in {p.mesh_axes}"
+                )
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
@@ -334,21 +337,30 @@ def _validate_long_history(config: Config, source: str) -> None:
     if m.block_size > 128 and m.attention_implementation != "reference":
         raise ConfigError(
             f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
-            f"kernel (attention_implementation={m.attention_implementation!r}); use \"reference\" for more")
+            f'kernel (attention_implementation={m.attention_implementation!r}); use "reference" for more'
+        )
     if m.pyramid:
         if len(m.pyramid) != m.num_layers:
-            raise ConfigError(f"{source}: `model.pyramid` has {len(m.pyramid)} fractions, expected one per "
-                              f"layer (model.num_layers = {m.num_layers})")
+            raise ConfigError(
+                f"{source}: `model.pyramid` has {len(m.pyramid)} fractions, expected one per "
+                f"layer (model.num_layers = {m.num_layers})"
+            )
         for i, f in enumerate(m.pyramid):
             if not 0.0 < f <= 1.0:
                 raise ConfigError(f"{source}: `model.pyramid[{i}]` must be in (0, 1], got {f}")
         if any(b > a for a, b in zip(m.pyramid, m.pyramid[1:])):
-            raise ConfigError(f"{source}: `model.pyramid` must be non-increasing (deeper layers keep "
-                              f"fewer tokens), got {m.pyramid}")
+            raise ConfigError(
+                f"{source}: `model.pyramid` must be non-increasing (deeper layers keep "
+                f"fewer tokens), got {m.pyramid}"
+            )
 
 
-SELECT_METRICS = tuple(f"{protocol}/{name}@{k}" for protocol, ks in (("sampled", (10,)),
-                       ("full", (5, 10, 20))) for k in ks for name in ("HR", "NDCG"))
+SELECT_METRICS = tuple(
+    f"{protocol}/{name}@{k}"
+    for protocol, ks in (("sampled", (10,)), ("full", (5, 10, 20)))
+    for k in ks
+    for name in ("HR", "NDCG")
+)
 
 
 def _validate_retrieval(config: Config, source: str) -> None:
@@ -366,24 +378,37 @@ def _validate_retrieval(config: Config, source: str) -> None:
             raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
     protocol = r.select_metric.split("/")[0]
     if r.eval_protocol not in ("both", protocol):
-        raise ConfigError(f"{source}: `retrieval.select_metric` {r.select_metric!r} needs "
-                          f"`retrieval.eval_protocol` \"{protocol}\" or \"both\", got {r.eval_protocol!r}")
-    positive = {"retrieval.max_len": r.max_len, "retrieval.num_negatives": r.num_negatives,
-                "retrieval.epochs": r.epochs, "retrieval.eval_every_epochs": r.eval_every_epochs,
-                "retrieval.eval_negatives": r.eval_negatives, "retrieval.temperature": r.temperature}
+        raise ConfigError(
+            f"{source}: `retrieval.select_metric` {r.select_metric!r} needs "
+            f'`retrieval.eval_protocol` "{protocol}" or "both", got {r.eval_protocol!r}'
+        )
+    positive = {
+        "retrieval.max_len": r.max_len,
+        "retrieval.num_negatives": r.num_negatives,
+        "retrieval.epochs": r.epochs,
+        "retrieval.eval_every_epochs": r.eval_every_epochs,
+        "retrieval.eval_negatives": r.eval_negatives,
+        "retrieval.temperature": r.temperature,
+    }
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
-    for key, value in {"retrieval.patience": r.patience, "retrieval.eval_users": r.eval_users,
-                       "retrieval.max_minutes": r.max_minutes}.items():
+    for key, value in {
+        "retrieval.patience": r.patience,
+        "retrieval.eval_users": r.eval_users,
+        "retrieval.max_minutes": r.max_minutes,
+    }.items():
         if value < 0:
             raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
     if not d.path:
-        raise ConfigError(f"{source}: `data.path` must name the interactions file for "
-                          "data.kind = \"interactions\"")
+        raise ConfigError(
+            f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'
+        )
     if d.tokens_per_shard < r.max_len:
-        raise ConfigError(f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than "
-                          f"`retrieval.max_len` ({r.max_len})")
+        raise ConfigError(
+            f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than "
+            f"`retrieval.max_len` ({r.max_len})"
+        )
 
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -439,4 +464,3 @@ def config_to_toml(config: Config) -> str:
             lines.append(f"{k} = {{ {inner} }}")
         lines.append("")
     return "\n".join(lines)
-

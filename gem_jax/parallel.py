@@ -12,7 +12,8 @@ import math
 
 import jax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gem_jax.config import ConfigError, ParallelConfig
 
@@ -29,8 +30,10 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
             raise ConfigError(f"`parallel.mesh_shape` {tuple(shape)} does not divide {len(devices)} devices")
         shape[shape.index(-1)] = len(devices) // known
     if math.prod(shape) > len(devices):
-        raise ConfigError(f"`parallel.mesh_shape` {tuple(shape)} needs {math.prod(shape)} devices, "
-                          f"{len(devices)} are present")
+        raise ConfigError(
+            f"`parallel.mesh_shape` {tuple(shape)} needs {math.prod(shape)} devices, "
+            f"{len(devices)} are present"
+        )
     devices = devices[: math.prod(shape)]  # a mesh may use fewer devices than the machine has
     auto = (jax.sharding.AxisType.Auto,) * len(shape)
     return jax.make_mesh(tuple(shape), tuple(config.mesh_axes), axis_types=auto, devices=devices)

@@ -30,14 +30,19 @@ class PrecisionPolicy:
     overrides: tuple[tuple[str, jnp.dtype], ...]
 
     @classmethod
-    def from_config(cls, config: PrecisionConfig) -> "PrecisionPolicy":
-        overrides = tuple(sorted(
-            ((prefix, _dtype(name, f"overrides.{prefix}")) for prefix, name in config.overrides.items()),
-            key=lambda kv: -len(kv[0])))  # longest prefix wins
-        return cls(param_dtype=_dtype(config.param_dtype, "param_dtype"),
-                   default_compute=_dtype(config.compute_dtype, "compute_dtype"),
-                   sensitive=_dtype(config.sensitive_dtype, "sensitive_dtype"),
-                   overrides=overrides)
+    def from_config(cls, config: PrecisionConfig) -> PrecisionPolicy:
+        overrides = tuple(
+            sorted(
+                ((prefix, _dtype(name, f"overrides.{prefix}")) for prefix, name in config.overrides.items()),
+                key=lambda kv: -len(kv[0]),
+            )
+        )  # longest prefix wins
+        return cls(
+            param_dtype=_dtype(config.param_dtype, "param_dtype"),
+            default_compute=_dtype(config.compute_dtype, "compute_dtype"),
+            sensitive=_dtype(config.sensitive_dtype, "sensitive_dtype"),
+            overrides=overrides,
+        )
 
     def compute_dtype(self, layer: str, *, sensitive: bool = False) -> jnp.dtype:
         """The compute dtype of `layer`; sensitive layers (heads, norms) default to `sensitive`."""

@@ -48,11 +48,13 @@ def test_pack_rejects_overflow():
     gen = SyntheticAds(c.data, 2)
     ex = [gen.example(i) for i in range(3)]
     with pytest.raises(ValueError, match="token capacity"):
-        pack_examples(ex, examples_capacity=8, tokens_capacity=4, num_sparse_features=2, max_bag_size=4,
-                      prefix=2)
+        pack_examples(
+            ex, examples_capacity=8, tokens_capacity=4, num_sparse_features=2, max_bag_size=4, prefix=2
+        )
     with pytest.raises(ValueError, match="example capacity"):
-        pack_examples(ex, examples_capacity=2, tokens_capacity=1000, num_sparse_features=2, max_bag_size=4,
-                      prefix=2)
+        pack_examples(
+            ex, examples_capacity=2, tokens_capacity=1000, num_sparse_features=2, max_bag_size=4, prefix=2
+        )
 
 
 def test_pipeline_is_deterministic_and_resumable():
@@ -73,8 +75,17 @@ def test_pipeline_is_deterministic_and_resumable():
 def test_processes_see_disjoint_examples():
     c = small_config()
     gen = SyntheticAds(c.data, 2)
-    kw = dict(num_examples=40, start=0, examples_capacity=8, tokens_capacity=256, num_sparse_features=2,
-              max_bag_size=4, prefix=2, shards_per_step=1, process_count=2)
+    kw = dict(
+        num_examples=40,
+        start=0,
+        examples_capacity=8,
+        tokens_capacity=256,
+        num_sparse_features=2,
+        max_bag_size=4,
+        prefix=2,
+        shards_per_step=1,
+        process_count=2,
+    )
     seen = []
     for p in range(2):
         stamps = set()
@@ -82,7 +93,7 @@ def test_processes_see_disjoint_examples():
             o = s.offsets[0]
             for b in range(len(o) - 1):
                 if o[b + 1] > o[b]:
-                    stamps.add(tuple(s.item_ids[0, o[b]:o[b + 1]]))
+                    stamps.add(tuple(s.item_ids[0, o[b] : o[b + 1]]))
         seen.append(stamps)
     assert seen[0] and seen[1] and not (seen[0] & seen[1])
     assert len(seen[0]) + len(seen[1]) == 40

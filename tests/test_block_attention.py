@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_attention import block_attention
+from pallas_kernels.block_attention import block_attention, reference
 from pallas_kernels.block_attention import block_table as table_lib
-from pallas_kernels.block_attention import reference
 
 
 def _offsets(lengths):
@@ -44,8 +43,7 @@ def _brute_force(q, k, v, offsets, block_size, causal, alpha):
         lo, hi = offsets[b], offsets[b + 1]
         for i in range(lo, hi):
             blk = (i - lo) // block_size
-            js = [j for j in range(lo, hi)
-                  if (j - lo) // block_size == blk and (not causal or j <= i)]
+            js = [j for j in range(lo, hi) if (j - lo) // block_size == blk and (not causal or j <= i)]
             s = np.einsum("hd,jhd->hj", q[i], k[js]) * alpha
             p = np.exp(s - s.max(axis=1, keepdims=True))
             p /= p.sum(axis=1, keepdims=True)
@@ -63,7 +61,8 @@ def test_reference_matches_brute_force(block_size, causal):
     offsets = _offsets(lengths)
     q, k, v = _inputs(block_size, int(offsets[-1]) + 5, 2, 5, 3, jnp.float32)
     out = reference.block_attention_reference(
-        q, k, v, jnp.asarray(offsets), block_size=block_size, causal=causal, alpha=0.4)
+        q, k, v, jnp.asarray(offsets), block_size=block_size, causal=causal, alpha=0.4
+    )
     expected = _brute_force(q, k, v, offsets, block_size, causal, 0.4)
     assert _rel_err(out, expected) < 1e-5
 
@@ -72,11 +71,12 @@ def test_block_table_covers_every_row_once():
     lengths = [5, 0, 16, 19, 64, 1]
     offsets = _offsets(lengths)
     num_tokens, block_size = int(offsets[-1]) + 23, 8
-    start, length, live = (np.asarray(x) for x in table_lib.block_table(
-        jnp.asarray(offsets), num_tokens, block_size))
+    start, length, live = (
+        np.asarray(x) for x in table_lib.block_table(jnp.asarray(offsets), num_tokens, block_size)
+    )
     owner = np.zeros(num_tokens, int)
     for s, n in zip(start, length):
-        owner[s:s + n] += 1
+        owner[s : s + n] += 1
     np.testing.assert_array_equal(owner, 1)
     assert np.all(length <= block_size)
     assert np.all(np.diff(start) >= 0)  # sorted: the TPU kernel relies on it
@@ -97,8 +97,21 @@ class _KernelTest:
     IMPLEMENTATION: str = ""
     BLOCK_SIZES = (16, 64, 128)
 
-    def _check(self, lengths, block_size, causal, dtype, *, heads=2, dqk=32, dv=16,
-               spare=7, spare_value=None, alpha=None, seed=0):
+    def _check(
+        self,
+        lengths,
+        block_size,
+        causal,
+        dtype,
+        *,
+        heads=2,
+        dqk=32,
+        dv=16,
+        spare=7,
+        spare_value=None,
+        alpha=None,
+        seed=0,
+    ):
         offsets = _offsets(lengths)
         num_real = int(offsets[-1])
         num_tokens = num_real + spare
@@ -108,8 +121,8 @@ class _KernelTest:
 
         def run(impl):
             return lambda q, k, v: block_attention(
-                q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha,
-                implementation=impl)
+                q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha, implementation=impl
+            )
 
         out, vjp = jax.vjp(run(self.IMPLEMENTATION), q, k, v)
         ref_out, ref_vjp = jax.vjp(run("reference"), q, k, v)
@@ -129,8 +142,7 @@ class _KernelTest:
     @pytest.mark.parametrize("causal", [False, True])
     @pytest.mark.parametrize("block_size", [16, 64, 128])
     def test_forward_and_grads(self, block_size, causal):
-        self._check(_lengths_for(block_size), block_size, causal, jnp.float32,
-                    seed=block_size + causal)
+        self._check(_lengths_for(block_size), block_size, causal, jnp.float32, seed=block_size + causal)
 
     def test_bfloat16(self):
         self._check([40, 64, 3], 64, True, jnp.bfloat16, heads=4, dqk=64, dv=64)
@@ -144,6 +156,7 @@ class _KernelTest:
     def test_all_empty_and_no_spare(self):
         self._check([0, 0], 16, False, jnp.float32, spare=9)
         self._check([16, 32], 16, True, jnp.float32, spare=0)
+
 
 class TestGpuInterpret(_KernelTest):
     IMPLEMENTATION = "gpu_interpret"
@@ -163,34 +176,43 @@ class TestTpuInterpret(_KernelTest):
 def test_random_lengths(implementation, lengths, spare, causal):
     hypothesis.assume(sum(lengths) + spare > 0)
     test = TestGpuInterpret() if implementation == "gpu_interpret" else TestTpuInterpret()
-    test._check(lengths, 16, causal, jnp.float32, spare=spare, heads=1, dqk=16, dv=16,
-                seed=sum(lengths) + spare)
+    test._check(
+        lengths, 16, causal, jnp.float32, spare=spare, heads=1, dqk=16, dv=16, seed=sum(lengths) + spare
+    )
 
 
 def test_interpret_is_a_kernel_on_cpu():
     # "interpret" must run a kernel, not silently the reference: jaxprs differ.
     q = jnp.ones((8, 1, 16))
     off = jnp.array([0, 8], jnp.int32)
-    jaxpr = str(jax.make_jaxpr(lambda q: block_attention(
-        q, q, q, off, block_size=16, implementation="interpret"))(q))
+    jaxpr = str(
+        jax.make_jaxpr(lambda q: block_attention(q, q, q, off, block_size=16, implementation="interpret"))(q)
+    )
     assert "pallas_call" in jaxpr
 
 
 # --- validation ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(k=jnp.zeros((8, 2, 4))), "k must have q's shape"),
-    (dict(v=jnp.zeros((9, 2, 8))), "v must be"),
-    (dict(offsets=jnp.zeros((2, 2), jnp.int32)), "offsets must be"),
-    (dict(offsets=jnp.zeros((3,), jnp.float32)), "integer"),
-    (dict(block_size=0), "block_size must be a positive int, got 0"),
-    (dict(implementation="cuda"), "implementation must be one of"),
-    (dict(block_size=256, implementation="interpret"), "block_size=256"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(k=jnp.zeros((8, 2, 4))), "k must have q's shape"),
+        (dict(v=jnp.zeros((9, 2, 8))), "v must be"),
+        (dict(offsets=jnp.zeros((2, 2), jnp.int32)), "offsets must be"),
+        (dict(offsets=jnp.zeros((3,), jnp.float32)), "integer"),
+        (dict(block_size=0), "block_size must be a positive int, got 0"),
+        (dict(implementation="cuda"), "implementation must be one of"),
+        (dict(block_size=256, implementation="interpret"), "block_size=256"),
+    ],
+)
 def test_validation_names_the_bad_value(bad, message):
-    args = dict(q=jnp.zeros((8, 2, 8)), k=jnp.zeros((8, 2, 8)), v=jnp.zeros((8, 2, 8)),
-                offsets=jnp.array([0, 8], jnp.int32))
+    args = dict(
+        q=jnp.zeros((8, 2, 8)),
+        k=jnp.zeros((8, 2, 8)),
+        v=jnp.zeros((8, 2, 8)),
+        offsets=jnp.array([0, 8], jnp.int32),
+    )
     kwargs = {}
     for key, value in bad.items():
         (args if key in args else kwargs)[key] = value

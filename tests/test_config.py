@@ -11,8 +11,16 @@ CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
 
 
 def test_defaults_and_override_types():
-    c = load_config(None, ["train.steps=7", "train.learning_rate=1e-3", "model.tasks=['click']",
-                           "train.progress=false", "data.path=some/file.txt"])
+    c = load_config(
+        None,
+        [
+            "train.steps=7",
+            "train.learning_rate=1e-3",
+            "model.tasks=['click']",
+            "train.progress=false",
+            "data.path=some/file.txt",
+        ],
+    )
     assert c.train.steps == 7 and c.train.learning_rate == 1e-3
     assert c.model.tasks == ("click",) and c.train.progress is False
     assert c.data.path == "some/file.txt"
@@ -23,15 +31,18 @@ def test_int_is_accepted_for_float():
     assert load_config(None, ["train.learning_rate=1"]).train.learning_rate == 1.0
 
 
-@pytest.mark.parametrize("override, words", [
-    ("train.stepz=3", ["unknown key", "train.stepz"]),
-    ("train.steps=1.5", ["train.steps", "integer"]),
-    ("train.steps='ten'", ["train.steps", "integer"]),
-    ("model.activation=relu", ["model.activation", "silu"]),
-    ("nosuch.key=1", ["unknown key", "nosuch"]),
-    ("train.steps", ["key.sub=value"]),
-    ("parallel.rules={shard=['model']}", ["parallel.rules.shard", "model"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.stepz=3", ["unknown key", "train.stepz"]),
+        ("train.steps=1.5", ["train.steps", "integer"]),
+        ("train.steps='ten'", ["train.steps", "integer"]),
+        ("model.activation=relu", ["model.activation", "silu"]),
+        ("nosuch.key=1", ["unknown key", "nosuch"]),
+        ("train.steps", ["key.sub=value"]),
+        ("parallel.rules={shard=['model']}", ["parallel.rules.shard", "model"]),
+    ],
+)
 def test_bad_overrides_name_the_key(override, words):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
@@ -70,8 +81,21 @@ def test_every_config_file_loads_and_round_trips(path, tmp_path):
 def test_cli_config_error_exit_code_2(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nlearning_rat = 0.1\n")
-    r = subprocess.run([sys.executable, "-m", "experiments", "train", "--config", str(bad),
-                        "--workdir", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments",
+            "train",
+            "--config",
+            str(bad),
+            "--workdir",
+            str(tmp_path / "run"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2
     assert "train.learning_rat" in r.stderr and str(bad) in r.stderr
     assert "Traceback" not in r.stderr

@@ -6,7 +6,6 @@ from gem_jax.train.flops import train_step_flops
 from tests.helpers import small_config
 
 
-
 def test_attention_term_follows_sum_of_squares():
     c = small_config("model.num_layers=1")
     offsets = np.array([0, 10, 10, 40], np.int32)  # lengths 10, 0, 30
@@ -20,8 +19,13 @@ def test_attention_term_follows_sum_of_squares():
 
 
 def test_long_history_counts_recent_part_and_blocks():
-    c = small_config("model.num_layers=1", "model.long_history=true", "model.recent_len=4", "model.block_size=8",
-                     "model.num_context_tokens=2")
+    c = small_config(
+        "model.num_layers=1",
+        "model.long_history=true",
+        "model.recent_len=4",
+        "model.block_size=8",
+        "model.num_context_tokens=2",
+    )
     plain = small_config("model.num_layers=1", "model.num_context_tokens=2")
     offsets = np.array([0, 103], np.int32)  # 2 context + 100 history + 1 target
     targets = np.array([1], np.int32)

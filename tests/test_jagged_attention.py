@@ -3,11 +3,13 @@
 One base class, subclassed per backend. Relative L2 error on fresh random inputs: float32 < 1e-4,
 bf16 inputs < 1e-2 (vs a float32 reference on the same rounded inputs); NaN never passes.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pallas_kernels.jagged_attention import jagged_attention
 
@@ -18,162 +20,220 @@ LENGTHS = [0, 1, 17, 64, 33, 2]  # empty, length 1, not multiples of the tile, f
 
 
 def _offsets(lengths):
-  return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
 
 def _rel(a, b):
-  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  assert np.isfinite(a).all(), "NaN/inf in kernel output"
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.isfinite(a).all(), "NaN/inf in kernel output"
+    return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 class _Base:
-  IMPLEMENTATION: str
-  BIAS = True  # backend supports pos_bias/time_bias
+    IMPLEMENTATION: str
+    BIAS = True  # backend supports pos_bias/time_bias
 
-  def _case(self, seed, activation, dtype, targets, window, bias, lengths=LENGTHS, grads=True, num_pos=24,
-            sorted_ts=True):
-    rng = np.random.default_rng(seed)
-    offsets = jnp.asarray(_offsets(lengths))
-    q, k, v, do = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), dtype) for _ in range(4))
-    kw = dict(max_seq_len=N, activation=activation, max_attn_len=window)
-    if targets:
-      kw["num_targets"] = jnp.asarray(rng.integers(0, 4, size=len(lengths)), jnp.int32)
-    tables = ()
-    if bias and self.BIAS:
-      ts = rng.integers(0, 10**6, size=CAPACITY)
-      kw["timestamps"] = jnp.asarray(np.sort(ts) if sorted_ts else ts, jnp.int32)
-      tables = (jnp.asarray(rng.standard_normal((H, num_pos)), jnp.float32),
-                jnp.asarray(rng.standard_normal((H, 30)), jnp.float32))
+    def _case(
+        self,
+        seed,
+        activation,
+        dtype,
+        targets,
+        window,
+        bias,
+        lengths=LENGTHS,
+        grads=True,
+        num_pos=24,
+        sorted_ts=True,
+    ):
+        rng = np.random.default_rng(seed)
+        offsets = jnp.asarray(_offsets(lengths))
+        q, k, v, do = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), dtype) for _ in range(4))
+        kw = dict(max_seq_len=N, activation=activation, max_attn_len=window)
+        if targets:
+            kw["num_targets"] = jnp.asarray(rng.integers(0, 4, size=len(lengths)), jnp.int32)
+        tables = ()
+        if bias and self.BIAS:
+            ts = rng.integers(0, 10**6, size=CAPACITY)
+            kw["timestamps"] = jnp.asarray(np.sort(ts) if sorted_ts else ts, jnp.int32)
+            tables = (
+                jnp.asarray(rng.standard_normal((H, num_pos)), jnp.float32),
+                jnp.asarray(rng.standard_normal((H, 30)), jnp.float32),
+            )
 
-    def loss(impl, q, k, v, *tabs):
-      extra = dict(zip(("pos_bias", "time_bias"), tabs))
-      o = jagged_attention(q, k, v, offsets, implementation=impl, **kw, **extra)
-      return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+        def loss(impl, q, k, v, *tabs):
+            extra = dict(zip(("pos_bias", "time_bias"), tabs))
+            o = jagged_attention(q, k, v, offsets, implementation=impl, **kw, **extra)
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
-    argnums = tuple(range(1, 4 + len(tables)))
-    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    if grads:
-      (got_g, got), (want_g, want) = (
-          jax.grad(loss, argnums=argnums, has_aux=True)(impl, *xs, *tables)
-          for impl, xs in ((self.IMPLEMENTATION, (q, k, v)), ("reference", f32)))
-    else:
-      got, want, got_g, want_g = loss(self.IMPLEMENTATION, q, k, v, *tables)[1], loss(
-          "reference", *f32, *tables)[1], (), ()
-    tol = 1e-4 if dtype == jnp.float32 else 1e-2
-    assert got.dtype == dtype and got.shape == (CAPACITY, H, D)
-    assert not np.asarray(got[int(offsets[-1]):]).any(), "rows past offsets[B] must be zero"
-    for name, a, b in zip(["out", "dq", "dk", "dv", "dpos", "dtime"], (got, *got_g), (want, *want_g)):
-      err = _rel(a, b)
-      assert err < tol, f"{self.IMPLEMENTATION} {activation} {name}: rel err {err:.2e} >= {tol}"
+        argnums = tuple(range(1, 4 + len(tables)))
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        if grads:
+            (got_g, got), (want_g, want) = (
+                jax.grad(loss, argnums=argnums, has_aux=True)(impl, *xs, *tables)
+                for impl, xs in ((self.IMPLEMENTATION, (q, k, v)), ("reference", f32))
+            )
+        else:
+            got, want, got_g, want_g = (
+                loss(self.IMPLEMENTATION, q, k, v, *tables)[1],
+                loss("reference", *f32, *tables)[1],
+                (),
+                (),
+            )
+        tol = 1e-4 if dtype == jnp.float32 else 1e-2
+        assert got.dtype == dtype and got.shape == (CAPACITY, H, D)
+        assert not np.asarray(got[int(offsets[-1]) :]).any(), "rows past offsets[B] must be zero"
+        for name, a, b in zip(["out", "dq", "dk", "dv", "dpos", "dtime"], (got, *got_g), (want, *want_g)):
+            err = _rel(a, b)
+            assert err < tol, f"{self.IMPLEMENTATION} {activation} {name}: rel err {err:.2e} >= {tol}"
 
-  @pytest.mark.parametrize("activation", ["silu", "softmax"])
-  def test_plain_float32(self, activation):
-    self._case(1, activation, jnp.float32, targets=False, window=0, bias=False)
+    @pytest.mark.parametrize("activation", ["silu", "softmax"])
+    def test_plain_float32(self, activation):
+        self._case(1, activation, jnp.float32, targets=False, window=0, bias=False)
 
-  @pytest.mark.parametrize("activation", ["silu", "softmax"])
-  def test_targets_window_bias_float32(self, activation):
-    self._case(2, activation, jnp.float32, targets=True, window=20, bias=True)
+    @pytest.mark.parametrize("activation", ["silu", "softmax"])
+    def test_targets_window_bias_float32(self, activation):
+        self._case(2, activation, jnp.float32, targets=True, window=20, bias=True)
 
-  def test_bf16_targets(self):
-    self._case(3, "silu", jnp.bfloat16, targets=True, window=0, bias=True)
+    def test_bf16_targets(self):
+        self._case(3, "silu", jnp.bfloat16, targets=True, window=0, bias=True)
 
-  def test_targets_do_not_see_each_other(self):
-    # changing one target's k/v must leave every other row's output unchanged (bit for bit)
-    rng = np.random.default_rng(5)
-    lengths = [40, 25]
-    offsets = jnp.asarray(_offsets(lengths))
-    q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
-    kw = dict(max_seq_len=N, num_targets=jnp.array([3, 2], jnp.int32), implementation=self.IMPLEMENTATION)
-    changed = 38  # a target of sequence 0 (targets are rows 37, 38, 39)
-    k2 = k.at[changed].add(1.0)
-    v2 = v.at[changed].add(1.0)
-    for activation in ("silu", "softmax"):
-      a = np.asarray(jagged_attention(q, k, v, offsets, activation=activation, **kw))
-      b = np.asarray(jagged_attention(q, k2, v2, offsets, activation=activation, **kw))
-      others = np.arange(CAPACITY) != changed
-      np.testing.assert_array_equal(a[others], b[others])
-      assert not np.allclose(a[changed], b[changed])
+    def test_targets_do_not_see_each_other(self):
+        # changing one target's k/v must leave every other row's output unchanged (bit for bit)
+        rng = np.random.default_rng(5)
+        lengths = [40, 25]
+        offsets = jnp.asarray(_offsets(lengths))
+        q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
+        kw = dict(max_seq_len=N, num_targets=jnp.array([3, 2], jnp.int32), implementation=self.IMPLEMENTATION)
+        changed = 38  # a target of sequence 0 (targets are rows 37, 38, 39)
+        k2 = k.at[changed].add(1.0)
+        v2 = v.at[changed].add(1.0)
+        for activation in ("silu", "softmax"):
+            a = np.asarray(jagged_attention(q, k, v, offsets, activation=activation, **kw))
+            b = np.asarray(jagged_attention(q, k2, v2, offsets, activation=activation, **kw))
+            others = np.arange(CAPACITY) != changed
+            np.testing.assert_array_equal(a[others], b[others])
+            assert not np.allclose(a[changed], b[changed])
 
-  @pytest.mark.parametrize("num_pos, sorted_ts, window, activation",
-                           [(5, False, 0, "silu"), (80, True, 20, "silu"), (5, False, 20, "softmax")])
-  def test_bias_grad_paths(self, num_pos, sorted_ts, window, activation):
-    # 5 buckets < one 16-row tile: most tiles lie wholly in the clipped bucket, others straddle it;
-    # 80 > max_seq_len: no tile is clipped. Unsorted timestamps: time buckets change anywhere along a row
-    # (and a tile's time-bucket range is wide).
-    self._case(6, activation, jnp.float32, targets=True, window=window, bias=True, num_pos=num_pos,
-               sorted_ts=sorted_ts)
+    @pytest.mark.parametrize(
+        "num_pos, sorted_ts, window, activation",
+        [(5, False, 0, "silu"), (80, True, 20, "silu"), (5, False, 20, "softmax")],
+    )
+    def test_bias_grad_paths(self, num_pos, sorted_ts, window, activation):
+        # 5 buckets < one 16-row tile: most tiles lie wholly in the clipped bucket, others straddle it;
+        # 80 > max_seq_len: no tile is clipped. Unsorted timestamps: time buckets change anywhere along a row
+        # (and a tile's time-bucket range is wide).
+        self._case(
+            6,
+            activation,
+            jnp.float32,
+            targets=True,
+            window=window,
+            bias=True,
+            num_pos=num_pos,
+            sorted_ts=sorted_ts,
+        )
 
 
 class TestInterpretGPU(_Base):
-  IMPLEMENTATION = "interpret_gpu"
+    IMPLEMENTATION = "interpret_gpu"
 
 
 class TestInterpretTPU(_Base):
-  IMPLEMENTATION = "interpret_tpu"
+    IMPLEMENTATION = "interpret_tpu"
 
-  def test_single_bias_table(self):
-    # each table alone (the kernels' ref lists change with it); one position bucket (every cell clipped).
-    # SiLU: under softmax a one-bucket position table only shifts each row, so its gradient is zero.
-    rng = np.random.default_rng(7)
-    offsets = jnp.asarray(_offsets([0, 1, 17, 33]))
-    q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
-    ts = jnp.asarray(rng.integers(0, 10**5, size=CAPACITY), jnp.int32)
-    for extra in (dict(pos_bias=jnp.asarray(rng.standard_normal((H, 1)), jnp.float32)),
-                  dict(time_bias=jnp.asarray(rng.standard_normal((H, 12)), jnp.float32), timestamps=ts)):
-      table = next(key for key in extra if key.endswith("bias"))
+    def test_single_bias_table(self):
+        # each table alone (the kernels' ref lists change with it); one position bucket (every cell clipped).
+        # SiLU: under softmax a one-bucket position table only shifts each row, so its gradient is zero.
+        rng = np.random.default_rng(7)
+        offsets = jnp.asarray(_offsets([0, 1, 17, 33]))
+        q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
+        ts = jnp.asarray(rng.integers(0, 10**5, size=CAPACITY), jnp.int32)
+        for extra in (
+            dict(pos_bias=jnp.asarray(rng.standard_normal((H, 1)), jnp.float32)),
+            dict(time_bias=jnp.asarray(rng.standard_normal((H, 12)), jnp.float32), timestamps=ts),
+        ):
+            table = next(key for key in extra if key.endswith("bias"))
 
-      def loss(impl, q, tab):
-        o = jagged_attention(q, k, v, offsets, max_seq_len=N, activation="silu", implementation=impl,
-                             **{**extra, table: tab})
-        return jnp.sum(o * v), o
+            def loss(impl, q, tab):
+                o = jagged_attention(
+                    q,
+                    k,
+                    v,
+                    offsets,
+                    max_seq_len=N,
+                    activation="silu",
+                    implementation=impl,
+                    **{**extra, table: tab},
+                )
+                return jnp.sum(o * v), o
 
-      (got_g, got), (want_g, want) = (jax.grad(loss, argnums=(1, 2), has_aux=True)(impl, q, extra[table])
-                                      for impl in (self.IMPLEMENTATION, "reference"))
-      for name, a, b in zip(("out", "dq", "d" + table), (got, *got_g), (want, *want_g)):
-        assert _rel(a, b) < 1e-4, f"{table} {name}: rel err {_rel(a, b):.2e}"
+            (got_g, got), (want_g, want) = (
+                jax.grad(loss, argnums=(1, 2), has_aux=True)(impl, q, extra[table])
+                for impl in (self.IMPLEMENTATION, "reference")
+            )
+            for name, a, b in zip(("out", "dq", "d" + table), (got, *got_g), (want, *want_g)):
+                assert _rel(a, b) < 1e-4, f"{table} {name}: rel err {_rel(a, b):.2e}"
 
+    def test_mosaic_lowering_with_bias(self):
+        # no TPU here: check that forward and backward with both tables lower to Mosaic (every primitive has a
+        # Pallas TPU lowering rule, block shapes accepted); Mosaic's own compile passes still need a TPU
+        q = jnp.zeros((512, H, 128), jnp.bfloat16)
+        kw = dict(
+            max_seq_len=256,
+            implementation="pallas_tpu",
+            timestamps=jnp.zeros((512,), jnp.int32),
+            num_targets=jnp.array([1, 2], jnp.int32),
+            max_attn_len=100,
+        )
 
-  def test_mosaic_lowering_with_bias(self):
-    # no TPU here: check that forward and backward with both tables lower to Mosaic (every primitive has a
-    # Pallas TPU lowering rule, block shapes accepted); Mosaic's own compile passes still need a TPU
-    q = jnp.zeros((512, H, 128), jnp.bfloat16)
-    kw = dict(max_seq_len=256, implementation="pallas_tpu", timestamps=jnp.zeros((512,), jnp.int32),
-              num_targets=jnp.array([1, 2], jnp.int32), max_attn_len=100)
+        def loss(q, pos, time):
+            o = jagged_attention(
+                q, q, q, jnp.array([0, 200, 456], jnp.int32), pos_bias=pos, time_bias=time, **kw
+            )
+            return jnp.sum(o.astype(jnp.float32))
 
-    def loss(q, pos, time):
-      o = jagged_attention(q, q, q, jnp.array([0, 200, 456], jnp.int32), pos_bias=pos, time_bias=time, **kw)
-      return jnp.sum(o.astype(jnp.float32))
-
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, jnp.zeros((H, 200)), jnp.zeros((H, 40))).lower(
-        lowering_platforms=("tpu",)).as_text()
-    assert text.count("tpu_custom_call") == 3  # forward, dQ, dK/dV
+        text = (
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+            .trace(q, jnp.zeros((H, 200)), jnp.zeros((H, 40)))
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
+        assert text.count("tpu_custom_call") == 3  # forward, dQ, dK/dV
 
 
 @pytest.mark.parametrize("backend", [TestInterpretGPU, TestInterpretTPU])
 @settings(max_examples=4, deadline=None)
 @given(lengths=st.lists(st.integers(0, N), min_size=6, max_size=6).filter(lambda ls: sum(ls) <= CAPACITY))
 def test_random_lengths_forward(backend, lengths):
-  # fixed B and capacity: offsets are traced values, so every example reuses one compilation
-  backend()._case(4, "silu", jnp.float32, targets=True, window=0, bias=False, lengths=lengths, grads=False)
+    # fixed B and capacity: offsets are traced values, so every example reuses one compilation
+    backend()._case(4, "silu", jnp.float32, targets=True, window=0, bias=False, lengths=lengths, grads=False)
 
 
 @pytest.mark.parametrize("num_time", [1, 5, 40, 64])
 def test_time_thresholds_reproduce_reference_buckets(num_time):
-  # the GPU kernels find a cell's time bucket by comparing float32(max(dt, 1)) against these thresholds (no
-  # per-cell log): it must equal the reference's bucket for every delta, at and beside each threshold too
-  from pallas_kernels.jagged_attention.gpu import time_thresholds
-  from pallas_kernels.jagged_attention.reference import time_buckets
+    # the GPU kernels find a cell's time bucket by comparing float32(max(dt, 1)) against these thresholds (no
+    # per-cell log): it must equal the reference's bucket for every delta, at and beside each threshold too
+    from pallas_kernels.jagged_attention.gpu import time_thresholds
+    from pallas_kernels.jagged_attention.reference import time_buckets
 
-  width = max(16, 1 << (num_time - 1).bit_length())
-  thr = np.asarray(time_thresholds(num_time, width))
-  assert thr[0] == -np.inf and np.all(thr[:-1] <= thr[1:]) and np.all(np.isinf(thr[num_time:]))
-  finite = thr[np.isfinite(thr)].astype(np.int64)
-  rng = np.random.default_rng(0)
-  dt = np.concatenate([finite - 1, finite, finite + 1, rng.integers(-10, 10**4, 2000),
-                       rng.integers(0, 2**31 - 1, 2000), [0, 1, 2, 2**31 - 1]])
-  dt = np.clip(dt, -(2**31), 2**31 - 1).astype(np.int32)
-  x = np.maximum(dt, 1).astype(np.float32)
-  got = np.sum(x[:, None] >= thr[None, 1:], axis=1)
-  want = np.asarray(time_buckets(jnp.asarray(dt), num_time))
-  np.testing.assert_array_equal(got, want)
+    width = max(16, 1 << (num_time - 1).bit_length())
+    thr = np.asarray(time_thresholds(num_time, width))
+    assert thr[0] == -np.inf and np.all(thr[:-1] <= thr[1:]) and np.all(np.isinf(thr[num_time:]))
+    finite = thr[np.isfinite(thr)].astype(np.int64)
+    rng = np.random.default_rng(0)
+    dt = np.concatenate(
+        [
+            finite - 1,
+            finite,
+            finite + 1,
+            rng.integers(-10, 10**4, 2000),
+            rng.integers(0, 2**31 - 1, 2000),
+            [0, 1, 2, 2**31 - 1],
+        ]
+    )
+    dt = np.clip(dt, -(2**31), 2**31 - 1).astype(np.int32)
+    x = np.maximum(dt, 1).astype(np.float32)
+    got = np.sum(x[:, None] >= thr[None, 1:], axis=1)
+    want = np.asarray(time_buckets(jnp.asarray(dt), num_time))
+    np.testing.assert_array_equal(got, want)

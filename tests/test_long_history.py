@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.config import ConfigError
+from gem_jax.config import ConfigError, load_config
 from gem_jax.model.attention import attention
-from gem_jax.config import load_config
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.long_history import long_history_attention, pyramid_layout, suffix_layout
@@ -51,8 +50,9 @@ def test_suffix_and_pyramid_layouts_match_numpy(seed):
     rng = np.random.default_rng(seed)
     offsets, hist, targets, t = _jagged(rng, 7, 20, 3)
     keep = rng.integers(0, 25, 7)
-    new_off, rows = suffix_layout(jnp.asarray(offsets), jnp.asarray(targets), jnp.asarray(keep, jnp.int32),
-                                  num_context=CTX, capacity=t)
+    new_off, rows = suffix_layout(
+        jnp.asarray(offsets), jnp.asarray(targets), jnp.asarray(keep, jnp.int32), num_context=CTX, capacity=t
+    )
     want = []
     for b in range(7):
         s, e = offsets[b], offsets[b + 1]
@@ -60,11 +60,12 @@ def test_suffix_and_pyramid_layouts_match_numpy(seed):
             kept = min(keep[b], hist[b])
             want += list(range(s, s + CTX)) + list(range(e - targets[b] - kept, e))
     assert int(new_off[-1]) == len(want)
-    np.testing.assert_array_equal(np.asarray(rows)[:len(want)], want)
-    assert (np.asarray(rows)[len(want):] == -1).all()
+    np.testing.assert_array_equal(np.asarray(rows)[: len(want)], want)
+    assert (np.asarray(rows)[len(want) :] == -1).all()
     for f in (1.0, 0.5, 0.1):  # the static capacity bound is never exceeded
-        p_off, p_rows = pyramid_layout(jnp.asarray(offsets), jnp.asarray(targets), f, num_context=CTX,
-                                       max_targets=3, num_tokens=t)
+        p_off, p_rows = pyramid_layout(
+            jnp.asarray(offsets), jnp.asarray(targets), f, num_context=CTX, max_targets=3, num_tokens=t
+        )
         kept = np.where(targets > 0, CTX + np.ceil(f * hist - 1e-9).astype(int) + targets, 0)
         assert int(p_off[-1]) == kept.sum() <= p_rows.shape[0]
 
@@ -75,14 +76,23 @@ def test_recent_covering_every_history_is_plain_jagged_attention(activation):
     offsets, hist, targets, t = _jagged(np.random.default_rng(3), 6, 30, 3)
     q, k, v, ts = _qkv(3, t)
     pos_bias, time_bias = _biases()
-    common = dict(max_seq_len=CTX + 30 + 3, activation=activation, implementation="reference",
-                  pos_bias=pos_bias, time_bias=time_bias)
+    common = dict(
+        max_seq_len=CTX + 30 + 3,
+        activation=activation,
+        implementation="reference",
+        pos_bias=pos_bias,
+        time_bias=time_bias,
+    )
     off, nt = jnp.asarray(offsets), jnp.asarray(targets)
     assert hist.max() <= 30
-    got = jax.jit(lambda *a: long_history_attention(*a, num_context=CTX, recent_len=30, max_targets=3,
-                                                    block_size=8, **common))(q, k, v, off, nt, ts)
-    want = jax.jit(lambda q, k, v, off, nt, ts: attention(q, k, v, off, num_targets=nt, timestamps=ts,
-                                                          **common))(q, k, v, off, nt, ts)
+    got = jax.jit(
+        lambda *a: long_history_attention(
+            *a, num_context=CTX, recent_len=30, max_targets=3, block_size=8, **common
+        )
+    )(q, k, v, off, nt, ts)
+    want = jax.jit(
+        lambda q, k, v, off, nt, ts: attention(q, k, v, off, num_targets=nt, timestamps=ts, **common)
+    )(q, k, v, off, nt, ts)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -102,10 +112,18 @@ def _split_reference(q, k, v, ts, offsets, hist, targets, recent_len, block_size
         nt.append(targets[b])
     older, recent = np.concatenate(older), np.concatenate(recent)
     off = lambda n: jnp.asarray(np.concatenate([[0], np.cumsum(n)]), jnp.int32)  # noqa: E731
-    blk = block_attention_reference(q[older], k[older], v[older], off(older_len), block_size=block_size,
-                                    causal=True)
-    jag = attention(q[recent], k[recent], v[recent], off(recent_len_b), num_targets=jnp.asarray(nt, jnp.int32),
-                    timestamps=ts[recent], **common)
+    blk = block_attention_reference(
+        q[older], k[older], v[older], off(older_len), block_size=block_size, causal=True
+    )
+    jag = attention(
+        q[recent],
+        k[recent],
+        v[recent],
+        off(recent_len_b),
+        num_targets=jnp.asarray(nt, jnp.int32),
+        timestamps=ts[recent],
+        **common,
+    )
     out = np.zeros(v.shape, np.float32)
     out[older] = np.asarray(blk)  # context rows of the block output are overwritten just below
     out[recent] = np.asarray(jag)
@@ -116,13 +134,19 @@ def test_split_matches_per_example_references_and_has_gradients():
     offsets, hist, targets, t = _jagged(np.random.default_rng(5), 6, 40, 3)
     q, k, v, ts = _qkv(5, t)
     pos_bias, time_bias = _biases()
-    common = dict(max_seq_len=CTX + 7 + 3, activation="silu", implementation="reference",
-                  pos_bias=pos_bias, time_bias=time_bias)
+    common = dict(
+        max_seq_len=CTX + 7 + 3,
+        activation="silu",
+        implementation="reference",
+        pos_bias=pos_bias,
+        time_bias=time_bias,
+    )
     off, nt = jnp.asarray(offsets), jnp.asarray(targets)
 
     def run(q, k, v):
-        return long_history_attention(q, k, v, off, nt, ts, num_context=CTX, recent_len=7, max_targets=3,
-                                      block_size=8, **common)
+        return long_history_attention(
+            q, k, v, off, nt, ts, num_context=CTX, recent_len=7, max_targets=3, block_size=8, **common
+        )
 
     want = _split_reference(q, k, v, ts, offsets, hist, targets, 7, 8, common)
     np.testing.assert_allclose(jax.jit(run)(q, k, v), want, rtol=1e-5, atol=1e-6)
@@ -181,8 +205,9 @@ def test_tower_option_runs_and_is_differentiable():
 
 def test_candidates_do_not_see_each_other():
     """Target invariance holds through the long-history layers (full layout, then the pyramid)."""
-    _, model, _, pack = _model_and_pack("model.pyramid=[1.0, 0.5]", "data.num_candidates=3",
-                                     "data.tokens_per_shard=320")
+    _, model, _, pack = _model_and_pack(
+        "model.pyramid=[1.0, 0.5]", "data.num_candidates=3", "data.tokens_per_shard=320"
+    )
     base = np.asarray(model(pack))
     b = int(np.argmax(np.asarray(pack.num_targets) > 0))
     last = int(pack.offsets[b + 1]) - 1  # the last candidate of example b
@@ -209,13 +234,16 @@ def test_older_history_changes_only_through_its_rows():
     np.testing.assert_allclose(out[others], base[others], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (("model.block_size=256", "model.attention_implementation=auto"), "<= 128"),
-    (("model.pyramid=[1.0]",), "one per layer"),
-    (("model.pyramid=[0.5, 1.0]",), "non-increasing"),
-    (("model.pyramid=[1.0, 0.0]",), "(0, 1]"),
-    (("model.recent_len=0",), "recent_len"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (("model.block_size=256", "model.attention_implementation=auto"), "<= 128"),
+        (("model.pyramid=[1.0]",), "one per layer"),
+        (("model.pyramid=[0.5, 1.0]",), "non-increasing"),
+        (("model.pyramid=[1.0, 0.0]",), "(0, 1]"),
+        (("model.recent_len=0",), "recent_len"),
+    ],
+)
 def test_config_validation(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         small_config(*LONG, *overrides)
@@ -230,15 +258,39 @@ def test_pyramid_needs_long_history():
 # configs/gem_long.toml shrunk to a CPU run: same tower options (4 layers, pyramid [1, 1, 0.5, 0.25],
 # 4 candidates), histories of up to 48 events with 8-event recent parts and 8-token blocks.
 GEM_LONG_CPU = [
-    "data.num_items=500", "data.max_history_len=48", "data.history_len_mean=40", "data.history_len_sigma=1.0",
-    "data.examples_per_shard=8", "data.tokens_per_shard=512", "data.eval_examples=512", "data.num_workers=0",
-    "data.num_sparse_features=2", "data.sparse_vocab=1000", "data.num_dense_features=8",
-    "embeddings.dim=16", "embeddings.item_rows=512", "embeddings.sparse_rows=256",
-    "model.model_dim=32", "model.num_heads=2", "model.attention_dim=8", "model.value_dim=8",
-    "model.wukong_tokens=4", "model.wukong_fm_rank=4", "model.head_hidden=16", "model.num_position_buckets=16",
-    "model.num_time_buckets=8", "model.attention_implementation=reference", "model.recent_len=8",
-    "model.block_size=8", "train.steps=150", "train.warmup_steps=15", "train.learning_rate=5e-3",
-    "train.log_every=50", "train.checkpoint_every=0", "train.progress=false", "train.async_checkpointing=false",
+    "data.num_items=500",
+    "data.max_history_len=48",
+    "data.history_len_mean=40",
+    "data.history_len_sigma=1.0",
+    "data.examples_per_shard=8",
+    "data.tokens_per_shard=512",
+    "data.eval_examples=512",
+    "data.num_workers=0",
+    "data.num_sparse_features=2",
+    "data.sparse_vocab=1000",
+    "data.num_dense_features=8",
+    "embeddings.dim=16",
+    "embeddings.item_rows=512",
+    "embeddings.sparse_rows=256",
+    "model.model_dim=32",
+    "model.num_heads=2",
+    "model.attention_dim=8",
+    "model.value_dim=8",
+    "model.wukong_tokens=4",
+    "model.wukong_fm_rank=4",
+    "model.head_hidden=16",
+    "model.num_position_buckets=16",
+    "model.num_time_buckets=8",
+    "model.attention_implementation=reference",
+    "model.recent_len=8",
+    "model.block_size=8",
+    "train.steps=150",
+    "train.warmup_steps=15",
+    "train.learning_rate=5e-3",
+    "train.log_every=50",
+    "train.checkpoint_every=0",
+    "train.progress=false",
+    "train.async_checkpointing=false",
     "parallel.mesh_shape=[1]",
 ]
 

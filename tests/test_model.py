@@ -28,8 +28,11 @@ def test_padding_does_not_change_real_examples():
     _, model, pack = _model_and_pack()
     base = np.asarray(model(pack))
     end = int(pack.offsets[-1])
-    noisy = pack.replace(item_ids=pack.item_ids.at[end:].set(777) if hasattr(pack.item_ids, "at")
-                         else np.where(np.arange(pack.item_ids.shape[0]) >= end, 777, pack.item_ids))
+    noisy = pack.replace(
+        item_ids=pack.item_ids.at[end:].set(777)
+        if hasattr(pack.item_ids, "at")
+        else np.where(np.arange(pack.item_ids.shape[0]) >= end, 777, pack.item_ids)
+    )
     out = np.asarray(model(noisy))
     valid = np.asarray(pack.num_targets) > 0
     np.testing.assert_allclose(out[valid], base[valid], rtol=1e-5, atol=1e-5)
@@ -80,6 +83,7 @@ def test_attention_function_is_the_kernel_package():
     """The model's one attention entry point forwards to pallas_kernels.jagged_attention."""
     from gem_jax.model import attention as attn_module
     from pallas_kernels.jagged_attention import jagged_attention
+
     assert attn_module.jagged_attention is jagged_attention
     key = jax.random.key(0)
     q, k, v = (jax.random.normal(kk, (10, 2, 4)) for kk in jax.random.split(key, 3))

@@ -41,17 +41,40 @@ def write_cyclic_pairs(path: Path, num_users: int = 48, seed: int = 0) -> Path:
 
 
 def small(path: Path, *overrides: str):
-    return load_config(None, [
-        "data.kind=interactions", f"data.path={path}", "data.examples_per_shard=16",
-        "data.tokens_per_shard=160", "embeddings.dim=16", "model.model_dim=16", "model.num_heads=1",
-        "model.attention_dim=16", "model.value_dim=16", "model.num_layers=1",
-        "model.num_position_buckets=12", "model.num_time_buckets=0", "model.activation=softmax",
-        "model.attention_implementation=reference", "precision.compute_dtype=float32",
-        "parallel.mesh_shape=[1]", "train.learning_rate=1e-2", "train.warmup_steps=0",
-        "train.end_learning_rate_fraction=1.0", "train.weight_decay=0.0", "train.log_every=2",
-        "train.progress=false", "train.async_checkpointing=false", "retrieval.max_len=10",
-        "retrieval.eval_negatives=20", "retrieval.epochs=30", "retrieval.eval_every_epochs=5",
-        "retrieval.patience=0", *overrides])
+    return load_config(
+        None,
+        [
+            "data.kind=interactions",
+            f"data.path={path}",
+            "data.examples_per_shard=16",
+            "data.tokens_per_shard=160",
+            "embeddings.dim=16",
+            "model.model_dim=16",
+            "model.num_heads=1",
+            "model.attention_dim=16",
+            "model.value_dim=16",
+            "model.num_layers=1",
+            "model.num_position_buckets=12",
+            "model.num_time_buckets=0",
+            "model.activation=softmax",
+            "model.attention_implementation=reference",
+            "precision.compute_dtype=float32",
+            "parallel.mesh_shape=[1]",
+            "train.learning_rate=1e-2",
+            "train.warmup_steps=0",
+            "train.end_learning_rate_fraction=1.0",
+            "train.weight_decay=0.0",
+            "train.log_every=2",
+            "train.progress=false",
+            "train.async_checkpointing=false",
+            "retrieval.max_len=10",
+            "retrieval.eval_negatives=20",
+            "retrieval.epochs=30",
+            "retrieval.eval_every_epochs=5",
+            "retrieval.patience=0",
+            *overrides,
+        ],
+    )
 
 
 def records(workdir: Path) -> list[dict]:
@@ -71,8 +94,9 @@ def test_bce_loss_matches_hand_computation():
     table = rng.normal(size=(7, 3)).astype(np.float32)
     targets = np.array([1, 2, 0, 6, 3], np.int32)  # position 2 has no target
     negatives = np.array([4, 5, 1, 2, 6], np.int32)
-    total, count = bce_loss(jnp.asarray(user), jnp.asarray(table), jnp.asarray(targets),
-                            jnp.asarray(negatives))
+    total, count = bce_loss(
+        jnp.asarray(user), jnp.asarray(table), jnp.asarray(targets), jnp.asarray(negatives)
+    )
     expected = 0.0
     for t in (0, 1, 3, 4):
         pos = float(user[t] @ table[targets[t]])
@@ -95,15 +119,17 @@ def test_sampled_softmax_matches_hand_computation(shared):
         negatives = np.array([[1, 2, 3], [4, 5, 6], [5, 7, 0], [1, 1, 8]], np.int32)
         per_position = list(negatives)
     temperature = 0.5
-    total, count = sampled_softmax_loss(jnp.asarray(user), jnp.asarray(table), jnp.asarray(targets),
-                                        jnp.asarray(negatives), temperature)
+    total, count = sampled_softmax_loss(
+        jnp.asarray(user), jnp.asarray(table), jnp.asarray(targets), jnp.asarray(negatives), temperature
+    )
     expected = 0.0
     for t in range(4):
         if targets[t] == 0:
             continue
         logits = [float(user[t] @ table[targets[t]]) / temperature]
-        logits += [float(user[t] @ table[n]) / temperature for n in per_position[t]
-                   if n != targets[t] and n != 0]
+        logits += [
+            float(user[t] @ table[n]) / temperature for n in per_position[t] if n != targets[t] and n != 0
+        ]
         expected += np.log(np.sum(np.exp(logits))) - logits[0]
     assert int(count) == 3
     np.testing.assert_allclose(float(total), expected, rtol=1e-5)
@@ -113,8 +139,9 @@ def test_sampled_softmax_matches_hand_computation(shared):
 
 
 def test_dense_embedding_is_not_hashed():
-    emb = HashedEmbedding(11, 4, PrecisionPolicy.from_config(load_config().precision),
-                          rngs=nnx.Rngs(0), hashed=False)
+    emb = HashedEmbedding(
+        11, 4, PrecisionPolicy.from_config(load_config().precision), rngs=nnx.Rngs(0), hashed=False
+    )
     ids = jnp.array([0, 3, 10])
     np.testing.assert_array_equal(emb.lookup(ids), emb.table[...][ids])
 
@@ -154,8 +181,16 @@ def test_train_both_protocols_and_test_scored_once(tmp_path):
     tests = [r for r in recs if r.get("split") == "test"]
     assert [r["epoch"] for r in valid] == [5, 10, 15, 20, 25, 30]
     assert len(tests) == 1
-    for key in ("sampled/HR@10", "sampled/NDCG@10", "full/HR@5", "full/NDCG@5", "full/HR@10",
-                "full/NDCG@10", "full/HR@20", "full/NDCG@20"):
+    for key in (
+        "sampled/HR@10",
+        "sampled/NDCG@10",
+        "full/HR@5",
+        "full/NDCG@5",
+        "full/HR@10",
+        "full/NDCG@10",
+        "full/HR@20",
+        "full/NDCG@20",
+    ):
         assert 0.0 <= tests[0]["test"][key] <= 1.0, key
         assert key in valid[-1]["valid"]
     # The chosen checkpoint is the best validation one (first of ties), and test was scored on it.
@@ -179,9 +214,15 @@ def test_early_stopping_keeps_first_best(tmp_path):
     evaluation stays best and `patience` later ones stop the run."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     workdir = tmp_path / "run"
-    config = small(data, "train.learning_rate=0.0", "retrieval.eval_every_epochs=1",
-                   "retrieval.patience=2", "retrieval.negatives=in_batch", "retrieval.eval_protocol=full",
-                   "retrieval.select_metric=full/NDCG@10")
+    config = small(
+        data,
+        "train.learning_rate=0.0",
+        "retrieval.eval_every_epochs=1",
+        "retrieval.patience=2",
+        "retrieval.negatives=in_batch",
+        "retrieval.eval_protocol=full",
+        "retrieval.select_metric=full/NDCG@10",
+    )
     summary = loop.train(config, workdir)
     valid = [r for r in records(workdir) if r.get("split") == "valid"]
     assert [r["epoch"] for r in valid] == [1, 2, 3]
@@ -210,8 +251,9 @@ def test_exclude_history_reports_both_full_rankings(tmp_path):
     """With `exclude_history`, "full/" drops the user's own items and "full_incl_history/" keeps them;
     dropping candidates can only move a target up, so every HR is at least as high."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
-    config = small(data, "retrieval.exclude_history=true", "retrieval.epochs=5",
-                   "retrieval.select_metric=full/NDCG@10")
+    config = small(
+        data, "retrieval.exclude_history=true", "retrieval.epochs=5", "retrieval.select_metric=full/NDCG@10"
+    )
     summary = loop.train(config, tmp_path / "run")
     test = summary["test"]
     for k in (5, 10, 20):
@@ -223,9 +265,17 @@ def test_exclude_history_reports_both_full_rankings(tmp_path):
 def test_sasrec_block_learns_with_bce(tmp_path):
     """SASRec's block (feed-forward, un-normalised keys) on SASRec's loss learns the cycles."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
-    config = small(data, "model.layer=sasrec", "model.num_position_buckets=0", "retrieval.loss=bce",
-                   "retrieval.normalize=false", "train.adam_b2=0.98", "model.dropout=0.1",
-                   "retrieval.epochs=20", "retrieval.eval_every_epochs=20")
+    config = small(
+        data,
+        "model.layer=sasrec",
+        "model.num_position_buckets=0",
+        "retrieval.loss=bce",
+        "retrieval.normalize=false",
+        "train.adam_b2=0.98",
+        "model.dropout=0.1",
+        "retrieval.epochs=20",
+        "retrieval.eval_every_epochs=20",
+    )
     summary = loop.train(config, tmp_path / "run")
     assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
 
@@ -241,8 +291,14 @@ def test_sasrec_block_config_errors(tmp_path):
 
 def test_uniform_sampled_softmax_learns(tmp_path):
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
-    config = small(data, "model.activation=silu", "retrieval.num_negatives=16",
-                   "retrieval.temperature=0.1", "retrieval.epochs=15", "retrieval.eval_every_epochs=15")
+    config = small(
+        data,
+        "model.activation=silu",
+        "retrieval.num_negatives=16",
+        "retrieval.temperature=0.1",
+        "retrieval.epochs=15",
+        "retrieval.eval_every_epochs=15",
+    )
     summary = loop.train(config, tmp_path / "run")
     assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
 
@@ -263,9 +319,23 @@ def test_malformed_file_exits_2_naming_file_and_line(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("1 2\n1 3\n1 x\n")
     out = subprocess.run(
-        [sys.executable, "-m", "experiments", "train", "--config", str(ROOT / "configs" / "games_sasrec.toml"),
-         "--workdir", str(tmp_path / "run"), "--set", f"data.path={bad}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "experiments",
+            "train",
+            "--config",
+            str(ROOT / "configs" / "games_sasrec.toml"),
+            "--workdir",
+            str(tmp_path / "run"),
+            "--set",
+            f"data.path={bad}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2, out.stderr
     assert f"{bad}:3" in out.stderr
     missing = tmp_path / "missing.txt"

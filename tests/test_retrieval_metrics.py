@@ -84,9 +84,7 @@ def test_sampled_ranks_from_vectors_by_hand():
     users = jnp.array([[1.0, 0.0], [0.0, 1.0]])
     # User 0 scores items 1..4 as 1, 2, 3, 0. Target 2 vs negatives {1, 3}: 3 beats it -> 1.
     # User 1 scores them 0, 0, 0, 1. Target 4 vs negatives {1, 2}: nothing beats it -> 0.
-    ranks = rm.sampled_ranks_from_vectors(
-        users, table, jnp.array([2, 4]), jnp.array([[1, 3], [1, 2]])
-    )
+    ranks = rm.sampled_ranks_from_vectors(users, table, jnp.array([2, 4]), jnp.array([[1, 3], [1, 2]]))
     np.testing.assert_array_equal(ranks, [1, 0])
 
 
@@ -130,8 +128,11 @@ def test_full_ranking_matches_brute_force(chunk_size):
     exclude[:, 0] = targets  # the target listed among training items must stay a candidate
     for ex in (None, exclude):
         got = rm.full_ranking_ranks(
-            jnp.asarray(users), jnp.asarray(table), jnp.asarray(targets),
-            exclude=None if ex is None else jnp.asarray(ex), chunk_size=chunk_size,
+            jnp.asarray(users),
+            jnp.asarray(table),
+            jnp.asarray(targets),
+            exclude=None if ex is None else jnp.asarray(ex),
+            chunk_size=chunk_size,
         )
         no_exclusion = np.zeros((num_users, 1), int)
         want = brute_force_ranks(users, table, targets, no_exclusion if ex is None else ex)

@@ -95,9 +95,13 @@ def test_sharded_step_equals_single_device():
 
 
 def test_two_axis_mesh_runs():
-    c = small_config("parallel.mesh_axes=['dcn','data']", "parallel.mesh_shape=[2,4]",
-                     "parallel.rules={shard=['dcn','data'], rows=['data']}", "model.num_layers=1",
-                     "model.wukong_layers=1")
+    c = small_config(
+        "parallel.mesh_axes=['dcn','data']",
+        "parallel.mesh_shape=[2,4]",
+        "parallel.rules={shard=['dcn','data'], rows=['data']}",
+        "model.num_layers=1",
+        "model.wukong_layers=1",
+    )
     t = Trainer(c, make_mesh(c.parallel))
     state = t.init_state()
     assert "data" in str(state.params["items"]["table"].sharding.spec)
@@ -114,13 +118,29 @@ def _cli_env():
 
 
 def test_sigterm_saves_a_checkpoint(tmp_path):
-    args = [sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path),
-            "--set", "train.steps=100000", "--set", "train.checkpoint_every=0", "--set", "train.progress=false",
-            "--set", "train.log_every=1", "--set", "train.async_checkpointing=false"]
+    args = [
+        sys.executable,
+        "-m",
+        "experiments",
+        "train",
+        "--workdir",
+        str(tmp_path),
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "train.checkpoint_every=0",
+        "--set",
+        "train.progress=false",
+        "--set",
+        "train.log_every=1",
+        "--set",
+        "train.async_checkpointing=false",
+    ]
     for o in ("data.examples_per_shard=8", "data.tokens_per_shard=512", "model.num_layers=1"):
         args += ["--set", o]
-    proc = subprocess.Popen(args, cwd=ROOT, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
@@ -136,14 +156,34 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
     """The README's main command: the tiny config trains to click AUC >= 0.70 on the CPU."""
-    r = subprocess.run([sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path),
-                        "--set", "train.progress=false"], cwd=ROOT, env=_cli_env(), capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "experiments",
+            "train",
+            "--workdir",
+            str(tmp_path),
+            "--set",
+            "train.progress=false",
+        ],
+        cwd=ROOT,
+        env=_cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["eval"]["click"]["auc"] >= 0.70, summary["eval"]
-    r = subprocess.run([sys.executable, "-m", "experiments", "eval", "--workdir", str(tmp_path)], cwd=ROOT,
-                       env=_cli_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments", "eval", "--workdir", str(tmp_path)],
+        cwd=ROOT,
+        env=_cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     again = json.loads(r.stdout.strip().splitlines()[-1])
     assert again["step"] == summary["step"]

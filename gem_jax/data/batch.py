@@ -105,16 +105,32 @@ def pack_examples(
     sparse_offsets = np.zeros(examples_capacity * f + 1, np.int32)
     sparse_offsets[1:] = np.cumsum(bag_lengths)
     return JaggedBatch(
-        item_ids=item_ids, action_ids=action_ids, timestamps=timestamps, offsets=offsets,
-        num_targets=num_targets, sparse_values=sparse_values, sparse_offsets=sparse_offsets,
-        dense=dense, labels=labels)
+        item_ids=item_ids,
+        action_ids=action_ids,
+        timestamps=timestamps,
+        offsets=offsets,
+        num_targets=num_targets,
+        sparse_values=sparse_values,
+        sparse_offsets=sparse_offsets,
+        dense=dense,
+        labels=labels,
+    )
 
 
-def fits(num_examples: int, num_tokens: int, example: dict[str, Any], *, prefix: int,
-         examples_capacity: int, tokens_capacity: int) -> bool:
+def fits(
+    num_examples: int,
+    num_tokens: int,
+    example: dict[str, Any],
+    *,
+    prefix: int,
+    examples_capacity: int,
+    tokens_capacity: int,
+) -> bool:
     """Whether `example` still fits into a pack that holds `num_examples` / `num_tokens`."""
-    return (num_examples + 1 <= examples_capacity
-            and num_tokens + prefix + len(example["item_ids"]) <= tokens_capacity)
+    return (
+        num_examples + 1 <= examples_capacity
+        and num_tokens + prefix + len(example["item_ids"]) <= tokens_capacity
+    )
 
 
 def check_pack(batch: JaggedBatch) -> None:

@@ -187,8 +187,7 @@ def _load_pairs(path: str, lines: list[str], detected: bool) -> Interactions:
             continue
         if len(fields) != 2:
             raise ValueError(
-                f"{path}:{lineno}: expected 2 fields 'user item', got {len(fields)} in line "
-                f"{line!r}{hint}"
+                f"{path}:{lineno}: expected 2 fields 'user item', got {len(fields)} in line {line!r}{hint}"
             )
         users.append(_parse_id(fields[0], path, lineno, line))
         items.append(_parse_id(fields[1], path, lineno, line))
@@ -198,9 +197,7 @@ def _load_pairs(path: str, lines: list[str], detected: bool) -> Interactions:
     # A user is non-contiguous when it starts more than one run of consecutive lines.
     starts = np.concatenate([[True], users_a[1:] != users_a[:-1]])
     runs_per_user = np.unique(users_a[starts], return_counts=True)[1]
-    return _build(
-        path, "pairs", users_a, np.asarray(items, np.int64), blank, int(np.sum(runs_per_user > 1))
-    )
+    return _build(path, "pairs", users_a, np.asarray(items, np.int64), blank, int(np.sum(runs_per_user > 1)))
 
 
 def _load_user_lines(path: str, lines: list[str]) -> Interactions:
@@ -361,9 +358,7 @@ def leave_one_out(seqs: Sequence[np.ndarray] | Interactions, min_len: int = 3) -
     return LeaveOneOutSplit(train, as32(users), as32(valid), as32(test), as32(short), min_len)
 
 
-def pad_sequences(
-    seqs: Sequence[np.ndarray], max_len: int | None = None, pad: int = PAD_ITEM
-) -> np.ndarray:
+def pad_sequences(seqs: Sequence[np.ndarray], max_len: int | None = None, pad: int = PAD_ITEM) -> np.ndarray:
     """int32[U, L]: each sequence's last ``max_len`` items, right-aligned (left padding).
 
     ``max_len=None`` keeps everything (L = longest sequence), e.g. for exclusion lists.
@@ -378,7 +373,7 @@ def pad_sequences(
     for u, s in enumerate(seqs):
         tail = np.asarray(s)[-width:] if len(s) else s
         if len(tail):
-            out[u, width - len(tail):] = tail
+            out[u, width - len(tail) :] = tail
     return out
 
 

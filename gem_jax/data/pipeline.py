@@ -10,7 +10,8 @@ ours. It is sequential first-fit (order preserving), which keeps resumption exac
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import grain
 import jax
@@ -21,8 +22,14 @@ from gem_jax.data.batch import JaggedBatch, fits, pack_examples
 class _PackIterator(grain.DatasetIterator):
     """Greedily fills packs in order; an example that does not fit opens the next pack."""
 
-    def __init__(self, parent: grain.DatasetIterator, pack: Callable[[list[dict[str, Any]]], JaggedBatch],
-                 examples_capacity: int, tokens_capacity: int, prefix: int):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        pack: Callable[[list[dict[str, Any]]], JaggedBatch],
+        examples_capacity: int,
+        tokens_capacity: int,
+        prefix: int,
+    ):
         super().__init__(parent)
         self._pack = pack
         self._examples_capacity = examples_capacity
@@ -45,12 +52,19 @@ class _PackIterator(grain.DatasetIterator):
                     break
                 self._state_before_pending = state
             example = self._pending
-            if not fits(len(examples), tokens, example, prefix=self._prefix,
-                        examples_capacity=self._examples_capacity, tokens_capacity=self._tokens_capacity):
+            if not fits(
+                len(examples),
+                tokens,
+                example,
+                prefix=self._prefix,
+                examples_capacity=self._examples_capacity,
+                tokens_capacity=self._tokens_capacity,
+            ):
                 if not examples:
                     raise ValueError(
                         f"an example of {len(example['item_ids']) + self._prefix} tokens does not fit an "
-                        f"empty pack of {self._tokens_capacity} tokens")
+                        f"empty pack of {self._tokens_capacity} tokens"
+                    )
                 break
             examples.append(example)
             tokens += self._prefix + len(example["item_ids"])
@@ -73,15 +87,25 @@ class _PackIterator(grain.DatasetIterator):
 class PackIterDataset(grain.IterDataset):
     """Packs a stream of example dicts into `JaggedBatch` packs of fixed capacity."""
 
-    def __init__(self, parent: grain.IterDataset, *, examples_capacity: int, tokens_capacity: int,
-                 num_sparse_features: int, max_bag_size: int, prefix: int):
+    def __init__(
+        self,
+        parent: grain.IterDataset,
+        *,
+        examples_capacity: int,
+        tokens_capacity: int,
+        num_sparse_features: int,
+        max_bag_size: int,
+        prefix: int,
+    ):
         super().__init__(parent)
-        self._kwargs = dict(examples_capacity=examples_capacity, tokens_capacity=tokens_capacity,
-                            prefix=prefix)
+        self._kwargs = dict(
+            examples_capacity=examples_capacity, tokens_capacity=tokens_capacity, prefix=prefix
+        )
 
         def pack(examples):
-            return pack_examples(examples, num_sparse_features=num_sparse_features,
-                                 max_bag_size=max_bag_size, **self._kwargs)
+            return pack_examples(
+                examples, num_sparse_features=num_sparse_features, max_bag_size=max_bag_size, **self._kwargs
+            )
 
         self._pack_fn = pack
 
@@ -113,7 +137,12 @@ def packed_dataset(
     stop = start + num_examples if num_examples is not None else 2**62
     indices = grain.MapDataset.range(start, stop)[process_index::process_count]
     examples = indices.map(example_fn).to_iter_dataset()
-    packs = PackIterDataset(examples, examples_capacity=examples_capacity,
-                            tokens_capacity=tokens_capacity, num_sparse_features=num_sparse_features,
-                            max_bag_size=max_bag_size, prefix=prefix)
+    packs = PackIterDataset(
+        examples,
+        examples_capacity=examples_capacity,
+        tokens_capacity=tokens_capacity,
+        num_sparse_features=num_sparse_features,
+        max_bag_size=max_bag_size,
+        prefix=prefix,
+    )
     return packs.batch(shards_per_step, drop_remainder=False)

@@ -35,7 +35,7 @@ class SyntheticAds:
         factors = categories[np.arange(config.num_items + 1) // _CATEGORY_SIZE] + own
         self.item_factors = (factors / np.linalg.norm(factors, axis=1, keepdims=True)).astype(np.float32)
         ranks = np.arange(1, config.num_items + 1, dtype=np.float64)
-        p = ranks ** -config.zipf_exponent
+        p = ranks**-config.zipf_exponent
         self.item_cdf = np.cumsum(p / p.sum())
         self.segment_directions = world.normal(0, 1, (_NUM_SEGMENTS, r)).astype(np.float32)
         self.dense_weights = world.normal(0, 1, config.num_dense_features).astype(np.float32)
@@ -53,8 +53,13 @@ class SyntheticAds:
         if rng.random() < c.empty_history_fraction:
             length = 0
         else:
-            length = int(np.clip(np.round(rng.lognormal(np.log(c.history_len_mean), c.history_len_sigma)),
-                                 1, c.max_history_len))
+            length = int(
+                np.clip(
+                    np.round(rng.lognormal(np.log(c.history_len_mean), c.history_len_sigma)),
+                    1,
+                    c.max_history_len,
+                )
+            )
         # History: popular items tilted towards the user's taste (Gumbel top-k over a Zipf pool).
         pool = self._zipf_items(rng, max(4 * length, 1))
         affinity = self.item_factors[pool] @ taste
@@ -63,8 +68,9 @@ class SyntheticAds:
         rng.shuffle(history)
         hist_affinity = self.item_factors[history] @ taste
         # Stronger affinity -> deeper action (view < click < cart < purchase).
-        actions = 1 + np.clip((hist_affinity + rng.normal(0, 0.5, length) + 1.0).astype(np.int32),
-                              0, c.num_actions - 1)
+        actions = 1 + np.clip(
+            (hist_affinity + rng.normal(0, 0.5, length) + 1.0).astype(np.int32), 0, c.num_actions - 1
+        )
         gaps = rng.exponential(3600.0, length + 1).astype(np.int64) + 1
         times = np.cumsum(gaps)
         request_time = int(times[-1])
@@ -93,8 +99,9 @@ class SyntheticAds:
         return {
             "item_ids": np.concatenate([history, candidates]).astype(np.int32),
             "action_ids": np.concatenate([actions, np.zeros(c.num_candidates)]).astype(np.int32),
-            "timestamps": np.concatenate(
-                [times[:-1], np.full(c.num_candidates, request_time)]).astype(np.int32),
+            "timestamps": np.concatenate([times[:-1], np.full(c.num_candidates, request_time)]).astype(
+                np.int32
+            ),
             "num_targets": c.num_candidates,
             "sparse_ids": sparse_ids,
             "dense": dense,

@@ -28,8 +28,7 @@ class TaskHead(nnx.Module):
 
     def __init__(self, name: str, d_in: int, hidden: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs):
         self.hidden = Dense(f"{name}/hidden", d_in, hidden, policy, rngs=rngs, sensitive=True)
-        self.out = Dense(f"{name}/out", hidden, 1, policy, rngs=rngs, sensitive=True,
-                         axes=("mlp", "embed"))
+        self.out = Dense(f"{name}/out", hidden, 1, policy, rngs=rngs, sensitive=True, axes=("mlp", "embed"))
 
     def __call__(self, x):
         return self.out(jax.nn.silu(self.hidden(x)))[..., 0]
@@ -44,21 +43,28 @@ class GEMModel(nnx.Module):
         self.actions = HashedEmbedding(e.action_rows, e.dim, policy, rngs=rngs)
         self.sparse = HashedEmbedding(e.sparse_rows, e.dim, policy, rngs=rngs)
         self.token_proj = Dense("input/token", e.dim, m.model_dim, policy, rngs=rngs)
-        self.candidate_marker = param(rngs, nnx.initializers.normal(0.05), (m.model_dim,), ("embed",),
-                                      policy.param_dtype)
+        self.candidate_marker = param(
+            rngs, nnx.initializers.normal(0.05), (m.model_dim,), ("embed",), policy.param_dtype
+        )
         self.dense_proj = Dense("input/dense", d.num_dense_features, e.dim, policy, rngs=rngs)
         n_features = d.num_sparse_features + 1
-        self.context = (Dense("cross/context", n_features * e.dim, m.num_context_tokens * m.model_dim,
-                              policy, rngs=rngs) if m.num_context_tokens else None)
+        self.context = (
+            Dense("cross/context", n_features * e.dim, m.num_context_tokens * m.model_dim, policy, rngs=rngs)
+            if m.num_context_tokens
+            else None
+        )
         self.tower = HSTUTower(m, policy, rngs=rngs, max_targets=d.num_candidates)
-        self.summary = Dense("cross/summary", 2 * m.model_dim, m.num_summary_tokens * e.dim, policy,
-                             rngs=rngs)
+        self.summary = Dense(
+            "cross/summary", 2 * m.model_dim, m.num_summary_tokens * e.dim, policy, rngs=rngs
+        )
         n_in = n_features + m.num_summary_tokens + 1
-        self.wukong = WukongStack(n_in, m.wukong_tokens, e.dim, m.wukong_layers, m.wukong_fm_rank, policy,
-                                  rngs=rngs)
+        self.wukong = WukongStack(
+            n_in, m.wukong_tokens, e.dim, m.wukong_layers, m.wukong_fm_rank, policy, rngs=rngs
+        )
         head_in = (m.wukong_tokens if m.wukong_layers else n_in) * e.dim
-        self.heads = nnx.List([TaskHead(f"head/{t}", head_in, m.head_hidden, policy, rngs=rngs)
-                               for t in m.tasks])
+        self.heads = nnx.List(
+            [TaskHead(f"head/{t}", head_in, m.head_hidden, policy, rngs=rngs) for t in m.tasks]
+        )
 
     @property
     def max_seq_len(self) -> int:
@@ -81,8 +87,12 @@ class GEMModel(nnx.Module):
         bag_sizes = jnp.diff(batch.sparse_offsets)
         pooled = self.sparse.pooled(salted, bag, bag_sizes, mode=cfg.embeddings.pooling)
         feature_tokens = jnp.concatenate(
-            [pooled.reshape(b_cap, f, e_dim).astype(jnp.float32),
-             self.dense_proj(batch.dense)[:, None].astype(jnp.float32)], axis=1)  # [B, F+1, E]
+            [
+                pooled.reshape(b_cap, f, e_dim).astype(jnp.float32),
+                self.dense_proj(batch.dense)[:, None].astype(jnp.float32),
+            ],
+            axis=1,
+        )  # [B, F+1, E]
 
         # Sequence tokens: item + action embeddings; candidates marked; context slots filled.
         seg = segment_ids(offsets, t_cap)
@@ -100,8 +110,9 @@ class GEMModel(nnx.Module):
             tokens = jnp.where(is_ctx[:, None], ctx_tok, tokens)
         x = jnp.where(valid[:, None], tokens, 0.0)
 
-        x = self.tower(x, offsets, batch.num_targets, batch.timestamps, max_seq_len=self.max_seq_len,
-                       rng=rng).astype(jnp.float32)
+        x = self.tower(
+            x, offsets, batch.num_targets, batch.timestamps, max_seq_len=self.max_seq_len, rng=rng
+        ).astype(jnp.float32)
 
         # Sequence summaries: each candidate's output token and the mean over history tokens.
         target_idx = jnp.clip(offsets[1:, None] - c + jnp.arange(c)[None, :], 0, t_cap - 1)  # [B, C]
@@ -111,13 +122,19 @@ class GEMModel(nnx.Module):
         hist_count = jax.ops.segment_sum(is_history.astype(jnp.float32), seg, num_segments=b_cap + 1)
         hist_mean = hist_sum[:b_cap] / jnp.maximum(hist_count[:b_cap], 1)[:, None]
         summary_in = jnp.concatenate(
-            [candidate_out, jnp.broadcast_to(hist_mean[:, None], candidate_out.shape)], axis=-1)
+            [candidate_out, jnp.broadcast_to(hist_mean[:, None], candidate_out.shape)], axis=-1
+        )
         summary = self.summary(summary_in).reshape(b_cap, c, m.num_summary_tokens, e_dim)
 
         candidate_emb = self.items.lookup(batch.item_ids[target_idx])[:, :, None]  # [B, C, 1, E]
-        interaction_in = jnp.concatenate([
-            jnp.broadcast_to(feature_tokens[:, None], (b_cap, c, *feature_tokens.shape[1:])),
-            summary.astype(jnp.float32), candidate_emb.astype(jnp.float32)], axis=2)
+        interaction_in = jnp.concatenate(
+            [
+                jnp.broadcast_to(feature_tokens[:, None], (b_cap, c, *feature_tokens.shape[1:])),
+                summary.astype(jnp.float32),
+                candidate_emb.astype(jnp.float32),
+            ],
+            axis=2,
+        )
         n_in = interaction_in.shape[2]
         h = self.wukong(interaction_in.reshape(b_cap * c, n_in, e_dim)).reshape(b_cap * c, -1)
         logits = jnp.stack([head(h) for head in self.heads], axis=-1)

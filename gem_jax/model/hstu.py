@@ -20,14 +20,15 @@ from jaxtyping import Array, Float, Int
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import attention
 from gem_jax.model.layers import Dense, LayerNorm, dropout, param
-from gem_jax.model.sasrec import SASRecLayer
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
+from gem_jax.model.sasrec import SASRecLayer
 from gem_jax.precision import PrecisionPolicy
 
 
 class HSTULayer(nnx.Module):
-    def __init__(self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs,
-                 max_targets: int = 1):
+    def __init__(
+        self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1
+    ):
         c = config
         self.config = c
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
@@ -37,20 +38,41 @@ class HSTULayer(nnx.Module):
         self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs)
         self.out = Dense(f"{name}/out", h * dv, c.model_dim, policy, rngs=rngs, axes=("mlp", "embed"))
         zeros = nnx.initializers.zeros
-        self.pos_bias = (param(rngs, zeros, (h, c.num_position_buckets), ("heads", None), jnp.float32)
-                         if c.num_position_buckets else None)
-        self.time_bias = (param(rngs, zeros, (h, c.num_time_buckets), ("heads", None), jnp.float32)
-                          if c.num_time_buckets else None)
+        self.pos_bias = (
+            param(rngs, zeros, (h, c.num_position_buckets), ("heads", None), jnp.float32)
+            if c.num_position_buckets
+            else None
+        )
+        self.time_bias = (
+            param(rngs, zeros, (h, c.num_time_buckets), ("heads", None), jnp.float32)
+            if c.num_time_buckets
+            else None
+        )
 
-    def __call__(self, x: Float[Array, "T D"], offsets: Int[Array, "B1"], num_targets: Int[Array, "B"],
-                 timestamps: Int[Array, "T"], *, max_seq_len: int, rng: jax.Array | None):
+    def __call__(
+        self,
+        x: Float[Array, "T D"],
+        offsets: Int[Array, " B1"],
+        num_targets: Int[Array, " B"],
+        timestamps: Int[Array, " T"],
+        *,
+        max_seq_len: int,
+        rng: jax.Array | None,
+    ):
         c = self.config
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
         u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
-        a = self.attend(q.reshape(t, h, dqk), k.reshape(t, h, dqk), v.reshape(t, h, dv), offsets,
-                        num_targets, timestamps, max_seq_len=max_seq_len)
+        a = self.attend(
+            q.reshape(t, h, dqk),
+            k.reshape(t, h, dqk),
+            v.reshape(t, h, dv),
+            offsets,
+            num_targets,
+            timestamps,
+            max_seq_len=max_seq_len,
+        )
         y = self.attn_norm(a.reshape(t, h * dv)) * u
         return x + dropout(self.out(y), c.dropout, rng)
 
@@ -58,11 +80,19 @@ class HSTULayer(nnx.Module):
         """Full jagged attention over every sequence."""
         c = self.config
         return attention(
-            q, k, v, offsets, max_seq_len=max_seq_len, activation=c.activation,
-            implementation=c.attention_implementation, num_targets=num_targets, max_attn_len=c.max_attn_len,
+            q,
+            k,
+            v,
+            offsets,
+            max_seq_len=max_seq_len,
+            activation=c.activation,
+            implementation=c.attention_implementation,
+            num_targets=num_targets,
+            max_attn_len=c.max_attn_len,
             timestamps=timestamps if self.time_bias is not None else None,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
-            time_bias=self.time_bias[...] if self.time_bias is not None else None)
+            time_bias=self.time_bias[...] if self.time_bias is not None else None,
+        )
 
 
 class LongHistoryLayer(HSTULayer):
@@ -72,12 +102,23 @@ class LongHistoryLayer(HSTULayer):
         """BlockAttention over the older history, full jagged attention over the recent part."""
         c = self.config
         return long_history_attention(
-            q, k, v, offsets, num_targets, timestamps, num_context=c.num_context_tokens,
-            recent_len=c.recent_len, max_targets=self.max_targets, block_size=c.block_size,
-            max_seq_len=max_seq_len, activation=c.activation, implementation=c.attention_implementation,
+            q,
+            k,
+            v,
+            offsets,
+            num_targets,
+            timestamps,
+            num_context=c.num_context_tokens,
+            recent_len=c.recent_len,
+            max_targets=self.max_targets,
+            block_size=c.block_size,
+            max_seq_len=max_seq_len,
+            activation=c.activation,
+            implementation=c.attention_implementation,
             max_attn_len=c.max_attn_len,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
-            time_bias=self.time_bias[...] if self.time_bias is not None else None)
+            time_bias=self.time_bias[...] if self.time_bias is not None else None,
+        )
 
 
 class HSTUTower(nnx.Module):
@@ -88,30 +129,49 @@ class HSTUTower(nnx.Module):
         layer = LongHistoryLayer if config.long_history else HSTULayer
         if config.layer == "sasrec":
             if config.long_history:
-                raise ValueError("model.layer = \"sasrec\" does not support model.long_history")
+                raise ValueError('model.layer = "sasrec" does not support model.long_history')
             layer = SASRecLayer
         self.max_targets = max_targets
-        self.layers = nnx.List([layer(f"hstu/{i}", config, policy, rngs=rngs, max_targets=max_targets)
-                                for i in range(config.num_layers)])
+        self.layers = nnx.List(
+            [
+                layer(f"hstu/{i}", config, policy, rngs=rngs, max_targets=max_targets)
+                for i in range(config.num_layers)
+            ]
+        )
         self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs)
         # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
         self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))
         self.config = config
 
-    def __call__(self, x: Float[Array, "T D"], offsets: Int[Array, "B1"], num_targets: Int[Array, "B"],
-                 timestamps: Int[Array, "T"], *, max_seq_len: int, rng: jax.Array | None = None):
+    def __call__(
+        self,
+        x: Float[Array, "T D"],
+        offsets: Int[Array, " B1"],
+        num_targets: Int[Array, " B"],
+        timestamps: Int[Array, " T"],
+        *,
+        max_seq_len: int,
+        rng: jax.Array | None = None,
+    ):
         c = self.config
         for start, stop, fraction in self.stages:
             if fraction < 1.0:  # pyramid: run on the kept suffix, scatter back (dropped rows freeze)
                 layout_offsets, rows = pyramid_layout(
-                    offsets, num_targets, fraction, num_context=c.num_context_tokens,
-                    max_targets=self.max_targets, num_tokens=x.shape[0])
+                    offsets,
+                    num_targets,
+                    fraction,
+                    num_context=c.num_context_tokens,
+                    max_targets=self.max_targets,
+                    num_tokens=x.shape[0],
+                )
                 xs, ts = gather_rows(x, rows), gather_rows(timestamps, rows)
             else:
                 layout_offsets, xs, ts = offsets, x, timestamps
             for i in range(start, stop):
                 layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-                xs = self.layers[i](xs, layout_offsets, num_targets, ts, max_seq_len=max_seq_len, rng=layer_rng)
+                xs = self.layers[i](
+                    xs, layout_offsets, num_targets, ts, max_seq_len=max_seq_len, rng=layer_rng
+                )
             if fraction < 1.0:
                 x = scatter_rows(x, rows, xs)
             else:

@@ -10,8 +10,7 @@ from jaxtyping import Array, Float
 from gem_jax.precision import PrecisionPolicy
 
 
-def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...],
-          dtype) -> nnx.Param:
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
     """A parameter tagged with logical axis names (mapped to mesh axes by `gem_jax.parallel`)."""
     assert len(axes) == len(shape), (axes, shape)
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
@@ -24,17 +23,33 @@ class Dense(nnx.Module):
     later its FP8 recipe) from the policy, and its weights carry logical axis names.
     """
 
-    def __init__(self, name: str, d_in: int, d_out: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs,
-                 axes: tuple[str, str] = ("embed", "mlp"), sensitive: bool = False, use_bias: bool = True):
+    def __init__(
+        self,
+        name: str,
+        d_in: int,
+        d_out: int,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+        axes: tuple[str, str] = ("embed", "mlp"),
+        sensitive: bool = False,
+        use_bias: bool = True,
+    ):
         self.name = name
         self.compute_dtype = policy.compute_dtype(name, sensitive=sensitive)
         self.kernel = param(rngs, nnx.initializers.lecun_normal(), (d_in, d_out), axes, policy.param_dtype)
-        self.bias = (param(rngs, nnx.initializers.zeros, (d_out,), (axes[1],), policy.param_dtype)
-                     if use_bias else None)
+        self.bias = (
+            param(rngs, nnx.initializers.zeros, (d_out,), (axes[1],), policy.param_dtype)
+            if use_bias
+            else None
+        )
 
     def __call__(self, x: Float[Array, "... din"]) -> Float[Array, "... dout"]:
-        y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype),
-                    preferred_element_type=jnp.float32)
+        y = jnp.dot(
+            x.astype(self.compute_dtype),
+            self.kernel[...].astype(self.compute_dtype),
+            preferred_element_type=jnp.float32,
+        )
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.compute_dtype)
@@ -44,8 +59,9 @@ class LayerNorm(nnx.Module):
     """LayerNorm with float32 statistics (a "sensitive" op in any precision policy)."""
 
     def __init__(self, dim: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs, use_scale: bool = True):
-        self.scale = (param(rngs, nnx.initializers.ones, (dim,), ("embed",), policy.param_dtype)
-                      if use_scale else None)
+        self.scale = (
+            param(rngs, nnx.initializers.ones, (dim,), ("embed",), policy.param_dtype) if use_scale else None
+        )
         self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",), policy.param_dtype)
 
     def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:

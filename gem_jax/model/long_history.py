@@ -50,16 +50,23 @@ from gem_jax.model.attention import attention
 from pallas_kernels.block_attention import block_attention
 
 
-def sequence_parts(offsets: Int[Array, "B1"], num_targets: Int[Array, "B"], num_context: int
-                   ) -> tuple[Int[Array, "B"], Int[Array, "B"]]:
+def sequence_parts(
+    offsets: Int[Array, " B1"], num_targets: Int[Array, " B"], num_context: int
+) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
     """Per sequence: (context slots, history events); padding examples give (0, 0)."""
     rest = jnp.maximum(jnp.diff(offsets) - num_targets, 0)
     ctx = jnp.minimum(rest, num_context)
     return ctx, rest - ctx
 
 
-def suffix_layout(offsets: Int[Array, "B1"], num_targets: Int[Array, "B"], keep: Int[Array, "B"], *,
-                  num_context: int, capacity: int) -> tuple[Int[Array, "B1"], Int[Array, "R"]]:
+def suffix_layout(
+    offsets: Int[Array, " B1"],
+    num_targets: Int[Array, " B"],
+    keep: Int[Array, " B"],
+    *,
+    num_context: int,
+    capacity: int,
+) -> tuple[Int[Array, " B1"], Int[Array, " R"]]:
     """A compact jagged layout of: context slots + the `keep[b]` most recent events + targets.
 
     Because the kept events and the targets form a contiguous suffix of each sequence, a row of the
@@ -74,7 +81,8 @@ def suffix_layout(offsets: Int[Array, "B1"], num_targets: Int[Array, "B"], keep:
     keep = jnp.minimum(keep, hist)
     lengths = jnp.where(jnp.diff(offsets) > 0, ctx + keep + num_targets, 0)
     new_offsets = jnp.minimum(
-        jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)]), capacity)
+        jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)]), capacity
+    )
     r = jnp.arange(capacity, dtype=jnp.int32)
     b = jnp.clip(jnp.searchsorted(new_offsets[1:], r, side="right"), 0, lengths.shape[0] - 1)
     p = r - new_offsets[b]
@@ -82,24 +90,26 @@ def suffix_layout(offsets: Int[Array, "B1"], num_targets: Int[Array, "B"], keep:
     return new_offsets, jnp.where(r < new_offsets[-1], old, -1).astype(jnp.int32)
 
 
-def gather_rows(x: Array, rows: Int[Array, "R"]) -> Array:
+def gather_rows(x: Array, rows: Int[Array, " R"]) -> Array:
     """x[rows] for a compact layout's row map (rows < 0, the unused tail, read row 0)."""
     return jnp.take(x, jnp.maximum(rows, 0), axis=0, mode="clip")
 
 
-def scatter_rows(full: Array, rows: Int[Array, "R"], values: Array) -> Array:
+def scatter_rows(full: Array, rows: Int[Array, " R"], values: Array) -> Array:
     """full[rows] = values, dropping rows < 0 (the unused tail of a compact layout)."""
     return full.at[jnp.where(rows < 0, full.shape[0], rows)].set(values, mode="drop")
 
 
-def recent_capacity(num_tokens: int, num_examples: int, *, num_context: int, recent_len: int,
-                    max_targets: int) -> int:
+def recent_capacity(
+    num_tokens: int, num_examples: int, *, num_context: int, recent_len: int, max_targets: int
+) -> int:
     """Static row capacity of the recent-part layout: every example's longest recent part."""
     return min(num_tokens, num_examples * (num_context + recent_len + max_targets))
 
 
-def pyramid_capacity(num_tokens: int, num_examples: int, fraction: float, *, num_context: int,
-                     max_targets: int) -> int:
+def pyramid_capacity(
+    num_tokens: int, num_examples: int, fraction: float, *, num_context: int, max_targets: int
+) -> int:
     """Static row capacity of a pyramid layout keeping `fraction` of the history.
 
     sum_b (ctx + ceil(f L_b) + C_b) <= f * T + B * (num_context + max_targets + 1); rounded up to 8.
@@ -108,14 +118,21 @@ def pyramid_capacity(num_tokens: int, num_examples: int, fraction: float, *, num
     return min(num_tokens, -(-bound // 8) * 8)
 
 
-def pyramid_layout(offsets: Int[Array, "B1"], num_targets: Int[Array, "B"], fraction: float, *,
-                   num_context: int, max_targets: int, num_tokens: int
-                   ) -> tuple[Int[Array, "B1"], Int[Array, "R"]]:
+def pyramid_layout(
+    offsets: Int[Array, " B1"],
+    num_targets: Int[Array, " B"],
+    fraction: float,
+    *,
+    num_context: int,
+    max_targets: int,
+    num_tokens: int,
+) -> tuple[Int[Array, " B1"], Int[Array, " R"]]:
     """The layout of a pyramid layer: ceil(fraction * L) most recent events of each history kept."""
     _, hist = sequence_parts(offsets, num_targets, num_context)
     keep = jnp.ceil(fraction * hist.astype(jnp.float32)).astype(jnp.int32)
-    capacity = pyramid_capacity(num_tokens, num_targets.shape[0], fraction, num_context=num_context,
-                                max_targets=max_targets)
+    capacity = pyramid_capacity(
+        num_tokens, num_targets.shape[0], fraction, num_context=num_context, max_targets=max_targets
+    )
     return suffix_layout(offsets, num_targets, keep, num_context=num_context, capacity=capacity)
 
 
@@ -123,9 +140,9 @@ def long_history_attention(
     q: Float[Array, "T H Dqk"],
     k: Float[Array, "T H Dqk"],
     v: Float[Array, "T H Dv"],
-    offsets: Int[Array, "B1"],
-    num_targets: Int[Array, "B"],
-    timestamps: Int[Array, "T"],
+    offsets: Int[Array, " B1"],
+    num_targets: Int[Array, " B"],
+    timestamps: Int[Array, " T"],
     *,
     num_context: int,
     recent_len: int,
@@ -161,16 +178,32 @@ def long_history_attention(
     # Block sequences, in place: [start, split) = context + older prefix, [split, end) = the rest.
     split = offsets[:-1] + ctx + hist - recent
     block_offsets = jnp.concatenate([jnp.stack([offsets[:-1], split], 1).reshape(-1), offsets[-1:]])
-    older = block_attention(q, k, v, block_offsets, block_size=block_size, causal=True,
-                            implementation=None if implementation == "auto" else implementation)
+    older = block_attention(
+        q,
+        k,
+        v,
+        block_offsets,
+        block_size=block_size,
+        causal=True,
+        implementation=None if implementation == "auto" else implementation,
+    )
 
     capacity = recent_capacity(t, b, num_context=num_context, recent_len=recent_len, max_targets=max_targets)
-    recent_offsets, rows = suffix_layout(offsets, num_targets, recent, num_context=num_context,
-                                         capacity=capacity)
+    recent_offsets, rows = suffix_layout(
+        offsets, num_targets, recent, num_context=num_context, capacity=capacity
+    )
     a = attention(
-        gather_rows(q, rows), gather_rows(k, rows), gather_rows(v, rows), recent_offsets,
-        max_seq_len=min(max_seq_len, num_context + recent_len + max_targets), activation=activation,
-        implementation=implementation, num_targets=num_targets, max_attn_len=max_attn_len,
+        gather_rows(q, rows),
+        gather_rows(k, rows),
+        gather_rows(v, rows),
+        recent_offsets,
+        max_seq_len=min(max_seq_len, num_context + recent_len + max_targets),
+        activation=activation,
+        implementation=implementation,
+        num_targets=num_targets,
+        max_attn_len=max_attn_len,
         timestamps=gather_rows(timestamps, rows) if time_bias is not None else None,
-        pos_bias=pos_bias, time_bias=time_bias)
+        pos_bias=pos_bias,
+        time_bias=time_bias,
+    )
     return scatter_rows(older.astype(a.dtype), rows, a)

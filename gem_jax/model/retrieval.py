@@ -51,29 +51,36 @@ class NextItemModel(nnx.Module):
         self.config = config
         self.num_items = num_items
         self.items = HashedEmbedding(num_items + 1, e.dim, policy, rngs=rngs, hashed=False)
-        self.positions = (param(rngs, nnx.initializers.normal(0.05), (r.max_len, e.dim), (None, "embed"),
-                                policy.param_dtype) if r.position_embedding else None)
+        self.positions = (
+            param(
+                rngs, nnx.initializers.normal(0.05), (r.max_len, e.dim), (None, "embed"), policy.param_dtype
+            )
+            if r.position_embedding
+            else None
+        )
         # Projections only when the item and tower widths differ (SASRec and HSTU tie them).
         same = e.dim == m.model_dim
         self.input_proj = None if same else Dense("retrieval/input", e.dim, m.model_dim, policy, rngs=rngs)
-        self.output_proj = (None if same else
-                            Dense("retrieval/output", m.model_dim, e.dim, policy, rngs=rngs, sensitive=True))
+        self.output_proj = (
+            None if same else Dense("retrieval/output", m.model_dim, e.dim, policy, rngs=rngs, sensitive=True)
+        )
         self.tower = HSTUTower(m, policy, rngs=rngs)
 
-    def item_table(self) -> Float[Array, "N1 d"]:
+    def item_table(self) -> Float[Array, "B1 d"]:
         """The scoring table (row 0 = padding), normalised when the config says so."""
         table = self.items.table[...].astype(jnp.float32)
         return _l2_normalize(table) if self.config.retrieval.normalize else table
 
-    def __call__(self, item_ids: Int[Array, "T"], offsets: Int[Array, "B1"], *,
-                 rng: jax.Array | None = None) -> Float[Array, "T d"]:
+    def __call__(
+        self, item_ids: Int[Array, " T"], offsets: Int[Array, " B1"], *, rng: jax.Array | None = None
+    ) -> Float[Array, "T d"]:
         """Per-position user vectors of one pack (zeros past offsets[B])."""
         cfg = self.config
         t_cap = item_ids.shape[0]
         b_cap = offsets.shape[0] - 1
         seg = jnp.minimum(segment_ids(offsets, t_cap), b_cap - 1)
         valid = jnp.arange(t_cap) < offsets[-1]
-        x = self.items.lookup(item_ids).astype(jnp.float32) * (cfg.embeddings.dim ** 0.5)
+        x = self.items.lookup(item_ids).astype(jnp.float32) * (cfg.embeddings.dim**0.5)
         if self.positions is not None:
             back = jnp.clip(offsets[seg + 1] - 1 - jnp.arange(t_cap), 0, cfg.retrieval.max_len - 1)
             x = x + jnp.take(self.positions[...].astype(jnp.float32), back, axis=0)
@@ -82,14 +89,15 @@ class NextItemModel(nnx.Module):
             x = self.input_proj(x)
         x = jnp.where(valid[:, None], x, 0.0)
         zeros_b = jnp.zeros((b_cap,), jnp.int32)
-        x = self.tower(x, offsets, zeros_b, jnp.zeros((t_cap,), jnp.int32),
-                       max_seq_len=cfg.retrieval.max_len, rng=rng).astype(jnp.float32)
+        x = self.tower(
+            x, offsets, zeros_b, jnp.zeros((t_cap,), jnp.int32), max_seq_len=cfg.retrieval.max_len, rng=rng
+        ).astype(jnp.float32)
         if self.output_proj is not None:
             x = self.output_proj(x).astype(jnp.float32)
         x = _l2_normalize(x) if cfg.retrieval.normalize else x
         return jnp.where(valid[:, None], x, 0.0)
 
-    def last_vectors(self, item_ids: Int[Array, "T"], offsets: Int[Array, "B1"]) -> Float[Array, "B d"]:
+    def last_vectors(self, item_ids: Int[Array, " T"], offsets: Int[Array, " B1"]) -> Float[Array, "B d"]:
         """Each example's user vector at its newest item (evaluation); padding examples -> token 0."""
         x = self(item_ids, offsets)
         last = jnp.clip(offsets[1:] - 1, 0, item_ids.shape[0] - 1)
@@ -104,20 +112,29 @@ def _l2_normalize(x: Array) -> Array:
 # Each returns (sum of per-position losses, number of positions) so packs and shards add up exactly.
 
 
-def bce_loss(user: Float[Array, "T d"], table: Float[Array, "N1 d"], targets: Int[Array, "T"],
-             negatives: Int[Array, "T"]) -> tuple[Array, Array]:
+def bce_loss(
+    user: Float[Array, "T d"],
+    table: Float[Array, "B1 d"],
+    targets: Int[Array, " T"],
+    negatives: Int[Array, " T"],
+) -> tuple[Array, Array]:
     """SASRec: -log sigmoid(u.e_pos) - log(1 - sigmoid(u.e_neg)) per position with a target."""
     mask = (targets > 0).astype(jnp.float32)
     pos = jnp.einsum("td,td->t", user, table[targets])
     neg = jnp.einsum("td,td->t", user, table[negatives])
-    per = (optax.sigmoid_binary_cross_entropy(pos, jnp.ones_like(pos))
-           + optax.sigmoid_binary_cross_entropy(neg, jnp.zeros_like(neg)))
+    per = optax.sigmoid_binary_cross_entropy(pos, jnp.ones_like(pos)) + optax.sigmoid_binary_cross_entropy(
+        neg, jnp.zeros_like(neg)
+    )
     return jnp.sum(per * mask), jnp.sum(mask)
 
 
-def sampled_softmax_loss(user: Float[Array, "T d"], table: Float[Array, "N1 d"], targets: Int[Array, "T"],
-                         negatives: Int[Array, "T K"] | Int[Array, "K"], temperature: float
-                         ) -> tuple[Array, Array]:
+def sampled_softmax_loss(
+    user: Float[Array, "T d"],
+    table: Float[Array, "B1 d"],
+    targets: Int[Array, " T"],
+    negatives: Int[Array, "T K"] | Int[Array, " K"],
+    temperature: float,
+) -> tuple[Array, Array]:
     """HSTU: cross-entropy of the target against sampled negatives, logits = score / temperature.
 
     `negatives` is [T, K] (per-position uniform samples) or [K] (shared by every position, e.g.

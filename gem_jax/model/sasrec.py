@@ -21,35 +21,58 @@ from gem_jax.precision import PrecisionPolicy
 
 
 class SASRecLayer(nnx.Module):
-    def __init__(self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs,
-                 max_targets: int = 1):
+    def __init__(
+        self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1
+    ):
         c = config
         if c.num_position_buckets or c.num_time_buckets:
-            raise ValueError("model.layer = \"sasrec\" has no relative bias: set model.num_position_buckets "
-                             f"and model.num_time_buckets to 0 (got {c.num_position_buckets}, {c.num_time_buckets})")
+            raise ValueError(
+                'model.layer = "sasrec" has no relative bias: set model.num_position_buckets '
+                f"and model.num_time_buckets to 0 (got {c.num_position_buckets}, {c.num_time_buckets})"
+            )
         self.config = c
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         if h * dv != c.model_dim:
-            raise ValueError(f"model.layer = \"sasrec\" adds the attention output to the input: num_heads x "
-                             f"value_dim ({h} x {dv}) must equal model_dim ({c.model_dim})")
+            raise ValueError(
+                f'model.layer = "sasrec" adds the attention output to the input: num_heads x '
+                f"value_dim ({h} x {dv}) must equal model_dim ({c.model_dim})"
+            )
         self.attn_norm = LayerNorm(c.model_dim, policy, rngs=rngs)
         self.q = Dense(f"{name}/q", c.model_dim, h * dqk, policy, rngs=rngs)
         self.kv = Dense(f"{name}/kv", c.model_dim, h * (dqk + dv), policy, rngs=rngs)
         self.ffn_norm = LayerNorm(c.model_dim, policy, rngs=rngs)
         self.ffn_in = Dense(f"{name}/ffn_in", c.model_dim, c.model_dim, policy, rngs=rngs)
-        self.ffn_out = Dense(f"{name}/ffn_out", c.model_dim, c.model_dim, policy, rngs=rngs, axes=("mlp", "embed"))
+        self.ffn_out = Dense(
+            f"{name}/ffn_out", c.model_dim, c.model_dim, policy, rngs=rngs, axes=("mlp", "embed")
+        )
 
-    def __call__(self, x: Float[Array, "T D"], offsets: Int[Array, "B1"], num_targets: Int[Array, "B"],
-                 timestamps: Int[Array, "T"], *, max_seq_len: int, rng: jax.Array | None):
+    def __call__(
+        self,
+        x: Float[Array, "T D"],
+        offsets: Int[Array, " B1"],
+        num_targets: Int[Array, " B"],
+        timestamps: Int[Array, " T"],
+        *,
+        max_seq_len: int,
+        rng: jax.Array | None,
+    ):
         c = self.config
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         rngs = [None] * 3 if rng is None else list(jax.random.split(rng, 3))
         xn = self.attn_norm(x)
         k, v = jnp.split(self.kv(x), [h * dqk], axis=-1)
-        a = attention(self.q(xn).reshape(t, h, dqk), k.reshape(t, h, dqk), v.reshape(t, h, dv), offsets,
-                      max_seq_len=max_seq_len, activation="softmax", implementation=c.attention_implementation,
-                      num_targets=num_targets, max_attn_len=c.max_attn_len)
+        a = attention(
+            self.q(xn).reshape(t, h, dqk),
+            k.reshape(t, h, dqk),
+            v.reshape(t, h, dv),
+            offsets,
+            max_seq_len=max_seq_len,
+            activation="softmax",
+            implementation=c.attention_implementation,
+            num_targets=num_targets,
+            max_attn_len=c.max_attn_len,
+        )
         hn = self.ffn_norm(xn + dropout(a.reshape(t, h * dv).astype(xn.dtype), c.dropout, rngs[0]))
         f = dropout(jax.nn.relu(self.ffn_in(hn)), c.dropout, rngs[1])
         return hn + dropout(self.ffn_out(f), c.dropout, rngs[2])

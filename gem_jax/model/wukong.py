@@ -18,8 +18,17 @@ from gem_jax.precision import PrecisionPolicy
 
 
 class WukongLayer(nnx.Module):
-    def __init__(self, name: str, n_in: int, n_out: int, dim: int, fm_rank: int, policy: PrecisionPolicy,
-                 *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        name: str,
+        n_in: int,
+        n_out: int,
+        dim: int,
+        fm_rank: int,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+    ):
         self.n_fm = n_out // 2
         self.n_lc = n_out - self.n_fm
         self.dim = dim
@@ -27,8 +36,9 @@ class WukongLayer(nnx.Module):
         self.fm_projection = param(rngs, init, (n_in, fm_rank), (None, None), policy.param_dtype)
         self.fm_mlp = Dense(f"{name}/fm_mlp", n_in * fm_rank, self.n_fm * dim, policy, rngs=rngs)
         self.lc_mix = param(rngs, init, (n_in, self.n_lc), (None, None), policy.param_dtype)
-        self.residual = (param(rngs, init, (n_in, n_out), (None, None), policy.param_dtype)
-                         if n_in != n_out else None)
+        self.residual = (
+            param(rngs, init, (n_in, n_out), (None, None), policy.param_dtype) if n_in != n_out else None
+        )
         self.norm = LayerNorm(dim, policy, rngs=rngs)
 
     def __call__(self, x: Float[Array, "N n d"]) -> Float[Array, "N m d"]:
@@ -44,12 +54,24 @@ class WukongLayer(nnx.Module):
 
 
 class WukongStack(nnx.Module):
-    def __init__(self, n_in: int, n_tokens: int, dim: int, num_layers: int, fm_rank: int,
-                 policy: PrecisionPolicy, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        n_in: int,
+        n_tokens: int,
+        dim: int,
+        num_layers: int,
+        fm_rank: int,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+    ):
         sizes = [n_in] + [n_tokens] * num_layers
-        self.layers = nnx.List([
-            WukongLayer(f"wukong/{i}", sizes[i], sizes[i + 1], dim, fm_rank, policy, rngs=rngs)
-            for i in range(num_layers)])
+        self.layers = nnx.List(
+            [
+                WukongLayer(f"wukong/{i}", sizes[i], sizes[i + 1], dim, fm_rank, policy, rngs=rngs)
+                for i in range(num_layers)
+            ]
+        )
 
     def __call__(self, x: Float[Array, "N n d"]) -> Float[Array, "N m d"]:
         for layer in self.layers:

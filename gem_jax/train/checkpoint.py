@@ -14,8 +14,10 @@ from gem_jax.config import TrainConfig
 class Checkpointer:
     def __init__(self, directory: Path, config: TrainConfig):
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep_checkpoints, enable_async_checkpointing=config.async_checkpointing,
-            create=True)
+            max_to_keep=config.keep_checkpoints,
+            enable_async_checkpointing=config.async_checkpointing,
+            create=True,
+        )
         self.manager = ocp.CheckpointManager(Path(directory).absolute(), options=options)
 
     def latest_step(self) -> int | None:
@@ -29,8 +31,9 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state, shardings, data_iterator: grain.DatasetIterator | None):
         """Restores the state onto `shardings` and, if given, the iterator position in place."""
-        target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                              abstract_state, shardings)
+        target = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
+        )
         items = {"state": ocp.args.StandardRestore(target)}
         if data_iterator is not None:
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)

@@ -60,9 +60,9 @@ def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarra
         layer_tokens += float(rows.sum())
         if m.long_history:
             recent = context + np.minimum(kept, m.recent_len) + targets
-            pair_count = (recent ** 2).sum() / 2 + (rows * m.block_size).sum() / 2
+            pair_count = (recent**2).sum() / 2 + (rows * m.block_size).sum() / 2
         else:
-            pair_count = (rows ** 2).sum() / 2
+            pair_count = (rows**2).sum() / 2
         attention_fwd += per_token_attention * float(pair_count)
     n_features = d.num_sparse_features + 1
     per_example = 2 * n_features * e.dim * m.num_context_tokens * dm + 2 * d.num_dense_features * e.dim
@@ -76,5 +76,7 @@ def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarra
         per_pair += 2 * n * n_lc * e.dim + (2 * n * m.wukong_tokens * e.dim if n != m.wukong_tokens else 0)
         n = m.wukong_tokens
     per_pair += len(m.tasks) * (2 * n * e.dim * m.head_hidden + 2 * m.head_hidden)
-    forward_gemm = tokens * 2 * e.dim * dm + layer_tokens * layer_gemm + examples * per_example + pairs * per_pair
+    forward_gemm = (
+        tokens * 2 * e.dim * dm + layer_tokens * layer_gemm + examples * per_example + pairs * per_pair
+    )
     return 3.0 * forward_gemm + 3.5 * attention_fwd

@@ -14,8 +14,9 @@ import math
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import grain
 import jax
@@ -27,9 +28,9 @@ from gem_jax.data.batch import JaggedBatch
 from gem_jax.data.pipeline import packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.parallel import make_mesh, num_batch_shards
+from gem_jax.train import retrieval
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.flops import device_peak_flops, train_step_flops
-from gem_jax.train import retrieval
 from gem_jax.train.metrics import auc, normalized_entropy
 from gem_jax.train.step import Trainer
 
@@ -46,12 +47,18 @@ class TrainingDiverged(RuntimeError):
 def _datasets(config: Config, local_shards: int):
     d, m = config.data, config.model
     generator = SyntheticAds(d, num_tasks=len(m.tasks))
-    common = dict(examples_capacity=d.examples_per_shard, tokens_capacity=d.tokens_per_shard,
-                  num_sparse_features=d.num_sparse_features, max_bag_size=d.max_bag_size,
-                  prefix=m.num_context_tokens, shards_per_step=local_shards)
+    common = dict(
+        examples_capacity=d.examples_per_shard,
+        tokens_capacity=d.tokens_per_shard,
+        num_sparse_features=d.num_sparse_features,
+        max_bag_size=d.max_bag_size,
+        prefix=m.num_context_tokens,
+        shards_per_step=local_shards,
+    )
     train = packed_dataset(generator.example, num_examples=None, start=0, **common)
     if d.num_workers:
         from absl import flags  # grain's workers read absl flags, which a plain script never parses
+
         if not flags.FLAGS.is_parsed():
             flags.FLAGS.mark_as_parsed()
         train = train.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.num_workers))
@@ -91,6 +98,7 @@ class MetricsWriter:
         if self.enabled:
             try:
                 from tensorboardX import SummaryWriter
+
                 self.tb = SummaryWriter(str(workdir / "tensorboard"))
             except ImportError:
                 pass
@@ -148,8 +156,9 @@ class _StopRequest:
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(trainer: Trainer, params, eval_batches: Iterator[JaggedBatch], local_shards: int,
-             max_batches: int = 0) -> dict[str, dict[str, float]]:
+def evaluate(
+    trainer: Trainer, params, eval_batches: Iterator[JaggedBatch], local_shards: int, max_batches: int = 0
+) -> dict[str, dict[str, float]]:
     """AUC and NE per task over the eval set (all processes' examples)."""
     probabilities, labels, masks = [], [], []
     for i, stack in enumerate(eval_batches):
@@ -166,8 +175,12 @@ def evaluate(trainer: Trainer, params, eval_batches: Iterator[JaggedBatch], loca
     p, y = p[mask], y[mask]
     results = {}
     for k, task in enumerate(trainer.config.model.tasks):
-        results[task] = {"auc": auc(y[..., k], p[..., k]), "ne": normalized_entropy(y[..., k], p[..., k]),
-                         "positive_rate": float(y[..., k].mean()), "examples": int(y[..., k].size)}
+        results[task] = {
+            "auc": auc(y[..., k], p[..., k]),
+            "ne": normalized_entropy(y[..., k], p[..., k]),
+            "positive_rate": float(y[..., k].mean()),
+            "examples": int(y[..., k].size),
+        }
     return results
 
 
@@ -180,7 +193,8 @@ def _check_finite(metrics: dict[str, Any], step: int, checkpointer: Checkpointer
         checkpointer.wait()
         raise TrainingDiverged(
             f"loss = {values['loss']}, param norm = {values['param_norm']} at step {step}: stopping "
-            f"without saving; the last good checkpoint is step {checkpointer.latest_step()}")
+            f"without saving; the last good checkpoint is step {checkpointer.latest_step()}"
+        )
     return values
 
 
@@ -225,6 +239,7 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
     progress = None
     if tc.progress and jax.process_index() == 0:
         from tqdm import tqdm
+
         progress = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
     try:
         with _StopRequest() as stop:
@@ -233,8 +248,9 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                 stack = next(train_iter)
                 interval["examples"] += float((stack.num_targets > 0).sum()) * jax.process_count()
                 interval["tokens"] += float(stack.offsets[:, -1].sum()) * jax.process_count()
-                interval["flops"] += train_step_flops(config, stack.offsets, stack.num_targets) * \
-                    jax.process_count()
+                interval["flops"] += (
+                    train_step_flops(config, stack.offsets, stack.num_targets) * jax.process_count()
+                )
                 interval["steps"] += 1
                 state, metrics = trainer.train_step(state, _to_global(stack, trainer.batch_sharding))
                 step += 1
@@ -249,16 +265,22 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                     previous = None
                 if log_now:
                     elapsed = time.perf_counter() - t_interval
-                    record = {"step": step, **last_values,
-                              "examples_per_s": interval["examples"] / elapsed,
-                              "tokens_per_s": interval["tokens"] / elapsed,
-                              "step_time_s": elapsed / interval["steps"],
-                              "tflops_per_device": interval["flops"] / elapsed / jax.device_count() / 1e12}
+                    record = {
+                        "step": step,
+                        **last_values,
+                        "examples_per_s": interval["examples"] / elapsed,
+                        "tokens_per_s": interval["tokens"] / elapsed,
+                        "step_time_s": elapsed / interval["steps"],
+                        "tflops_per_device": interval["flops"] / elapsed / jax.device_count() / 1e12,
+                    }
                     record["mfu"] = (record["tflops_per_device"] * 1e12 / peak) if peak else None
                     writer.write(record)
                     if progress is not None:
-                        progress.set_postfix(loss=f"{last_values['loss']:.4f}",
-                                             ex_s=f"{record['examples_per_s']:.0f}", refresh=False)
+                        progress.set_postfix(
+                            loss=f"{last_values['loss']:.4f}",
+                            ex_s=f"{record['examples_per_s']:.0f}",
+                            refresh=False,
+                        )
                     interval = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "steps": 0}
                     t_interval = time.perf_counter()
                 if save_now:
@@ -282,9 +304,17 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
         checkpointer.wait()
         checkpointer.close()
         writer.close()
-    return {"workdir": str(workdir), "step": step, "steps": tc.steps, "interrupted": interrupted,
-            "wall_time_s": time.perf_counter() - t_start, "final": last_values, "eval": eval_results,
-            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind}
+    return {
+        "workdir": str(workdir),
+        "step": step,
+        "steps": tc.steps,
+        "interrupted": interrupted,
+        "wall_time_s": time.perf_counter() - t_start,
+        "final": last_values,
+        "eval": eval_results,
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+    }
 
 
 def evaluate_checkpoint(config: Config, workdir: str | Path) -> dict[str, Any]:

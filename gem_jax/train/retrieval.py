@@ -35,16 +35,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gem_jax.config import Config, ConfigError, config_to_toml
 from gem_jax.data.interactions import (
-    Interactions, LeaveOneOutSplit, leave_one_out, load_interactions, pad_sequences, sample_negatives)
+    Interactions,
+    LeaveOneOutSplit,
+    leave_one_out,
+    load_interactions,
+    pad_sequences,
+    sample_negatives,
+)
 from gem_jax.model.retrieval import NextItemModel, NextItemPack, bce_loss, sampled_softmax_loss
 from gem_jax.parallel import make_mesh, num_batch_shards
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.retrieval_metrics import (
-    RetrievalAccumulator, full_ranking_ranks, sampled_ranks_from_vectors)
+    RetrievalAccumulator,
+    full_ranking_ranks,
+    sampled_ranks_from_vectors,
+)
 from gem_jax.train.step import ShardedTrainer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +80,9 @@ def _load(config: Config) -> Interactions:
     try:
         return load_interactions(path, format=config.retrieval.format)
     except FileNotFoundError:
-        where = "" if Path(config.data.path).is_absolute() else f" (also tried {REPO_ROOT / config.data.path})"
+        where = (
+            "" if Path(config.data.path).is_absolute() else f" (also tried {REPO_ROOT / config.data.path})"
+        )
         raise ConfigError(f"`data.path`: interactions file not found: {config.data.path}{where}") from None
     except (ValueError, UnicodeDecodeError) as e:  # the loader's message names the file and line
         raise ConfigError(f"`data.path`: {e}") from None
@@ -109,7 +121,7 @@ def load_data(config: Config) -> RetrievalData:
         raise ConfigError(f"`data.path` {inter.path}: no user has {MIN_LEN} or more interactions")
     inputs, targets, owners = [], [], []
     for u, seq in enumerate(split.train):
-        seq = seq[-(r.max_len + 1):]
+        seq = seq[-(r.max_len + 1) :]
         if len(seq) >= 2:
             inputs.append(seq[:-1])
             targets.append(seq[1:])
@@ -121,17 +133,19 @@ def load_data(config: Config) -> RetrievalData:
     # Evaluated users: all, or a fixed random subset (quick runs); the same users for both splits.
     pick = np.arange(split.num_evaluated)
     if r.eval_users and r.eval_users < split.num_evaluated:
-        pick = np.sort(np.random.default_rng(config.data.seed).choice(
-            split.num_evaluated, r.eval_users, replace=False))
+        pick = np.sort(
+            np.random.default_rng(config.data.seed).choice(split.num_evaluated, r.eval_users, replace=False)
+        )
     all_items = split.all_items()
     users = split.eval_users[pick]
     eval_sets = {}
     for i, name in enumerate(("valid", "test")):
         history = split.history(name)
         full_hist = [history[j] for j in pick]
-        hist = [h[-r.max_len:] for h in full_hist]
-        negatives = sample_negatives([all_items[u] for u in users], inter.num_items,
-                                     r.eval_negatives, seed=config.data.seed * 2 + i)
+        hist = [h[-r.max_len :] for h in full_hist]
+        negatives = sample_negatives(
+            [all_items[u] for u in users], inter.num_items, r.eval_negatives, seed=config.data.seed * 2 + i
+        )
         exclude = pad_sequences(full_hist) if r.exclude_history else None
         eval_sets[name] = EvalSet(hist, split.targets(name)[pick], negatives, exclude)
     return RetrievalData(inter, split, inputs, targets, np.asarray(owners, np.int64), keys, eval_sets)
@@ -170,15 +184,20 @@ def pack_groups(lengths: np.ndarray, examples_capacity: int, tokens_capacity: in
     return groups
 
 
-def make_pack(inputs: list[np.ndarray], targets: list[np.ndarray] | None, negatives: list[np.ndarray] | None,
-              examples_capacity: int, tokens_capacity: int) -> NextItemPack:
+def make_pack(
+    inputs: list[np.ndarray],
+    targets: list[np.ndarray] | None,
+    negatives: list[np.ndarray] | None,
+    examples_capacity: int,
+    tokens_capacity: int,
+) -> NextItemPack:
     """One numpy pack of the given examples (they must fit)."""
     n = len(inputs)
     lengths = np.fromiter((len(x) for x in inputs), np.int64, n)
     total = int(lengths.sum())
     offsets = np.full(examples_capacity + 1, total, np.int32)
     offsets[0] = 0
-    offsets[1:n + 1] = np.cumsum(lengths)
+    offsets[1 : n + 1] = np.cumsum(lengths)
 
     def flat(parts):
         out = np.zeros(tokens_capacity, np.int32)
@@ -186,8 +205,9 @@ def make_pack(inputs: list[np.ndarray], targets: list[np.ndarray] | None, negati
             out[:total] = np.concatenate(parts)
         return out
 
-    return NextItemPack(item_ids=flat(inputs), targets=flat(targets), negatives=flat(negatives),
-                        offsets=offsets)
+    return NextItemPack(
+        item_ids=flat(inputs), targets=flat(targets), negatives=flat(negatives), offsets=offsets
+    )
 
 
 def _stack(packs: list[NextItemPack], shards: int, examples_capacity: int, tokens_capacity: int):
@@ -208,11 +228,17 @@ def epoch_steps(data: RetrievalData, config: Config, epoch: int, shards: int):
     packs = []
     for a, b in groups:
         idx = order[a:b]
-        packs.append(make_pack([data.inputs[i] for i in idx], [data.targets[i] for i in idx],
-                               None if negatives is None else [negatives[i] for i in idx],
-                               d.examples_per_shard, d.tokens_per_shard))
+        packs.append(
+            make_pack(
+                [data.inputs[i] for i in idx],
+                [data.targets[i] for i in idx],
+                None if negatives is None else [negatives[i] for i in idx],
+                d.examples_per_shard,
+                d.tokens_per_shard,
+            )
+        )
     for s in range(0, len(packs), shards):
-        yield _stack(packs[s:s + shards], shards, d.examples_per_shard, d.tokens_per_shard)
+        yield _stack(packs[s : s + shards], shards, d.examples_per_shard, d.tokens_per_shard)
 
 
 def count_epoch_steps(data: RetrievalData, config: Config, shards: int) -> int:
@@ -235,10 +261,13 @@ class RetrievalTrainer(ShardedTrainer):
         replicated = NamedSharding(mesh, P())
         self.user_vectors = jax.jit(  # [shards, B, d] user vectors at each example's newest item
             lambda params, batch: self._per_pack(
-                lambda model, pack: model.last_vectors(pack.item_ids, pack.offsets), params, batch),
-            out_shardings=replicated)
-        self.item_table = jax.jit(lambda params: nnx.merge(self.graphdef, params).item_table(),
-                                  out_shardings=replicated)
+                lambda model, pack: model.last_vectors(pack.item_ids, pack.offsets), params, batch
+            ),
+            out_shardings=replicated,
+        )
+        self.item_table = jax.jit(
+            lambda params: nnx.merge(self.graphdef, params).item_table(), out_shardings=replicated
+        )
 
     def _model(self) -> NextItemModel:
         return NextItemModel(self.config, self.num_items, rngs=nnx.Rngs(self.config.train.seed))
@@ -276,12 +305,14 @@ def evaluate(trainer: RetrievalTrainer, params, eval_set: EvalSet, shards: int) 
     groups = pack_groups(lengths, d.examples_per_shard, d.tokens_per_shard)
     vectors = []
     for s in range(0, len(groups), shards):
-        chunk = groups[s:s + shards]
-        packs = [make_pack(eval_set.histories[a:b], None, None, d.examples_per_shard, d.tokens_per_shard)
-                 for a, b in chunk]
+        chunk = groups[s : s + shards]
+        packs = [
+            make_pack(eval_set.histories[a:b], None, None, d.examples_per_shard, d.tokens_per_shard)
+            for a, b in chunk
+        ]
         stack = _stack(packs, shards, d.examples_per_shard, d.tokens_per_shard)
         out = np.asarray(trainer.user_vectors(params, jax.device_put(stack, trainer.batch_sharding)))
-        vectors.extend(out[i, :b - a] for i, (a, b) in enumerate(chunk))
+        vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
     users = np.concatenate(vectors)
     table = trainer.item_table(params)
     results: dict[str, float] = {}
@@ -292,9 +323,11 @@ def evaluate(trainer: RetrievalTrainer, params, eval_set: EvalSet, shards: int) 
             b = min(a + EVAL_CHUNK, n)
             pad = EVAL_CHUNK - (b - a)
             ranks = sampled_ranks_from_vectors(
-                jnp.asarray(np.pad(users[a:b], ((0, pad), (0, 0)))), table,
+                jnp.asarray(np.pad(users[a:b], ((0, pad), (0, 0)))),
+                table,
                 jnp.asarray(np.pad(eval_set.targets[a:b], (0, pad), constant_values=1)),
-                jnp.asarray(np.pad(eval_set.negatives[a:b], ((0, pad), (0, 0)), constant_values=1)))
+                jnp.asarray(np.pad(eval_set.negatives[a:b], ((0, pad), (0, 0)), constant_values=1)),
+            )
             acc.update(ranks, np.arange(EVAL_CHUNK) < b - a)
         results.update({f"sampled/{k}": v for k, v in acc.compute().items()})
     if r.eval_protocol in ("full", "both"):
@@ -303,8 +336,12 @@ def evaluate(trainer: RetrievalTrainer, params, eval_set: EvalSet, shards: int) 
         if eval_set.exclude is not None:
             variants["full_incl_history"] = None
         for prefix, exclude in variants.items():
-            ranks = full_ranking_ranks(jnp.asarray(users), table, jnp.asarray(eval_set.targets),
-                                       None if exclude is None else jnp.asarray(exclude))
+            ranks = full_ranking_ranks(
+                jnp.asarray(users),
+                table,
+                jnp.asarray(eval_set.targets),
+                None if exclude is None else jnp.asarray(exclude),
+            )
             acc = RetrievalAccumulator(FULL_KS)
             acc.update(ranks)
             results.update({f"{prefix}/{k}": v for k, v in acc.compute().items()})
@@ -349,21 +386,40 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
     r, tc = config.retrieval, config.train
     (workdir / "config.toml").write_text(config_to_toml(config))
     data, mesh, shards, steps_per_epoch, trainer = _setup(config)
-    print(f"{data.interactions.summary()}\n{data.split.summary()}\n{len(data.inputs)} training "
-          f"sequences, {steps_per_epoch} steps per epoch on {shards} shard(s)", file=sys.stderr)
+    print(
+        f"{data.interactions.summary()}\n{data.split.summary()}\n{len(data.inputs)} training "
+        f"sequences, {steps_per_epoch} steps per epoch on {shards} shard(s)",
+        file=sys.stderr,
+    )
     latest_ckpt = Checkpointer(workdir / "checkpoints", dataclasses.replace(tc, keep_checkpoints=1))
     best_ckpt = Checkpointer(workdir / "best", dataclasses.replace(tc, keep_checkpoints=1))
     progress = _read_json(workdir / "progress.json") or {
-        "epoch": 0, "step": 0, "best_step": None, "best_epoch": None, "best_metric": None, "bad_evals": 0,
-        "stopped_early": False, "out_of_time": False}
+        "epoch": 0,
+        "step": 0,
+        "best_step": None,
+        "best_epoch": None,
+        "best_metric": None,
+        "bad_evals": 0,
+        "stopped_early": False,
+        "out_of_time": False,
+    }
     latest = latest_ckpt.latest_step()
     if latest is not None and latest == progress["step"]:
         state = latest_ckpt.restore(latest, trainer.abstract_state, trainer.state_shardings, None)
         print(f"resumed at epoch {progress['epoch']} (step {latest}) in {workdir}", file=sys.stderr)
     else:
         state = trainer.init_state()
-        progress.update(epoch=0, step=0, best_step=None, best_epoch=None, best_metric=None, bad_evals=0,
-                        stopped_early=False, out_of_time=False, train_time_s=0.0)
+        progress.update(
+            epoch=0,
+            step=0,
+            best_step=None,
+            best_epoch=None,
+            best_metric=None,
+            bad_evals=0,
+            stopped_early=False,
+            out_of_time=False,
+            train_time_s=0.0,
+        )
     writer = MetricsWriter(workdir)
     interrupted = False
     last: dict[str, float] = {}
@@ -386,11 +442,18 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                         if not (math.isfinite(last["loss"]) and math.isfinite(last["param_norm"])):
                             raise TrainingDiverged(
                                 f"loss = {last['loss']}, param norm = {last['param_norm']} at step {step} "
-                                f"(epoch {epoch}); the last evaluated checkpoint is step {progress['step']}")
+                                f"(epoch {epoch}); the last evaluated checkpoint is step {progress['step']}"
+                            )
                         elapsed = time.perf_counter() - t_interval
-                        writer.write({"step": step, "epoch": epoch, **last,
-                                      "users_per_s": interval["users"] / elapsed,
-                                      "step_time_s": elapsed / interval["steps"]})
+                        writer.write(
+                            {
+                                "step": step,
+                                "epoch": epoch,
+                                **last,
+                                "users_per_s": interval["users"] / elapsed,
+                                "step_time_s": elapsed / interval["steps"],
+                            }
+                        )
                         t_interval, interval = time.perf_counter(), {"steps": 0, "positions": 0.0, "users": 0}
                     if stop.signal is not None:
                         break
@@ -417,18 +480,36 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
                 latest_ckpt.wait()
                 best_ckpt.wait()
                 stopped = bool(r.patience and progress["bad_evals"] >= r.patience)
-                progress.update(epoch=epoch, step=step, stopped_early=stopped, out_of_time=out_of_time,
-                                train_time_s=time.perf_counter() - t_train)
+                progress.update(
+                    epoch=epoch,
+                    step=step,
+                    stopped_early=stopped,
+                    out_of_time=out_of_time,
+                    train_time_s=time.perf_counter() - t_train,
+                )
                 _write_json(workdir / "progress.json", progress)
-                writer.write({"step": step, "epoch": epoch, "split": "valid", "valid": valid,
-                              "best_step": progress["best_step"], "eval_time_s": time.perf_counter() - t_eval,
-                              "elapsed_s": time.perf_counter() - t_start})
-                print(f"epoch {epoch} step {step} loss {last['loss']:.4f} valid "
-                      + " ".join(f"{k} {v:.4f}" for k, v in valid.items() if k != "users")
-                      + (" *" if improved else ""), file=sys.stderr)
+                writer.write(
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "split": "valid",
+                        "valid": valid,
+                        "best_step": progress["best_step"],
+                        "eval_time_s": time.perf_counter() - t_eval,
+                        "elapsed_s": time.perf_counter() - t_start,
+                    }
+                )
+                print(
+                    f"epoch {epoch} step {step} loss {last['loss']:.4f} valid "
+                    + " ".join(f"{k} {v:.4f}" for k, v in valid.items() if k != "users")
+                    + (" *" if improved else ""),
+                    file=sys.stderr,
+                )
                 if out_of_time:
-                    print(f"stopping: retrieval.max_minutes={r.max_minutes} spent after epoch {epoch}",
-                          file=sys.stderr)
+                    print(
+                        f"stopping: retrieval.max_minutes={r.max_minutes} spent after epoch {epoch}",
+                        file=sys.stderr,
+                    )
                 ended = stopped or out_of_time or epoch >= r.epochs
                 done = ended or (stop_after is not None and step >= stop_after)
                 if stop_after is not None and step >= stop_after and not ended:
@@ -444,14 +525,23 @@ def train(config: Config, workdir: str | Path, *, stop_after: int | None = None)
         best_ckpt.wait()
         best_ckpt.close()
         writer.close()
-    return {"workdir": str(workdir), "step": progress["step"], "epoch": progress["epoch"],
-            "interrupted": interrupted, "stopped_early": progress["stopped_early"],
-            "out_of_time": progress.get("out_of_time", False),
-            "best_step": progress["best_step"], "best_epoch": progress["best_epoch"],
-            "select_metric": r.select_metric, "best_valid": progress["best_metric"],
-            "test": None if test_record is None else test_record["test"],
-            "wall_time_s": time.perf_counter() - t_start, "final": last,
-            "devices": jax.device_count(), "device_kind": jax.devices()[0].device_kind}
+    return {
+        "workdir": str(workdir),
+        "step": progress["step"],
+        "epoch": progress["epoch"],
+        "interrupted": interrupted,
+        "stopped_early": progress["stopped_early"],
+        "out_of_time": progress.get("out_of_time", False),
+        "best_step": progress["best_step"],
+        "best_epoch": progress["best_epoch"],
+        "select_metric": r.select_metric,
+        "best_valid": progress["best_metric"],
+        "test": None if test_record is None else test_record["test"],
+        "wall_time_s": time.perf_counter() - t_start,
+        "final": last,
+        "devices": jax.device_count(),
+        "device_kind": jax.devices()[0].device_kind,
+    }
 
 
 def _ended(progress: dict[str, Any], epochs: int) -> bool:
@@ -459,8 +549,13 @@ def _ended(progress: dict[str, Any], epochs: int) -> bool:
     return progress["stopped_early"] or progress.get("out_of_time", False) or progress["epoch"] >= epochs
 
 
-def _score_test(trainer: RetrievalTrainer, best_ckpt: Checkpointer, data: RetrievalData, shards: int,
-                progress: dict[str, Any]) -> dict[str, Any]:
+def _score_test(
+    trainer: RetrievalTrainer,
+    best_ckpt: Checkpointer,
+    data: RetrievalData,
+    shards: int,
+    progress: dict[str, Any],
+) -> dict[str, Any]:
     """Restores the checkpoint chosen on validation and scores validation (again) and test."""
     step = progress["best_step"]
     state = best_ckpt.restore(step, trainer.abstract_state, trainer.state_shardings, None)
@@ -486,20 +581,29 @@ def evaluate_checkpoint(config: Config, workdir: str | Path) -> dict[str, Any]:
     ckpt.close()
     valid = evaluate(trainer, state.params, data.eval_sets["valid"], shards)
     recorded = _read_json(workdir / "test.json")
-    return {"workdir": str(workdir), "step": step, "checkpoint": sub, "valid": valid,
-            "test": None if recorded is None else recorded["test"]}
+    return {
+        "workdir": str(workdir),
+        "step": step,
+        "checkpoint": sub,
+        "valid": valid,
+        "test": None if recorded is None else recorded["test"],
+    }
 
 
 # ----------------------------------------------------------------------------- reporting
 
 
-def plot_validation(workdirs: dict[str, str | Path], out: str | Path,
-                    metrics: tuple[str, ...] = ("sampled/NDCG@10", "full/NDCG@10")) -> None:
+def plot_validation(
+    workdirs: dict[str, str | Path],
+    out: str | Path,
+    metrics: tuple[str, ...] = ("sampled/NDCG@10", "full/NDCG@10"),
+) -> None:
     """One panel per metric: validation value against epoch for each labelled run directory.
 
     python3 -c "from gem_jax.train.retrieval import plot_validation as p; p({'label': 'runs/x'}, 'docs/x.png')"
     """
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

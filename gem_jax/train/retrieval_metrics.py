@@ -37,9 +37,7 @@ DEFAULT_CHUNK = 1024
 
 
 @jax.jit
-def target_rank(
-    scores: Float[Array, "B N"], target_index: Int[Array, " B"]
-) -> Int[Array, " B"]:
+def target_rank(scores: Float[Array, "B N"], target_index: Int[Array, " B"]) -> Int[Array, " B"]:
     """0-based rank of ``scores[b, target_index[b]]`` in row b, ties and NaN pessimistic.
 
     Args:
@@ -50,9 +48,7 @@ def target_rank(
       int32[B]: the number of other candidates scoring ``>=`` the target.
     """
     if scores.ndim != 2 or target_index.shape != scores.shape[:1]:
-        raise ValueError(
-            f"scores {scores.shape} and target_index {target_index.shape}: expected [B, N], [B]"
-        )
+        raise ValueError(f"scores {scores.shape} and target_index {target_index.shape}: expected [B, N], [B]")
     scores = scores.astype(jnp.float32)
     target = jnp.take_along_axis(scores, target_index[:, None].astype(jnp.int32), axis=1)
     target = jnp.where(jnp.isnan(target), -jnp.inf, target)
@@ -142,7 +138,7 @@ def _full_ranking(user_vecs, item_table, targets, exclude, chunk_size):
 
 def full_ranking_ranks(
     user_vecs: Float[Array, "B D"],
-    item_table: Float[Array, "N1 D"],
+    item_table: Float[Array, "B1 D"],
     targets: Int[Array, " B"],
     exclude: Int[Array, "B L"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
@@ -164,8 +160,7 @@ def full_ranking_ranks(
     """
     if user_vecs.ndim != 2 or item_table.ndim != 2 or user_vecs.shape[1] != item_table.shape[1]:
         raise ValueError(
-            f"user_vecs {user_vecs.shape} and item_table {item_table.shape}: expected [B, D] "
-            f"and [N + 1, D]"
+            f"user_vecs {user_vecs.shape} and item_table {item_table.shape}: expected [B, D] and [N + 1, D]"
         )
     if targets.shape != user_vecs.shape[:1]:
         raise ValueError(f"targets {targets.shape}; expected [{user_vecs.shape[0]}]")
@@ -177,7 +172,10 @@ def full_ranking_ranks(
         raise ValueError(f"exclude {exclude.shape}; expected [{user_vecs.shape[0]}, L]")
     chunk_size = min(chunk_size, max(user_vecs.shape[0], 1))
     return _full_ranking(
-        user_vecs, item_table, jnp.asarray(targets, jnp.int32), jnp.asarray(exclude, jnp.int32),
+        user_vecs,
+        item_table,
+        jnp.asarray(targets, jnp.int32),
+        jnp.asarray(exclude, jnp.int32),
         chunk_size,
     )
 
@@ -199,7 +197,7 @@ def sampled_ranks(
 @jax.jit
 def sampled_ranks_from_vectors(
     user_vecs: Float[Array, "B D"],
-    item_table: Float[Array, "N1 D"],
+    item_table: Float[Array, "B1 D"],
     targets: Int[Array, " B"],
     negatives: Int[Array, "B M"],
 ) -> Int[Array, " B"]:

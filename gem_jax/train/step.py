@@ -8,13 +8,15 @@ partition them. Variants (model, optimizer) are chosen when the step is built, n
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx, struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gem_jax.config import Config, TrainConfig
 from gem_jax.data.batch import JaggedBatch
@@ -56,14 +58,20 @@ class ShardedTrainer:
         abstract_state = jax.eval_shape(self._init_state)
         # Optimizer moments follow their parameters' sharding.
         opt_shardings = optax.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract_state.opt_state, param_shardings,
-            transform_non_params=lambda _: replicated)
-        self.state_shardings = TrainState(step=replicated, params=param_shardings,
-                                          opt_state=opt_shardings, rng=replicated)
+            self.optimizer,
+            lambda _, s: s,
+            abstract_state.opt_state,
+            param_shardings,
+            transform_non_params=lambda _: replicated,
+        )
+        self.state_shardings = TrainState(
+            step=replicated, params=param_shardings, opt_state=opt_shardings, rng=replicated
+        )
         self.abstract_state = abstract_state
         self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
-        self.train_step = jax.jit(self._train_step, donate_argnums=(0,),
-                                  out_shardings=(self.state_shardings, replicated))
+        self.train_step = jax.jit(
+            self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, replicated)
+        )
 
     def _model(self) -> nnx.Module:
         raise NotImplementedError
@@ -73,9 +81,12 @@ class ShardedTrainer:
 
     def _init_state(self) -> TrainState:
         params = nnx.to_pure_dict(nnx.state(self._model(), nnx.Param))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          opt_state=self.optimizer.init(params),
-                          rng=jax.random.key_data(jax.random.key(self.config.train.seed + 1)))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            opt_state=self.optimizer.init(params),
+            rng=jax.random.key_data(jax.random.key(self.config.train.seed + 1)),
+        )
 
     def _sharded(self, per_pack: Callable, params, batch, rng):
         """Runs `per_pack(params, pack, rng) -> pytree of sums` on every pack; returns the global sums.
@@ -93,8 +104,9 @@ class ShardedTrainer:
             return jax.lax.psum(out, axes) if axes else out
 
         spec = P(axes if axes else None)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec, P()), out_specs=P(),
-                             check_vma=False)(params, batch, rng)
+        return jax.shard_map(
+            local, mesh=self.mesh, in_specs=(P(), spec, P()), out_specs=P(), check_vma=False
+        )(params, batch, rng)
 
     def _per_pack(self, fn: Callable, params, batch):
         """`fn(model, pack)` on every pack, outputs stacked on the shard axis like the batch."""
@@ -105,8 +117,9 @@ class ShardedTrainer:
             return jax.vmap(lambda pack: fn(model, pack))(packs)
 
         spec = P(axes if axes else None)
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec), out_specs=spec,
-                             check_vma=False)(params, batch)
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False)(
+            params, batch
+        )
 
     def _train_step(self, state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
@@ -131,8 +144,11 @@ class Trainer(ShardedTrainer):
         super().__init__(config, mesh)
         replicated = NamedSharding(mesh, P())
         self.predict = jax.jit(
-            lambda params, batch: self._per_pack(lambda model, pack: jax.nn.sigmoid(model(pack)), params, batch),
-            out_shardings=replicated)
+            lambda params, batch: self._per_pack(
+                lambda model, pack: jax.nn.sigmoid(model(pack)), params, batch
+            ),
+            out_shardings=replicated,
+        )
 
     def _model(self) -> GEMModel:
         return create_model(self.config, self.config.train.seed)

@@ -28,13 +28,12 @@ def _backend(kernel: str):
     return importlib.import_module(f"pallas_kernels.block_attention.{module}"), interpret
 
 
-@functools.partial(
-    jax.custom_vjp, nondiff_argnames=("block_size", "causal", "alpha", "kernel")
-)
+@functools.partial(jax.custom_vjp, nondiff_argnames=("block_size", "causal", "alpha", "kernel"))
 def _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel):
     backend, interpret = _backend(kernel)
-    return backend.forward(q, k, v, offsets, block_size=block_size, causal=causal,
-                           alpha=alpha, interpret=interpret)
+    return backend.forward(
+        q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
+    )
 
 
 def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
@@ -45,8 +44,9 @@ def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
 def _kernel_attention_bwd(block_size, causal, alpha, kernel, residuals, do):
     q, k, v, offsets = residuals
     backend, interpret = _backend(kernel)
-    dq, dk, dv = backend.backward(q, k, v, offsets, do, block_size=block_size,
-                                  causal=causal, alpha=alpha, interpret=interpret)
+    dq, dk, dv = backend.backward(
+        q, k, v, offsets, do, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
+    )
     return dq, dk, dv, None
 
 
@@ -69,8 +69,7 @@ def _platform_kernel(suffix: str = "") -> Callable[..., jax.Array]:
                 f"implementation='pallas' needs a GPU or TPU, the default backend is "
                 f"{platform!r}; use 'interpret' or 'reference'"
             )
-        return _kernel_attention(q, k, v, offsets, block_size, causal, alpha,
-                                 kernel + suffix)
+        return _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel + suffix)
 
     return run
 
@@ -97,14 +96,12 @@ def _default_implementation() -> str:
     return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "reference"
 
 
-@functools.partial(
-    jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation")
-)
+@functools.partial(jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation"))
 def block_attention(
     q: Float[Array, "T H Dqk"],
     k: Float[Array, "T H Dqk"],
     v: Float[Array, "T H Dv"],
-    offsets: Int[Array, "B1"],
+    offsets: Int[Array, " B1"],
     *,
     block_size: int = 64,
     causal: bool = False,
@@ -151,14 +148,18 @@ def block_attention(
         implementation = _default_implementation()
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
-            f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, "
-            f"got {implementation!r}"
+            f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, got {implementation!r}"
         )
     if alpha is None:
         alpha = 1.0 / float(q.shape[-1]) ** 0.5
     if implementation != "reference":
         block_sizes.BlockSizes.get_default(block_size)  # raises for unsupported sizes
     return _IMPLEMENTATIONS[implementation](
-        q, k, v, offsets.astype(jnp.int32),
-        block_size=block_size, causal=causal, alpha=float(alpha),
+        q,
+        k,
+        v,
+        offsets.astype(jnp.int32),
+        block_size=block_size,
+        causal=causal,
+        alpha=float(alpha),
     )

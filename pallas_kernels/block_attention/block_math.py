@@ -11,7 +11,9 @@ MASKED = -1e30
 def dot(a, b, contract_a: int, contract_b: int):
     """a . b contracting the given axes, fp32 accumulation."""
     return lax.dot_general(
-        a, b, (((contract_a,), (contract_b,)), ((), ())),
+        a,
+        b,
+        (((contract_a,), (contract_b,)), ((), ())),
         preferred_element_type=jnp.float32,
     )
 

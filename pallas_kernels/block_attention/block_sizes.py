@@ -24,7 +24,7 @@ class BlockSizes:
     num_warps: int
 
     @classmethod
-    def get_default(cls, block_size: int) -> "BlockSizes":
+    def get_default(cls, block_size: int) -> BlockSizes:
         tile = max(MIN_TILE, 1 << (block_size - 1).bit_length())
         if tile > MAX_TILE:
             raise ValueError(

@@ -22,8 +22,8 @@ def num_entries(num_tokens: int, num_seqs: int, block_size: int) -> int:
 
 
 def block_table(
-    offsets: Int[Array, "B1"], num_tokens: int, block_size: int
-) -> tuple[Int[Array, "G"], Int[Array, "G"], Int[Array, "G"]]:
+    offsets: Int[Array, " B1"], num_tokens: int, block_size: int
+) -> tuple[Int[Array, " G"], Int[Array, " G"], Int[Array, " G"]]:
     """Returns (start, length, live), each int32[num_entries(...)], sorted by start."""
     offsets = offsets.astype(jnp.int32)
     num_seqs = offsets.shape[0] - 1

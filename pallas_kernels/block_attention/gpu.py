@@ -20,7 +20,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.block_attention import block_sizes as bs_lib
 from pallas_kernels.block_attention import block_table as table_lib
-from pallas_kernels.block_attention.block_math import dot as _dot, probs as _probs
+from pallas_kernels.block_attention.block_math import dot as _dot
+from pallas_kernels.block_attention.block_math import probs as _probs
 
 
 def _load_rows(x_ref, start, n, head, num_heads, tile):
@@ -28,17 +29,14 @@ def _load_rows(x_ref, start, n, head, num_heads, tile):
     past ``n`` (other blocks, spare capacity, past T) read as 0 and are never touched."""
     d = x_ref.shape[-1] // num_heads
     rows = lax.broadcasted_iota(jnp.int32, (tile, d), 0)
-    return plgpu.load(
-        x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)], mask=rows < n, other=0.0
-    )
+    return plgpu.load(x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)], mask=rows < n, other=0.0)
 
 
 def _store_rows(x_ref, start, n, head, value):
     """Stores the first ``n`` rows of ``value`` to rows [start, start + n) of head."""
     tile, d = value.shape
     rows = lax.broadcasted_iota(jnp.int32, (tile, d), 0)
-    plgpu.store(x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)],
-                value.astype(x_ref.dtype), mask=rows < n)
+    plgpu.store(x_ref.at[pl.ds(start, tile), pl.ds(head * d, d)], value.astype(x_ref.dtype), mask=rows < n)
 
 
 def _entry(start_ref, len_ref, live_ref, out_refs, attend, *, num_heads, tile):
@@ -59,22 +57,34 @@ def _entry(start_ref, len_ref, live_ref, out_refs, attend, *, num_heads, tile):
             _store_rows(ref, start, n, head, jnp.zeros((tile, d), jnp.float32))
 
 
-def _fwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, o_ref, *,
-                num_heads, tile, alpha, causal):
+def _fwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, o_ref, *, num_heads, tile, alpha, causal):
     def attend(start, n, head):
-        q, k, v = (_load_rows(r, start, n, head, num_heads, tile)
-                   for r in (q_ref, k_ref, v_ref))
+        q, k, v = (_load_rows(r, start, n, head, num_heads, tile) for r in (q_ref, k_ref, v_ref))
         p = _probs(q, k, n, tile, alpha, causal)
         return (_dot(p.astype(v.dtype), v, 1, 0),)
 
     _entry(start_ref, len_ref, live_ref, (o_ref,), attend, num_heads=num_heads, tile=tile)
 
 
-def _bwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, do_ref,
-                dq_ref, dk_ref, dv_ref, *, num_heads, tile, alpha, causal):
+def _bwd_kernel(
+    start_ref,
+    len_ref,
+    live_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    dq_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    num_heads,
+    tile,
+    alpha,
+    causal,
+):
     def attend(start, n, head):
-        q, k, v, do = (_load_rows(r, start, n, head, num_heads, tile)
-                       for r in (q_ref, k_ref, v_ref, do_ref))
+        q, k, v, do = (_load_rows(r, start, n, head, num_heads, tile) for r in (q_ref, k_ref, v_ref, do_ref))
         p = _probs(q, k, n, tile, alpha, causal)
         dv = _dot(p.astype(do.dtype), do, 0, 0)  # P^T dO
         dp = _dot(do, v, 1, 1)  # dO V^T
@@ -82,8 +92,7 @@ def _bwd_kernel(start_ref, len_ref, live_ref, q_ref, k_ref, v_ref, do_ref,
         ds = (ds * alpha).astype(q.dtype)
         return _dot(ds, k, 1, 0), _dot(ds, q, 0, 0), dv  # dQ, dK = dS^T Q, dV
 
-    _entry(start_ref, len_ref, live_ref, (dq_ref, dk_ref, dv_ref), attend,
-           num_heads=num_heads, tile=tile)
+    _entry(start_ref, len_ref, live_ref, (dq_ref, dk_ref, dv_ref), attend, num_heads=num_heads, tile=tile)
 
 
 def _pad_features(x):
@@ -95,8 +104,7 @@ def _pad_features(x):
     return jnp.pad(x, ((0, 0), (0, 0), (0, dp - d)))
 
 
-def _call(kernel, inputs, out_shapes, offsets, *, block_size, causal, alpha, interpret,
-          name):
+def _call(kernel, inputs, out_shapes, offsets, *, block_size, causal, alpha, interpret, name):
     num_tokens, num_heads = inputs[0].shape[:2]
     sizes = bs_lib.BlockSizes.get_default(block_size)
     table = table_lib.block_table(offsets, num_tokens, block_size)
@@ -105,11 +113,9 @@ def _call(kernel, inputs, out_shapes, offsets, *, block_size, causal, alpha, int
     # Grid: one program per (block-table entry, head); each ref is the whole flat
     # [T, H * D] array, indexed by the entry's start row (blocks are not tile-aligned).
     outs = pl.pallas_call(
-        functools.partial(kernel, num_heads=num_heads, tile=sizes.tile, alpha=alpha,
-                          causal=causal),
+        functools.partial(kernel, num_heads=num_heads, tile=sizes.tile, alpha=alpha, causal=causal),
         grid=grid,
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads * s[-1]), dt)
-                   for s, dt in out_shapes],
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads * s[-1]), dt) for s, dt in out_shapes],
         compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=1),
         interpret=interpret,
         name=name,
@@ -132,9 +138,17 @@ def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
     _check_index_range(q, v)
     dv = v.shape[-1]
     qp, kp, vp = _pad_features(q), _pad_features(k), _pad_features(v)
-    (o,) = _call(_fwd_kernel, [qp, kp, vp], [(vp.shape, v.dtype)], offsets,
-                 block_size=block_size, causal=causal, alpha=alpha,
-                 interpret=interpret, name="block_attention_fwd")
+    (o,) = _call(
+        _fwd_kernel,
+        [qp, kp, vp],
+        [(vp.shape, v.dtype)],
+        offsets,
+        block_size=block_size,
+        causal=causal,
+        alpha=alpha,
+        interpret=interpret,
+        name="block_attention_fwd",
+    )
     return o[..., :dv]
 
 
@@ -144,8 +158,14 @@ def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False
     dqk, dvd = q.shape[-1], v.shape[-1]
     qp, kp, vp, dop = (_pad_features(x) for x in (q, k, v, do.astype(v.dtype)))
     dq, dk, dv = _call(
-        _bwd_kernel, [qp, kp, vp, dop],
-        [(qp.shape, q.dtype), (kp.shape, k.dtype), (vp.shape, v.dtype)], offsets,
-        block_size=block_size, causal=causal, alpha=alpha, interpret=interpret,
-        name="block_attention_bwd")
+        _bwd_kernel,
+        [qp, kp, vp, dop],
+        [(qp.shape, q.dtype), (kp.shape, k.dtype), (vp.shape, v.dtype)],
+        offsets,
+        block_size=block_size,
+        causal=causal,
+        alpha=alpha,
+        interpret=interpret,
+        name="block_attention_bwd",
+    )
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dvd]

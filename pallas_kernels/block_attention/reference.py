@@ -19,8 +19,8 @@ _MASKED = -1e30  # finite, so a query with no visible key cannot produce NaN
 
 
 def token_layout(
-    offsets: Int[Array, "B1"], num_tokens: int
-) -> tuple[Int[Array, "T"], Int[Array, "T"], Int[Array, "T"]]:
+    offsets: Int[Array, " B1"], num_tokens: int
+) -> tuple[Int[Array, " T"], Int[Array, " T"], Int[Array, " T"]]:
     """Per-token (sequence id, position in sequence, validity) from ``offsets``.
 
     Tokens past ``offsets[-1]`` get sequence id ``B`` and validity 0.
@@ -39,7 +39,7 @@ def block_attention_reference(
     q: Float[Array, "T H Dqk"],
     k: Float[Array, "T H Dqk"],
     v: Float[Array, "T H Dv"],
-    offsets: Int[Array, "B1"],
+    offsets: Int[Array, " B1"],
     *,
     block_size: int = 64,
     causal: bool = False,

@@ -23,7 +23,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.block_attention import block_sizes as bs_lib
 from pallas_kernels.block_attention import block_table as table_lib
-from pallas_kernels.block_attention.block_math import dot as _dot, probs as _probs
+from pallas_kernels.block_attention.block_math import dot as _dot
+from pallas_kernels.block_attention.block_math import probs as _probs
 
 
 def _own_rows(x, n):
@@ -32,8 +33,7 @@ def _own_rows(x, n):
     return jnp.where(rows < n, x, jnp.zeros_like(x))
 
 
-def _block_step(start_ref, len_ref, live_ref, hbm_in, hbm_out, vmem_in, vmem_out, sems,
-                compute, tile):
+def _block_step(start_ref, len_ref, live_ref, hbm_in, hbm_out, vmem_in, vmem_out, sems, compute, tile):
     """DMA the tile in, ``compute`` (live blocks) or zero (spare rows), DMA it out."""
     g = pl.program_id(0)
     start, n, live = start_ref[g], len_ref[g], live_ref[g]
@@ -44,8 +44,10 @@ def _block_step(start_ref, len_ref, live_ref, hbm_in, hbm_out, vmem_in, vmem_out
 
         @pl.when(live > 0)
         def _():
-            copies = [pltpu.make_async_copy(src.at[rows], dst, sems.at[i])
-                      for i, (src, dst) in enumerate(zip(hbm_in, vmem_in))]
+            copies = [
+                pltpu.make_async_copy(src.at[rows], dst, sems.at[i])
+                for i, (src, dst) in enumerate(zip(hbm_in, vmem_in))
+            ]
             for c in copies:
                 c.start()
             for c in copies:
@@ -58,35 +60,85 @@ def _block_step(start_ref, len_ref, live_ref, hbm_in, hbm_out, vmem_in, vmem_out
                 dst[...] = jnp.zeros(dst.shape, dst.dtype)
 
         base = len(hbm_in)
-        copies = [pltpu.make_async_copy(src, dst.at[rows], sems.at[base + i])
-                  for i, (src, dst) in enumerate(zip(vmem_out, hbm_out))]
+        copies = [
+            pltpu.make_async_copy(src, dst.at[rows], sems.at[base + i])
+            for i, (src, dst) in enumerate(zip(vmem_out, hbm_out))
+        ]
         for c in copies:
             c.start()
         for c in copies:  # wait here: the next step may overwrite our spill rows
             c.wait()
 
 
-def _fwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, o_hbm,
-                q_vmem, k_vmem, v_vmem, o_vmem, sems, *, num_heads, tile, alpha, causal):
+def _fwd_kernel(
+    start_ref,
+    len_ref,
+    live_ref,
+    q_hbm,
+    k_hbm,
+    v_hbm,
+    o_hbm,
+    q_vmem,
+    k_vmem,
+    v_vmem,
+    o_vmem,
+    sems,
+    *,
+    num_heads,
+    tile,
+    alpha,
+    causal,
+):
     dqk = q_vmem.shape[1] // num_heads
     dv = v_vmem.shape[1] // num_heads
 
     def compute(n):
         for h in range(num_heads):
-            q = _own_rows(q_vmem[:, h * dqk:(h + 1) * dqk], n)
-            k = _own_rows(k_vmem[:, h * dqk:(h + 1) * dqk], n)
-            v = _own_rows(v_vmem[:, h * dv:(h + 1) * dv], n)
+            q = _own_rows(q_vmem[:, h * dqk : (h + 1) * dqk], n)
+            k = _own_rows(k_vmem[:, h * dqk : (h + 1) * dqk], n)
+            v = _own_rows(v_vmem[:, h * dv : (h + 1) * dv], n)
             p = _probs(q, k, n, tile, alpha, causal)
-            o_vmem[:, h * dv:(h + 1) * dv] = _dot(p.astype(v.dtype), v, 1, 0).astype(
-                o_vmem.dtype)
+            o_vmem[:, h * dv : (h + 1) * dv] = _dot(p.astype(v.dtype), v, 1, 0).astype(o_vmem.dtype)
 
-    _block_step(start_ref, len_ref, live_ref, (q_hbm, k_hbm, v_hbm), (o_hbm,),
-                (q_vmem, k_vmem, v_vmem), (o_vmem,), sems, compute, tile)
+    _block_step(
+        start_ref,
+        len_ref,
+        live_ref,
+        (q_hbm, k_hbm, v_hbm),
+        (o_hbm,),
+        (q_vmem, k_vmem, v_vmem),
+        (o_vmem,),
+        sems,
+        compute,
+        tile,
+    )
 
 
-def _bwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, do_hbm,
-                dq_hbm, dk_hbm, dv_hbm, q_vmem, k_vmem, v_vmem, do_vmem,
-                dq_vmem, dk_vmem, dv_vmem, sems, *, num_heads, tile, alpha, causal):
+def _bwd_kernel(
+    start_ref,
+    len_ref,
+    live_ref,
+    q_hbm,
+    k_hbm,
+    v_hbm,
+    do_hbm,
+    dq_hbm,
+    dk_hbm,
+    dv_hbm,
+    q_vmem,
+    k_vmem,
+    v_vmem,
+    do_vmem,
+    dq_vmem,
+    dk_vmem,
+    dv_vmem,
+    sems,
+    *,
+    num_heads,
+    tile,
+    alpha,
+    causal,
+):
     dqk = q_vmem.shape[1] // num_heads
     dvd = v_vmem.shape[1] // num_heads
 
@@ -103,21 +155,30 @@ def _bwd_kernel(start_ref, len_ref, live_ref, q_hbm, k_hbm, v_hbm, do_hbm,
             dq_vmem[:, cq] = _dot(ds, k, 1, 0).astype(dq_vmem.dtype)
             dk_vmem[:, cq] = _dot(ds, q, 0, 0).astype(dk_vmem.dtype)
 
-    _block_step(start_ref, len_ref, live_ref, (q_hbm, k_hbm, v_hbm, do_hbm),
-                (dq_hbm, dk_hbm, dv_hbm), (q_vmem, k_vmem, v_vmem, do_vmem),
-                (dq_vmem, dk_vmem, dv_vmem), sems, compute, tile)
+    _block_step(
+        start_ref,
+        len_ref,
+        live_ref,
+        (q_hbm, k_hbm, v_hbm, do_hbm),
+        (dq_hbm, dk_hbm, dv_hbm),
+        (q_vmem, k_vmem, v_vmem, do_vmem),
+        (dq_vmem, dk_vmem, dv_vmem),
+        sems,
+        compute,
+        tile,
+    )
 
 
-def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interpret,
-          name):
+def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interpret, name):
     """Runs ``kernel`` over the block table; ``outputs`` is [(like_array, dtype)]."""
     num_tokens, num_heads = inputs[0].shape[:2]
     tile = bs_lib.BlockSizes.get_default(block_size).tile
     table = table_lib.block_table(offsets, num_tokens, block_size)
     # [T, H, D] -> [T + tile, H * D]: one contiguous DMA per tile, never out of bounds.
     flat = [jnp.pad(x.reshape(num_tokens, -1), ((0, tile), (0, 0))) for x in inputs]
-    out_shape = [jax.ShapeDtypeStruct((num_tokens + tile, like.shape[1] * like.shape[2]), dt)
-                 for like, dt in outputs]
+    out_shape = [
+        jax.ShapeDtypeStruct((num_tokens + tile, like.shape[1] * like.shape[2]), dt) for like, dt in outputs
+    ]
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     # Grid: one sequential step per block-table entry; refs stay in HBM, the kernel
     # copies its [tile, H * D] rows (all heads) to VMEM scratch and back.
@@ -135,8 +196,7 @@ def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interp
     if interpret == "tpu_interpret":
         interpret = pltpu.InterpretParams(out_of_bounds_reads="raise")
     outs = pl.pallas_call(
-        functools.partial(kernel, num_heads=num_heads, tile=tile, alpha=alpha,
-                          causal=causal),
+        functools.partial(kernel, num_heads=num_heads, tile=tile, alpha=alpha, causal=causal),
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
@@ -148,16 +208,32 @@ def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interp
 
 def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
     """[T, H, Dv] output (see module docstring)."""
-    (o,) = _call(_fwd_kernel, [q, k, v], [(v, v.dtype)], offsets,
-                 block_size=block_size, causal=causal, alpha=alpha,
-                 interpret=interpret, name="block_attention_fwd")
+    (o,) = _call(
+        _fwd_kernel,
+        [q, k, v],
+        [(v, v.dtype)],
+        offsets,
+        block_size=block_size,
+        causal=causal,
+        alpha=alpha,
+        interpret=interpret,
+        name="block_attention_fwd",
+    )
     return o
 
 
 def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False):
     """(dq, dk, dv), recomputing each block's softmax from q and k."""
-    return tuple(_call(
-        _bwd_kernel, [q, k, v, do.astype(v.dtype)],
-        [(q, q.dtype), (k, k.dtype), (v, v.dtype)], offsets,
-        block_size=block_size, causal=causal, alpha=alpha, interpret=interpret,
-        name="block_attention_bwd"))
+    return tuple(
+        _call(
+            _bwd_kernel,
+            [q, k, v, do.astype(v.dtype)],
+            [(q, q.dtype), (k, k.dtype), (v, v.dtype)],
+            offsets,
+            block_size=block_size,
+            causal=causal,
+            alpha=alpha,
+            interpret=interpret,
+            name="block_attention_bwd",
+        )
+    )

@@ -1,4 +1,5 @@
 """Tile sizes of the jagged attention kernels, one frozen record per call."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,27 +7,28 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Query/key tile rows of the forward and the two backward kernels, plus Triton launch knobs.
+    """Query/key tile rows of the forward and the two backward kernels, plus Triton launch knobs.
 
-  block_q/block_k tile the forward and the dQ kernel; block_q_dkv/block_k_dkv tile the dK/dV kernel.
-  All must be powers of two >= 16 on GPU (Triton dot tiles) and multiples of 8 on TPU.
-  """
-  block_q: int = 128
-  block_k: int = 64
-  block_q_dkv: int = 128
-  block_k_dkv: int = 64
-  num_warps: int = 8
-  num_stages: int = 3
-  num_warps_bwd: int = 8
-  num_stages_bwd: int = 2
+    block_q/block_k tile the forward and the dQ kernel; block_q_dkv/block_k_dkv tile the dK/dV kernel.
+    All must be powers of two >= 16 on GPU (Triton dot tiles) and multiples of 8 on TPU.
+    """
 
-  @classmethod
-  def get_default(cls, platform: str, head_dim: int, max_seq_len: int) -> "BlockSizes":
-    """Defaults tuned on the H200 for Dqk=Dv=128 (GPU); small tiles for short sequences and CPU tests."""
-    if platform == "tpu":
-      return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128)
-    if max_seq_len <= 64 or platform == "cpu":
-      return cls(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, num_warps=4, num_warps_bwd=4)
-    if head_dim > 128:
-      return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64)
-    return cls()
+    block_q: int = 128
+    block_k: int = 64
+    block_q_dkv: int = 128
+    block_k_dkv: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+    num_warps_bwd: int = 8
+    num_stages_bwd: int = 2
+
+    @classmethod
+    def get_default(cls, platform: str, head_dim: int, max_seq_len: int) -> BlockSizes:
+        """Defaults tuned on the H200 for Dqk=Dv=128 (GPU); small tiles for short sequences and CPU tests."""
+        if platform == "tpu":
+            return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128)
+        if max_seq_len <= 64 or platform == "cpu":
+            return cls(block_q=16, block_k=16, block_q_dkv=16, block_k_dkv=16, num_warps=4, num_warps_bwd=4)
+        if head_dim > 128:
+            return cls(block_q=64, block_k=32, block_q_dkv=32, block_k_dkv=64)
+        return cls()

@@ -4,6 +4,7 @@ Each kernel runs a 1-D grid over (work item, head) plus a few tail programs that
 offsets[B]. A work item is one tile of one sequence (tiling.work_list), so empty padding is never
 touched. q/k/v stay in their [T, H, D] layout; tiles are masked row loads of one head.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,163 +27,168 @@ NEG_INF = -1e30
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-  return max(lo, 1 << (n - 1).bit_length())
+    return max(lo, 1 << (n - 1).bit_length())
 
 
 def _dot(a, b, *, trans_a=False, trans_b=False):
-  """a @ b (optionally transposed operands) with float32 accumulation; exact float32 for float32 inputs."""
-  precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-  return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    """a @ b (optionally transposed operands) with float32 accumulation; exact float32 for float32 inputs."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _seq(offsets_ref, targets_ref, b, s: Static):
-  start = offsets_ref[b]
-  length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
-  first_target = length
-  if s.has_targets:
-    first_target = length - jnp.clip(targets_ref[b], 0, length)
-  return start, length, first_target
+    start = offsets_ref[b]
+    length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+    first_target = length
+    if s.has_targets:
+        first_target = length - jnp.clip(targets_ref[b], 0, length)
+    return start, length, first_target
 
 
 def _rows(ref, start, lo, size, ok, h=None):
-  """Masked load of `size` rows of ref (one head's [rows, D] slab when h is given)."""
-  if h is None:
-    return plgpu.load(ref.at[pl.ds(start + lo, size)], mask=ok, other=0)
-  return plgpu.load(ref.at[pl.ds(start + lo, size), h, :], mask=ok[:, None], other=0)
+    """Masked load of `size` rows of ref (one head's [rows, D] slab when h is given)."""
+    if h is None:
+        return plgpu.load(ref.at[pl.ds(start + lo, size)], mask=ok, other=0)
+    return plgpu.load(ref.at[pl.ds(start + lo, size), h, :], mask=ok[:, None], other=0)
 
 
 def _timestamps(ts_ref, start, lo, size, ok):
-  """(timestamps of the tile's rows, their min, their max over valid rows): the time-bias bucket range."""
-  ts = _rows(ts_ref, start, lo, size, ok)
-  big = jnp.iinfo(jnp.int32).max
-  return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
+    """(timestamps of the tile's rows, their min, their max over valid rows): the time-bias bucket range."""
+    ts = _rows(ts_ref, start, lo, size, ok)
+    big = jnp.iinfo(jnp.int32).max
+    return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
 
 
 def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static):
-  """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta."""
-  rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
-  row_ok = rows < length
-  q = _rows(q_ref, start, q_lo, bq, row_ok, h)
-  do = None if do_ref is None else _rows(do_ref, start, q_lo, bq, row_ok, h)
-  ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
-  lse = delta = None
-  if do_ref is not None and s.activation == "softmax":
-    lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-    delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-  return rows, row_ok, q, do, ts_q, lse, delta
+    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta."""
+    rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
+    row_ok = rows < length
+    q = _rows(q_ref, start, q_lo, bq, row_ok, h)
+    do = None if do_ref is None else _rows(do_ref, start, q_lo, bq, row_ok, h)
+    ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+    lse = delta = None
+    if do_ref is not None and s.activation == "softmax":
+        lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+        delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+    return rows, row_ok, q, do, ts_q, lse, delta
 
 
 def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static):
-  """Columns, column mask and the key-side tiles of one head: k, v, timestamps."""
-  cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
-  col_ok = cols < length
-  k = _rows(k_ref, start, k_lo, bk, col_ok, h)
-  v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-  ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
-  return cols, col_ok, k, v, ts_k
+    """Columns, column mask and the key-side tiles of one head: k, v, timestamps."""
+    cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
+    col_ok = cols < length
+    k = _rows(k_ref, start, k_lo, bk, col_ok, h)
+    v = _rows(v_ref, start, k_lo, bk, col_ok, h)
+    ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+    return cols, col_ok, k, v, ts_k
 
 
-def _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None,
-            pos_tile=None):
-  """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None).
+def _scores(
+    q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None, pos_tile=None
+):
+    """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None).
 
-  On a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far; otherwise it is
-  pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
-  """
-  sc = s.alpha * _dot(q, k, trans_b=True)
-  if s.has_pos:
-    if clipped:
-      sc = sc + pos_far
-    elif pos_tile is not None:
-      sc = sc + pos_tile
-    else:
-      sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
-  tt = None
-  if s.has_time:
-    tt = _time_cells(ts_q, ts_k, s)
-    sc = sc + _time_bias(tt, h, time_ref)
-  return sc, tt
+    On a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far; otherwise it is
+    pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
+    """
+    sc = s.alpha * _dot(q, k, trans_b=True)
+    if s.has_pos:
+        if clipped:
+            sc = sc + pos_far
+        elif pos_tile is not None:
+            sc = sc + pos_tile
+        else:
+            sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
+    tt = None
+    if s.has_time:
+        tt = _time_cells(ts_q, ts_k, s)
+        sc = sc + _time_bias(tt, h, time_ref)
+    return sc, tt
 
 
 def time_thresholds(num_time: int, width: int) -> jax.Array:
-  """float32[width]: thr[b] = float32 of the smallest integer dt whose bucket is >= b; -inf at 0, +inf from num_time.
+    """float32[width]: thr[b] = float32 of the smallest integer dt whose bucket is >= b; -inf at 0, +inf from num_time.
 
-  A cell's bucket is then #{b >= 1: float32(max(dt, 1)) >= thr[b]}, the reference's bucket exactly: thr is found
-  by bisection over int32 with the reference's own formula (same XLA ops), and the bucket of a delta depends on it
-  only through float32(max(dt, 1)), a monotone map. So the kernels never take a logarithm per cell.
-  """
-  b = jnp.arange(width, dtype=jnp.int32)
-  unclipped = lambda dt: tiling.time_bucket(dt, 2**30)
-  top = jnp.iinfo(jnp.int32).max
+    A cell's bucket is then #{b >= 1: float32(max(dt, 1)) >= thr[b]}, the reference's bucket exactly: thr is found
+    by bisection over int32 with the reference's own formula (same XLA ops), and the bucket of a delta depends on it
+    only through float32(max(dt, 1)), a monotone map. So the kernels never take a logarithm per cell.
+    """
+    b = jnp.arange(width, dtype=jnp.int32)
+    unclipped = lambda dt: tiling.time_bucket(dt, 2**30)
+    top = jnp.iinfo(jnp.int32).max
 
-  def bisect(_, lohi):
-    lo, hi = lohi
-    mid = lo + (hi - lo) // 2
-    ok = unclipped(mid) >= b
-    return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+    def bisect(_, lohi):
+        lo, hi = lohi
+        mid = lo + (hi - lo) // 2
+        ok = unclipped(mid) >= b
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
 
-  lo, _ = lax.fori_loop(0, 32, bisect, (jnp.ones_like(b), jnp.full_like(b, top)))
-  thr = jnp.where((b < num_time) & (unclipped(jnp.int32(top)) >= b), lo.astype(jnp.float32), jnp.inf)
-  return jnp.where(b == 0, -jnp.inf, thr)
+    lo, _ = lax.fori_loop(0, 32, bisect, (jnp.ones_like(b), jnp.full_like(b, top)))
+    thr = jnp.where((b < num_time) & (unclipped(jnp.int32(top)) >= b), lo.astype(jnp.float32), jnp.inf)
+    return jnp.where(b == 0, -jnp.inf, thr)
 
 
 def _time_cells(ts_q, ts_k, s: Static):
-  """(float32(max(dt, 1)) per cell, lo, hi): every cell's bucket lies in [lo, hi].
+    """(float32(max(dt, 1)) per cell, lo, hi): every cell's bucket lies in [lo, hi].
 
-  The bounds come from the tile's extreme deltas with a cheap scalar log, widened by one bucket on each side
-  (a scalar log may differ from XLA's by an ulp); the bias and gradient loops are exact for any wider range.
-  """
-  (tq, q_min, q_max), (tk, k_min, k_max) = ts_q, ts_k
-  x = jnp.maximum(tq[:, None] - tk[None, :], 1).astype(jnp.float32)
-  approx = lambda dt: jnp.floor(jnp.log(jnp.maximum(dt, 1).astype(jnp.float32)) / tiling.LOG_TIME_DIVISOR)
-  lo = jnp.clip(approx(q_min - k_max).astype(jnp.int32) - 1, 0, s.num_time - 1)
-  hi = jnp.clip(approx(q_max - k_min).astype(jnp.int32) + 1, lo, s.num_time - 1)
-  return x, lo, hi
+    The bounds come from the tile's extreme deltas with a cheap scalar log, widened by one bucket on each side
+    (a scalar log may differ from XLA's by an ulp); the bias and gradient loops are exact for any wider range.
+    """
+    (tq, q_min, q_max), (tk, k_min, k_max) = ts_q, ts_k
+    x = jnp.maximum(tq[:, None] - tk[None, :], 1).astype(jnp.float32)
+    approx = lambda dt: jnp.floor(jnp.log(jnp.maximum(dt, 1).astype(jnp.float32)) / tiling.LOG_TIME_DIVISOR)
+    lo = jnp.clip(approx(q_min - k_max).astype(jnp.int32) - 1, 0, s.num_time - 1)
+    hi = jnp.clip(approx(q_max - k_min).astype(jnp.int32) + 1, lo, s.num_time - 1)
+    return x, lo, hi
 
 
 def _time_bias(tt, h, time_ref):
-  """time_bias[h, bucket] per cell: a compare-select per bucket of the tile's range (no gather, no log).
+    """time_bias[h, bucket] per cell: a compare-select per bucket of the tile's range (no gather, no log).
 
-  time_ref row -1 holds time_thresholds; a cell at or past thr[b] takes table[b], larger b overriding.
-  """
-  x, lo, hi = tt
-  thr = time_ref.shape[0] - 1
-  return lax.fori_loop(lo + 1, hi + 1, lambda b, bias: jnp.where(x >= time_ref[thr, b], time_ref[h, b], bias),
-                       jnp.full(x.shape, time_ref[h, lo], jnp.float32))
+    time_ref row -1 holds time_thresholds; a cell at or past thr[b] takes table[b], larger b overriding.
+    """
+    x, lo, hi = tt
+    thr = time_ref.shape[0] - 1
+    return lax.fori_loop(
+        lo + 1,
+        hi + 1,
+        lambda b, bias: jnp.where(x >= time_ref[thr, b], time_ref[h, b], bias),
+        jnp.full(x.shape, time_ref[h, lo], jnp.float32),
+    )
 
 
 def _time_hist(hist, ds, tt, time_ref):
-  """hist[b] += sum of ds over the tile's cells of bucket b; hist is a register row carried through the loop.
+    """hist[b] += sum of ds over the tile's cells of bucket b; hist is a register row carried through the loop.
 
-  With S_b = sum(ds where x >= thr[b]) (all cells for b = lo), a bucket's sum is S_b - S_{b+1}: one masked
-  reduction per bucket of the tile's range, no atomics.
-  """
-  x, lo, hi = tt
-  thr = time_ref.shape[0] - 1
-  lane = jnp.arange(hist.shape[0], dtype=jnp.int32)
+    With S_b = sum(ds where x >= thr[b]) (all cells for b = lo), a bucket's sum is S_b - S_{b+1}: one masked
+    reduction per bucket of the tile's range, no atomics.
+    """
+    x, lo, hi = tt
+    thr = time_ref.shape[0] - 1
+    lane = jnp.arange(hist.shape[0], dtype=jnp.int32)
 
-  def body(b, hist):
-    sb = jnp.sum(jnp.where(x >= time_ref[thr, b], ds, 0.0))
-    return hist + jnp.where(lane == b, sb, 0.0) - jnp.where((lane == b - 1) & (b > lo), sb, 0.0)
+    def body(b, hist):
+        sb = jnp.sum(jnp.where(x >= time_ref[thr, b], ds, 0.0))
+        return hist + jnp.where(lane == b, sb, 0.0) - jnp.where((lane == b - 1) & (b > lo), sb, 0.0)
 
-  return lax.fori_loop(lo, hi + 1, body, hist)
+    return lax.fori_loop(lo, hi + 1, body, hist)
 
 
 LOG2E = 1.4426950408889634
 
 
 def _tanh(x, s: Static, exact: bool):
-  """tanh.approx.f32 (one MUFU op) on GPU for bf16 inputs; exact tanh for float32 inputs and interpret."""
-  if exact or s.interpret:
-    return jnp.tanh(x)
-  return plgpu.approx_tanh(x)
+    """tanh.approx.f32 (one MUFU op) on GPU for bf16 inputs; exact tanh for float32 inputs and interpret."""
+    if exact or s.interpret:
+        return jnp.tanh(x)
+    return plgpu.approx_tanh(x)
 
 
 def _silu_parts(x, s: Static, exact: bool):
-  """(silu(x), sigmoid(x)) via sigmoid(x) = (1 + tanh(x / 2)) / 2: no division on the hot path."""
-  sig = 0.5 + 0.5 * _tanh(0.5 * x, s, exact)
-  return x * sig, sig
+    """(silu(x), sigmoid(x)) via sigmoid(x) = (1 + tanh(x / 2)) / 2: no division on the hot path."""
+    sig = 0.5 + 0.5 * _tanh(0.5 * x, s, exact)
+    return x * sig, sig
 
 
 # Forward SiLU in packed bf16 for bf16 inputs (its result is rounded to bf16 for the P.V matmul anyway): +9%
@@ -192,482 +198,682 @@ SILU_BF16X2 = True
 
 
 def _silu_bf16x2(x):
-  """silu(x) rounded to bf16, computed in packed bf16 (tanh.approx.bf16x2): half the ALU ops of float32."""
-  xb = x.astype(jnp.bfloat16)
-  [t] = plgpu.elementwise_inline_asm("tanh.approx.bf16x2 $0, $1;", args=[xb * 0.5], constraints="=r,r", pack=2,
-                                     result_shape_dtypes=[jax.ShapeDtypeStruct(xb.shape, jnp.bfloat16)])
-  return xb * (t * 0.5 + 0.5)
+    """silu(x) rounded to bf16, computed in packed bf16 (tanh.approx.bf16x2): half the ALU ops of float32."""
+    xb = x.astype(jnp.bfloat16)
+    [t] = plgpu.elementwise_inline_asm(
+        "tanh.approx.bf16x2 $0, $1;",
+        args=[xb * 0.5],
+        constraints="=r,r",
+        pack=2,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(xb.shape, jnp.bfloat16)],
+    )
+    return xb * (t * 0.5 + 0.5)
 
 
 def _split_loop(n_lo, n_hi, f_lo, f_hi, body, carry, clip_edge=None, clipped_below=True):
-  """Runs body(n, carry, masked, clipped) over [n_lo, n_hi); tiles in [f_lo, f_hi) need no mask.
+    """Runs body(n, carry, masked, clipped) over [n_lo, n_hi); tiles in [f_lo, f_hi) need no mask.
 
-  With clip_edge, tiles n < clip_edge (clipped_below) or n >= clip_edge (not clipped_below) lie wholly in
-  the clipped region of the position bias; each range is split there so the body is specialised on both.
-  """
-  f_lo = jnp.clip(f_lo, n_lo, n_hi)
-  f_hi = jnp.clip(f_hi, f_lo, n_hi)
-  for a, b, masked in ((n_lo, f_lo, True), (f_lo, f_hi, False), (f_hi, n_hi, True)):
-    if clip_edge is None:
-      carry = lax.fori_loop(a, b, functools.partial(body, masked=masked, clipped=False), carry)
-      continue
-    mid = jnp.clip(clip_edge, a, b)
-    carry = lax.fori_loop(a, mid, functools.partial(body, masked=masked, clipped=clipped_below), carry)
-    carry = lax.fori_loop(mid, b, functools.partial(body, masked=masked, clipped=not clipped_below), carry)
-  return carry
+    With clip_edge, tiles n < clip_edge (clipped_below) or n >= clip_edge (not clipped_below) lie wholly in
+    the clipped region of the position bias; each range is split there so the body is specialised on both.
+    """
+    f_lo = jnp.clip(f_lo, n_lo, n_hi)
+    f_hi = jnp.clip(f_hi, f_lo, n_hi)
+    for a, b, masked in ((n_lo, f_lo, True), (f_lo, f_hi, False), (f_hi, n_hi, True)):
+        if clip_edge is None:
+            carry = lax.fori_loop(a, b, functools.partial(body, masked=masked, clipped=False), carry)
+            continue
+        mid = jnp.clip(clip_edge, a, b)
+        carry = lax.fori_loop(a, mid, functools.partial(body, masked=masked, clipped=clipped_below), carry)
+        carry = lax.fori_loop(
+            mid, b, functools.partial(body, masked=masked, clipped=not clipped_below), carry
+        )
+    return carry
 
 
 def _full_kv(q_lo, bq, bk, first_target, s: Static):
-  """[lo, hi) key tiles that every row of the query tile sees (no mask needed there)."""
-  hi = jnp.minimum(q_lo + 1, first_target) // bk  # below the diagonal and inside the history
-  lo = jnp.int32(0)
-  if s.max_attn_len > 0:
-    lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk)
-  return lo, hi
+    """[lo, hi) key tiles that every row of the query tile sees (no mask needed there)."""
+    hi = jnp.minimum(q_lo + 1, first_target) // bk  # below the diagonal and inside the history
+    lo = jnp.int32(0)
+    if s.max_attn_len > 0:
+        lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk)
+    return lo, hi
 
 
 def _full_q(k_lo, bq, bk, first_target, q_hi_tiles, s: Static):
-  """[lo, hi) query tiles whose every row sees the whole key tile (no mask needed there)."""
-  lo = cdiv_dyn(k_lo + bk - 1, bq)
-  hi = q_hi_tiles
-  if s.max_attn_len > 0:
-    hi = jnp.minimum(hi, (k_lo + s.max_attn_len - bq + 1) // bq + 1)
-  if s.has_targets:
-    hi = jnp.where(k_lo + bk <= first_target, hi, lo)
-  return lo, hi
+    """[lo, hi) query tiles whose every row sees the whole key tile (no mask needed there)."""
+    lo = cdiv_dyn(k_lo + bk - 1, bq)
+    hi = q_hi_tiles
+    if s.max_attn_len > 0:
+        hi = jnp.minimum(hi, (k_lo + s.max_attn_len - bq + 1) // bq + 1)
+    if s.has_targets:
+        hi = jnp.where(k_lo + bk <= first_target, hi, lo)
+    return lo, hi
 
 
 def _kv_range(q_lo, bq, length, first_target, s: Static):
-  """[lo, hi) key rows a query tile starting at q_lo can see."""
-  hi = jnp.minimum(q_lo + bq, length)
-  lo = jnp.int32(0)
-  if s.max_attn_len > 0:
-    lo = jnp.maximum(q_lo - s.max_attn_len, 0)
-    if s.has_targets:  # a tile holding targets sees the whole history
-      lo = jnp.where(q_lo + bq > first_target, 0, lo)
-  return lo, hi
+    """[lo, hi) key rows a query tile starting at q_lo can see."""
+    hi = jnp.minimum(q_lo + bq, length)
+    lo = jnp.int32(0)
+    if s.max_attn_len > 0:
+        lo = jnp.maximum(q_lo - s.max_attn_len, 0)
+        if s.has_targets:  # a tile holding targets sees the whole history
+            lo = jnp.where(q_lo + bq > first_target, 0, lo)
+    return lo, hi
 
 
 def _q_range(k_lo, bk, length, first_target, s: Static):
-  """[lo, hi) query rows that can see a key tile starting at k_lo."""
-  hi = length
-  if s.max_attn_len > 0 and not s.has_targets:
-    hi = jnp.minimum(length, k_lo + bk + s.max_attn_len)
-  if s.has_targets:  # a key tile wholly inside the targets is seen by its own rows only
-    hi = jnp.where(k_lo >= first_target, jnp.minimum(hi, k_lo + bk), hi)
-  return k_lo, hi
+    """[lo, hi) query rows that can see a key tile starting at k_lo."""
+    hi = length
+    if s.max_attn_len > 0 and not s.has_targets:
+        hi = jnp.minimum(length, k_lo + bk + s.max_attn_len)
+    if s.has_targets:  # a key tile wholly inside the targets is seen by its own rows only
+        hi = jnp.where(k_lo >= first_target, jnp.minimum(hi, k_lo + bk), hi)
+    return k_lo, hi
 
 
 def _clip_edge_kv(q_lo, bk, s: Static):
-  """Key tiles n < edge lie wholly in the clipped position bucket for a query tile at q_lo (None: no bias)."""
-  if not s.has_pos:
-    return None
-  return (q_lo - s.num_pos + 2) // bk  # min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1
+    """Key tiles n < edge lie wholly in the clipped position bucket for a query tile at q_lo (None: no bias)."""
+    if not s.has_pos:
+        return None
+    return (q_lo - s.num_pos + 2) // bk  # min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1
 
 
 def _clip_edge_q(k_lo, bk, bq, s: Static):
-  """Query tiles m >= edge lie wholly in the clipped position bucket for a key tile at k_lo (None: no bias)."""
-  if not s.has_pos:
-    return None
-  return cdiv_dyn(k_lo + bk + s.num_pos - 2, bq)  # min(i - j) = m bq - k_lo - bk + 1 >= num_pos - 1
+    """Query tiles m >= edge lie wholly in the clipped position bucket for a key tile at k_lo (None: no bias)."""
+    if not s.has_pos:
+        return None
+    return cdiv_dyn(k_lo + bk + s.num_pos - 2, bq)  # min(i - j) = m bq - k_lo - bk + 1 >= num_pos - 1
 
 
 def _pos_offsets(s: Static, bq: int, bk: int):
-  """(lowest q_lo - k_lo, its step, count) over the dQ kernel's tiles that are not wholly clipped.
+    """(lowest q_lo - k_lo, its step, count) over the dQ kernel's tiles that are not wholly clipped.
 
-  The dQ kernel adds each such tile's dScore into slot (q_lo - k_lo - lowest) // step of a per-head
-  accumulator; the bucket of cell (a, c) there is clip(q_lo - k_lo + a - c), summed in XLA afterwards.
-  """
-  step = math.gcd(bq, bk)
-  lowest = min(0, bk - bq)  # the key tile holding the query tile's last row
-  return lowest, step, (s.num_pos + bk - 3 - lowest) // step + 1
+    The dQ kernel adds each such tile's dScore into slot (q_lo - k_lo - lowest) // step of a per-head
+    accumulator; the bucket of cell (a, c) there is clip(q_lo - k_lo + a - c), summed in XLA afterwards.
+    """
+    step = math.gcd(bq, bk)
+    lowest = min(0, bk - bq)  # the key tile holding the query tile's last row
+    return lowest, step, (s.num_pos + bk - 3 - lowest) // step + 1
 
 
 def _pos_expand(pos_tab, s: Static, bq: int, bk: int):
-  """[H, offsets, bq, bk]: the position bias of every not-wholly-clipped tile offset (_pos_offsets).
+    """[H, offsets, bq, bk]: the position bias of every not-wholly-clipped tile offset (_pos_offsets).
 
-  A kernel then loads its tile's bias as one block instead of gathering pos_tab per cell (a gather cost the
-  forward ~2 ms at N=1024 on the H200); built by XLA once per call, a few MB at most.
-  """
-  lowest, step, count = _pos_offsets(s, bq, bk)
-  off = lowest + step * np.arange(count)[:, None, None] + np.arange(bq)[None, :, None] - np.arange(bk)[None, None, :]
-  return pos_tab[:, np.clip(off, 0, s.num_pos - 1)]
+    A kernel then loads its tile's bias as one block instead of gathering pos_tab per cell (a gather cost the
+    forward ~2 ms at N=1024 on the H200); built by XLA once per call, a few MB at most.
+    """
+    lowest, step, count = _pos_offsets(s, bq, bk)
+    off = (
+        lowest
+        + step * np.arange(count)[:, None, None]
+        + np.arange(bq)[None, :, None]
+        - np.arange(bk)[None, None, :]
+    )
+    return pos_tab[:, np.clip(off, 0, s.num_pos - 1)]
 
 
 def _pos_tile(pos_exp_ref, h, q_lo, k_lo, s: Static, bq: int, bk: int):
-  if not (s.has_pos and POS_EXPANDED):
-    return None
-  lowest, step, _ = _pos_offsets(s, bq, bk)
-  return pos_exp_ref[h, (q_lo - k_lo - lowest) // step, :, :]
+    if not (s.has_pos and POS_EXPANDED):
+        return None
+    lowest, step, _ = _pos_offsets(s, bq, bk)
+    return pos_exp_ref[h, (q_lo - k_lo - lowest) // step, :, :]
 
 
 POS_EXPANDED = True  # bench switch (experiments/bench_attention.py): per-cell gather instead when False
 
 
 def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
-  tail = offsets_ref[num_seqs]
-  for i in range(ZERO_TILES):
-    lo = (z * ZERO_TILES + i) * bq
-    rows = lo + jnp.arange(bq, dtype=jnp.int32)
-    ok = (rows >= tail) & (rows < total_rows)
-    for ref, h in refs_heads:
-      blk = ref.at[pl.ds(lo, bq), h, :]
-      plgpu.store(blk, jnp.zeros(blk.shape, ref.dtype), mask=ok[:, None])
+    tail = offsets_ref[num_seqs]
+    for i in range(ZERO_TILES):
+        lo = (z * ZERO_TILES + i) * bq
+        rows = lo + jnp.arange(bq, dtype=jnp.int32)
+        ok = (rows >= tail) & (rows < total_rows)
+        for ref, h in refs_heads:
+            blk = ref.at[pl.ds(lo, bq), h, :]
+            plgpu.store(blk, jnp.zeros(blk.shape, ref.dtype), mask=ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------- forward
 
 
-def _fwd_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-                pos_exp_ref, time_ref, o_ref, lse_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
-  pid = pl.program_id(0)
-  h = pid % heads
-  w = pid // heads
-  bq, bk = s.blocks.block_q, s.blocks.block_k
-  num_seqs = offsets_ref.shape[0] - 1
+def _fwd_kernel(
+    wb_ref,
+    wm_ref,
+    wv_ref,
+    offsets_ref,
+    targets_ref,
+    ts_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    pos_ref,
+    pos_exp_ref,
+    time_ref,
+    o_ref,
+    lse_ref,
+    *,
+    s: Static,
+    heads: int,
+    num_work: int,
+    total_rows: int,
+):
+    pid = pl.program_id(0)
+    h = pid % heads
+    w = pid // heads
+    bq, bk = s.blocks.block_q, s.blocks.block_k
+    num_seqs = offsets_ref.shape[0] - 1
 
-  @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
-  def _():
-    b, m = wb_ref[w], wm_ref[w]
-    start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
-    q_lo = m * bq
-    rows, row_ok, q, _, ts_q, _, _ = _q_side(q_ref, None, ts_ref, None, None, start, q_lo, bq, length, h, s)
-    lo, hi = _kv_range(q_lo, bq, length, first_target, s)
-    dv = v_ref.shape[-1]
-    pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+    @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
+    def _():
+        b, m = wb_ref[w], wm_ref[w]
+        start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+        q_lo = m * bq
+        rows, row_ok, q, _, ts_q, _, _ = _q_side(
+            q_ref, None, ts_ref, None, None, start, q_lo, bq, length, h, s
+        )
+        lo, hi = _kv_range(q_lo, bq, length, first_target, s)
+        dv = v_ref.shape[-1]
+        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
 
-    exact = q.dtype == jnp.float32
+        exact = q.dtype == jnp.float32
 
-    def body(n, carry, masked, clipped):
-      k_lo = n * bk
-      cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-      pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
-      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
-      mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
-      if s.activation == "silu":
-        (acc,) = carry
-        if SILU_BF16X2 and v.dtype == jnp.bfloat16 and not s.interpret:
-          p = _silu_bf16x2(sc)
+        def body(n, carry, masked, clipped):
+            k_lo = n * bk
+            cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
+            pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
+            mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
+            if s.activation == "silu":
+                (acc,) = carry
+                if SILU_BF16X2 and v.dtype == jnp.bfloat16 and not s.interpret:
+                    p = _silu_bf16x2(sc)
+                else:
+                    p, _ = _silu_parts(sc, s, exact)
+                if masked:
+                    p = jnp.where(mask, p, 0.0)
+                return (acc + _dot(p.astype(v.dtype), v),)
+            acc, m_i, l_i = carry
+            sc = sc * LOG2E  # base-2 softmax: exp2 is cheaper than exp
+            if masked:
+                sc = jnp.where(mask, sc, NEG_INF)
+            m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
+            p = jnp.exp2(sc - m_new[:, None])
+            if masked:
+                p = jnp.where(mask, p, 0.0)
+            corr = jnp.exp2(m_i - m_new)
+            acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
+            return acc, m_new, l_i * corr + jnp.sum(p, axis=1)
+
+        acc0 = jnp.zeros((bq, dv), jnp.float32)
+        f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
+        loop = functools.partial(
+            _split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, clip_edge=_clip_edge_kv(q_lo, bk, s)
+        )
+        if s.activation == "silu":
+            (acc,) = loop(carry=(acc0,))
+            acc = acc * (1.0 / s.max_seq_len)
         else:
-          p, _ = _silu_parts(sc, s, exact)
-        if masked:
-          p = jnp.where(mask, p, 0.0)
-        return (acc + _dot(p.astype(v.dtype), v),)
-      acc, m_i, l_i = carry
-      sc = sc * LOG2E  # base-2 softmax: exp2 is cheaper than exp
-      if masked:
-        sc = jnp.where(mask, sc, NEG_INF)
-      m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
-      p = jnp.exp2(sc - m_new[:, None])
-      if masked:
-        p = jnp.where(mask, p, 0.0)
-      corr = jnp.exp2(m_i - m_new)
-      acc = acc * corr[:, None] + _dot(p.astype(v.dtype), v)
-      return acc, m_new, l_i * corr + jnp.sum(p, axis=1)
+            acc, m_i, l_i = loop(
+                carry=(acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
+            )
+            l_safe = jnp.where(l_i > 0, l_i, 1.0)
+            acc = acc / l_safe[:, None]
+            lse = (m_i + jnp.log2(l_safe)) / LOG2E  # natural-log units
+            plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=row_ok)
+        plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=row_ok[:, None])
 
-    acc0 = jnp.zeros((bq, dv), jnp.float32)
-    f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
-    loop = functools.partial(_split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body,
-                             clip_edge=_clip_edge_kv(q_lo, bk, s))
-    if s.activation == "silu":
-      (acc,) = loop(carry=(acc0,))
-      acc = acc * (1.0 / s.max_seq_len)
-    else:
-      acc, m_i, l_i = loop(carry=(acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32)))
-      l_safe = jnp.where(l_i > 0, l_i, 1.0)
-      acc = acc / l_safe[:, None]
-      lse = (m_i + jnp.log2(l_safe)) / LOG2E  # natural-log units
-      plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=row_ok)
-    plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=row_ok[:, None])
-
-  @pl.when(w >= num_work)
-  def _():
-    _zero_tail([(o_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
+    @pl.when(w >= num_work)
+    def _():
+        _zero_tail([(o_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
 
 
 def cdiv_dyn(a, b: int):
-  return (a + b - 1) // b
+    return (a + b - 1) // b
 
 
 def _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
-  t, heads, _ = q.shape
-  bq = s.blocks.block_q
-  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-  wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
-  num_zero = cdiv(t, ZERO_TILES * bq)
-  kernel = functools.partial(_fwd_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
-  # Grid: one program per (work item, head), heads fastest so the heaviest tiles start first; then
-  # num_zero programs per head that zero rows past offsets[B]. Blocks: whole arrays (masked row loads).
-  o, lse = pl.pallas_call(
-      kernel,
-      grid=((num_work + num_zero) * heads,),
-      out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((heads, t), jnp.float32)),
-      compiler_params=plgpu.CompilerParams(num_warps=s.blocks.num_warps, num_stages=s.blocks.num_stages),
-      interpret=s.interpret,
-      name="jagged_attention_fwd",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k),
-    time_tab)
-  return o, lse
+    t, heads, _ = q.shape
+    bq = s.blocks.block_q
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+    num_zero = cdiv(t, ZERO_TILES * bq)
+    kernel = functools.partial(_fwd_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+    # Grid: one program per (work item, head), heads fastest so the heaviest tiles start first; then
+    # num_zero programs per head that zero rows past offsets[B]. Blocks: whole arrays (masked row loads).
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=((num_work + num_zero) * heads,),
+        out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((heads, t), jnp.float32)),
+        compiler_params=plgpu.CompilerParams(num_warps=s.blocks.num_warps, num_stages=s.blocks.num_stages),
+        interpret=s.interpret,
+        name="jagged_attention_fwd",
+    )(
+        wb,
+        wm,
+        wv,
+        offsets,
+        targets,
+        ts,
+        q,
+        k,
+        v,
+        pos_tab,
+        _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k),
+        time_tab,
+    )
+    return o, lse
 
 
 def _pos_expand_or_dummy(pos_tab, s: Static, bq: int, bk: int):
-  if s.has_pos and POS_EXPANDED:
-    return _pos_expand(pos_tab, s, bq, bk)
-  return jnp.zeros((1, 1, 16, 16), jnp.float32)
+    if s.has_pos and POS_EXPANDED:
+        return _pos_expand(pos_tab, s, bq, bk)
+    return jnp.zeros((1, 1, 16, 16), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
 def _ds(sc, mask, dp, lse, delta, s: Static, exact: bool):
-  """(p, dscore) of one tile in float32, zero outside the mask (None: all allowed).
+    """(p, dscore) of one tile in float32, zero outside the mask (None: all allowed).
 
-  For SiLU both lack the 1/max_seq_len factor, which the callers apply once to their accumulators.
-  """
-  if s.activation == "silu":
-    p, sig = _silu_parts(sc, s, exact)
-    ds = dp * (sig + p * (1.0 - sig))  # silu'(x) = sig + x sig (1 - sig)
-  else:
-    p = jnp.exp2(sc * LOG2E - (lse * LOG2E)[:, None])
-    ds = p * (dp - delta[:, None])
-  if mask is not None:
-    p = jnp.where(mask, p, 0.0)
-    ds = jnp.where(mask, ds, 0.0)
-  return p, ds
+    For SiLU both lack the 1/max_seq_len factor, which the callers apply once to their accumulators.
+    """
+    if s.activation == "silu":
+        p, sig = _silu_parts(sc, s, exact)
+        ds = dp * (sig + p * (1.0 - sig))  # silu'(x) = sig + x sig (1 - sig)
+    else:
+        p = jnp.exp2(sc * LOG2E - (lse * LOG2E)[:, None])
+        ds = p * (dp - delta[:, None])
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+        ds = jnp.where(mask, ds, 0.0)
+    return p, ds
 
 
 POS_SLOTS = 4  # copies of the position-gradient accumulator (programs pick one by work item: less contention)
 
 
-def _dq_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-               pos_exp_ref, time_ref, do_ref, lse_ref, delta_ref, dpos_in_ref, dtime_in_ref, dq_ref, dpos_ref, dfar_ref,
-               dtime_ref, *, s: Static, heads: int, num_work: int, total_rows: int):
-  del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
-  pid = pl.program_id(0)
-  h = pid % heads
-  w = pid // heads
-  bq, bk = s.blocks.block_q, s.blocks.block_k
-  num_seqs = offsets_ref.shape[0] - 1
-  active = (w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0)
+def _dq_kernel(
+    wb_ref,
+    wm_ref,
+    wv_ref,
+    offsets_ref,
+    targets_ref,
+    ts_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    pos_ref,
+    pos_exp_ref,
+    time_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dpos_in_ref,
+    dtime_in_ref,
+    dq_ref,
+    dpos_ref,
+    dfar_ref,
+    dtime_ref,
+    *,
+    s: Static,
+    heads: int,
+    num_work: int,
+    total_rows: int,
+):
+    del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
+    pid = pl.program_id(0)
+    h = pid % heads
+    w = pid // heads
+    bq, bk = s.blocks.block_q, s.blocks.block_k
+    num_seqs = offsets_ref.shape[0] - 1
+    active = (w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0)
 
-  @pl.when(active)
-  def _():
-    b, m = wb_ref[w], wm_ref[w]
-    start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
-    q_lo = m * bq
-    rows, row_ok, q, do, ts_q, lse, delta = _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq,
-                                                    length, h, s)
-    lo, hi = _kv_range(q_lo, bq, length, first_target, s)
-    pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
-    lowest, step, _ = _pos_offsets(s, bq, bk)
+    @pl.when(active)
+    def _():
+        b, m = wb_ref[w], wm_ref[w]
+        start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+        q_lo = m * bq
+        rows, row_ok, q, do, ts_q, lse, delta = _q_side(
+            q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s
+        )
+        lo, hi = _kv_range(q_lo, bq, length, first_target, s)
+        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+        lowest, step, _ = _pos_offsets(s, bq, bk)
 
-    exact = q.dtype == jnp.float32
+        exact = q.dtype == jnp.float32
 
-    def body(n, carry, masked, clipped):
-      dq, far, hist = carry
-      k_lo = n * bk
-      cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-      pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
-      sc, tt = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
-      mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
-      dp = _dot(do, v, trans_b=True)
-      _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
-      dq = dq + _dot(ds.astype(k.dtype), k)
-      if s.has_pos and clipped:  # the whole tile is the last bucket
-        far = far + jnp.sum(ds)
-      elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
-        slot = (q_lo - k_lo - lowest) // step
-        plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
-      if s.has_time:  # ds is zero on masked cells
-        hist = _time_hist(hist, ds, tt, time_ref)
-      return dq, far, hist
+        def body(n, carry, masked, clipped):
+            dq, far, hist = carry
+            k_lo = n * bk
+            cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
+            pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            sc, tt = _scores(
+                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile
+            )
+            mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
+            dp = _dot(do, v, trans_b=True)
+            _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
+            dq = dq + _dot(ds.astype(k.dtype), k)
+            if s.has_pos and clipped:  # the whole tile is the last bucket
+                far = far + jnp.sum(ds)
+            elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
+                slot = (q_lo - k_lo - lowest) // step
+                plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
+            if s.has_time:  # ds is zero on masked cells
+                hist = _time_hist(hist, ds, tt, time_ref)
+            return dq, far, hist
 
-    init = (jnp.zeros((bq, q_ref.shape[-1]), jnp.float32), jnp.zeros((), jnp.float32),
-            jnp.zeros((dtime_ref.shape[-1],), jnp.float32))
-    f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
-    dq, far, hist = _split_loop(lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init,
-                                clip_edge=_clip_edge_kv(q_lo, bk, s))
-    if s.has_time:
-      dtime_ref[pid, :] = hist
-    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
-    plgpu.store(dq_ref.at[pl.ds(start + q_lo, bq), h, :], (dq * (s.alpha * scale)).astype(dq_ref.dtype),
-                mask=row_ok[:, None])
-    dfar_ref[pid] = far
+        init = (
+            jnp.zeros((bq, q_ref.shape[-1]), jnp.float32),
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((dtime_ref.shape[-1],), jnp.float32),
+        )
+        f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
+        dq, far, hist = _split_loop(
+            lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init, clip_edge=_clip_edge_kv(q_lo, bk, s)
+        )
+        if s.has_time:
+            dtime_ref[pid, :] = hist
+        scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+        plgpu.store(
+            dq_ref.at[pl.ds(start + q_lo, bq), h, :],
+            (dq * (s.alpha * scale)).astype(dq_ref.dtype),
+            mask=row_ok[:, None],
+        )
+        dfar_ref[pid] = far
 
-  @pl.when(jnp.logical_not(active))
-  def _():
-    dfar_ref[pid] = jnp.zeros((), jnp.float32)
+    @pl.when(jnp.logical_not(active))
+    def _():
+        dfar_ref[pid] = jnp.zeros((), jnp.float32)
 
-  @pl.when(w >= num_work)
-  def _():
-    _zero_tail([(dq_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
+    @pl.when(w >= num_work)
+    def _():
+        _zero_tail([(dq_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
 
 
-def _dkv_kernel(wb_ref, wm_ref, wv_ref, offsets_ref, targets_ref, ts_ref, q_ref, k_ref, v_ref, pos_ref,
-                pos_exp_ref, time_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, s: Static, heads: int, num_work: int,
-                total_rows: int):
-  pid = pl.program_id(0)
-  h = pid % heads
-  w = pid // heads
-  bq, bk = s.blocks.block_q_dkv, s.blocks.block_k_dkv
-  num_seqs = offsets_ref.shape[0] - 1
+def _dkv_kernel(
+    wb_ref,
+    wm_ref,
+    wv_ref,
+    offsets_ref,
+    targets_ref,
+    ts_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    pos_ref,
+    pos_exp_ref,
+    time_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    s: Static,
+    heads: int,
+    num_work: int,
+    total_rows: int,
+):
+    pid = pl.program_id(0)
+    h = pid % heads
+    w = pid // heads
+    bq, bk = s.blocks.block_q_dkv, s.blocks.block_k_dkv
+    num_seqs = offsets_ref.shape[0] - 1
 
-  @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
-  def _():
-    b, n = wb_ref[w], wm_ref[w]
-    start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
-    k_lo = n * bk
-    cols, col_ok, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-    lo, hi = _q_range(k_lo, bk, length, first_target, s)
-    pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+    @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
+    def _():
+        b, n = wb_ref[w], wm_ref[w]
+        start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+        k_lo = n * bk
+        cols, col_ok, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
+        lo, hi = _q_range(k_lo, bk, length, first_target, s)
+        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
 
-    exact = q_ref.dtype == jnp.float32
+        exact = q_ref.dtype == jnp.float32
 
-    def body(m, carry, masked, clipped):
-      dk, dv = carry
-      q_lo = m * bq
-      rows, _, q, do, ts_q, lse, delta = _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq,
-                                                 length, h, s)
-      pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
-      sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
-      mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
-      dp = _dot(do, v, trans_b=True)
-      p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
-      dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-      dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
-      return dk, dv
+        def body(m, carry, masked, clipped):
+            dk, dv = carry
+            q_lo = m * bq
+            rows, _, q, do, ts_q, lse, delta = _q_side(
+                q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s
+            )
+            pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
+            mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
+            dp = _dot(do, v, trans_b=True)
+            p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            return dk, dv
 
-    init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
-    m_hi = cdiv_dyn(hi, bq)
-    f_lo, f_hi = _full_q(k_lo, bq, bk, first_target, m_hi, s)
-    dk, dv = _split_loop(lo // bq, m_hi, f_lo, f_hi, body, init, clip_edge=_clip_edge_q(k_lo, bk, bq, s),
-                         clipped_below=False)
-    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
-    plgpu.store(dk_ref.at[pl.ds(start + k_lo, bk), h, :], (dk * (s.alpha * scale)).astype(dk_ref.dtype),
-                mask=col_ok[:, None])
-    plgpu.store(dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype),
-                mask=col_ok[:, None])
+        init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
+        m_hi = cdiv_dyn(hi, bq)
+        f_lo, f_hi = _full_q(k_lo, bq, bk, first_target, m_hi, s)
+        dk, dv = _split_loop(
+            lo // bq,
+            m_hi,
+            f_lo,
+            f_hi,
+            body,
+            init,
+            clip_edge=_clip_edge_q(k_lo, bk, bq, s),
+            clipped_below=False,
+        )
+        scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+        plgpu.store(
+            dk_ref.at[pl.ds(start + k_lo, bk), h, :],
+            (dk * (s.alpha * scale)).astype(dk_ref.dtype),
+            mask=col_ok[:, None],
+        )
+        plgpu.store(
+            dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype), mask=col_ok[:, None]
+        )
 
-  @pl.when(w >= num_work)
-  def _():
-    _zero_tail([(dk_ref, h), (dv_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bk)
+    @pl.when(w >= num_work)
+    def _():
+        _zero_tail([(dk_ref, h), (dv_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bk)
 
 
 def _pos_grad(acc, far, head_of, width: int, s: Static):
-  """[H, width] position-table gradient from the dQ kernel's per-tile accumulator and clipped-tile sums."""
-  bq, bk = s.blocks.block_q, s.blocks.block_k
-  lowest, step, count = _pos_offsets(s, bq, bk)
-  off = lowest + step * np.arange(count)[:, None, None] + np.arange(bq)[None, :, None] - np.arange(bk)[None, None, :]
-  bucket = np.clip(off, 0, s.num_pos - 1).reshape(-1)  # masked cells (i < j) hold zeros
-  heads = acc.shape[1]
-  grad = jnp.zeros((heads, width), jnp.float32).at[:, bucket].add(jnp.sum(acc, axis=0).reshape(heads, -1))
-  return grad.at[:, s.num_pos - 1].add(jax.ops.segment_sum(far, head_of, num_segments=heads))
+    """[H, width] position-table gradient from the dQ kernel's per-tile accumulator and clipped-tile sums."""
+    bq, bk = s.blocks.block_q, s.blocks.block_k
+    lowest, step, count = _pos_offsets(s, bq, bk)
+    off = (
+        lowest
+        + step * np.arange(count)[:, None, None]
+        + np.arange(bq)[None, :, None]
+        - np.arange(bk)[None, None, :]
+    )
+    bucket = np.clip(off, 0, s.num_pos - 1).reshape(-1)  # masked cells (i < j) hold zeros
+    heads = acc.shape[1]
+    grad = jnp.zeros((heads, width), jnp.float32).at[:, bucket].add(jnp.sum(acc, axis=0).reshape(heads, -1))
+    return grad.at[:, s.num_pos - 1].add(jax.ops.segment_sum(far, head_of, num_segments=heads))
 
 
 def _backward(s: Static, res, do):
-  q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = res
-  t, heads, _ = q.shape
-  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-  if s.activation == "softmax":
-    delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T  # [H, T]
-  else:
-    delta = jnp.zeros((1, 1), jnp.float32)
-  bq, bk = s.blocks.block_q, s.blocks.block_k
-  wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
-  num_zero = cdiv(t, ZERO_TILES * bq)
-  grid = (num_work + num_zero) * heads
-  params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
-  kernel = functools.partial(_dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
-  # Bias-table gradients, accumulated with atomics into zeroed buffers: position, per (slot, head, tile
-  # offset) one [bq, bk] tile of dScore; time, one histogram row per program. Both summed in XLA below.
-  pos_acc = jnp.zeros((POS_SLOTS, heads, _pos_offsets(s, bq, bk)[2], bq, bk) if s.has_pos else (1,) * 5,
-                      jnp.float32)
-  time_acc = jnp.zeros((grid if s.has_time else 1, time_tab.shape[1]), jnp.float32)
-  # Grid: (work item, head) over query tiles, then tail-zeroing programs.
-  dq, pos_acc, far, time_acc = pl.pallas_call(
-      kernel,
-      grid=(grid,),
-      out_shape=(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(pos_acc.shape, jnp.float32),
-                 jax.ShapeDtypeStruct((grid,), jnp.float32), jax.ShapeDtypeStruct(time_acc.shape, jnp.float32)),
-      input_output_aliases={15: 1, 16: 3},
-      compiler_params=params,
-      interpret=s.interpret,
-      name="jagged_attention_bwd_dq",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab, _pos_expand_or_dummy(pos_tab, s, bq, bk), time_tab, do, lse,
-    delta, pos_acc, time_acc)
-  bk = s.blocks.block_k_dkv
-  wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
-  num_zero = cdiv(t, ZERO_TILES * bk)
-  kernel = functools.partial(_dkv_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
-  # Grid: (work item, head) over key tiles, heaviest first, then tail-zeroing programs.
-  dk, dv = pl.pallas_call(
-      kernel,
-      grid=((num_work + num_zero) * heads,),
-      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      compiler_params=params,
-      interpret=s.interpret,
-      name="jagged_attention_bwd_dkv",
-  )(wb, wm, wv, offsets, targets, ts, q, k, v, pos_tab,
-    _pos_expand_or_dummy(pos_tab, s, s.blocks.block_q_dkv, bk), time_tab, do, lse, delta)
-  scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
-  head_of = jnp.arange(grid) % heads
-  dpos = jnp.zeros(pos_tab.shape, jnp.float32)
-  if s.has_pos:
-    dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
-  dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient
-  if s.has_time:
-    dtime = dtime.at[:heads].set(jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale)
-  return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
+    q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = res
+    t, heads, _ = q.shape
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    if s.activation == "softmax":
+        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T  # [H, T]
+    else:
+        delta = jnp.zeros((1, 1), jnp.float32)
+    bq, bk = s.blocks.block_q, s.blocks.block_k
+    wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+    num_zero = cdiv(t, ZERO_TILES * bq)
+    grid = (num_work + num_zero) * heads
+    params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
+    kernel = functools.partial(_dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+    # Bias-table gradients, accumulated with atomics into zeroed buffers: position, per (slot, head, tile
+    # offset) one [bq, bk] tile of dScore; time, one histogram row per program. Both summed in XLA below.
+    pos_acc = jnp.zeros(
+        (POS_SLOTS, heads, _pos_offsets(s, bq, bk)[2], bq, bk) if s.has_pos else (1,) * 5, jnp.float32
+    )
+    time_acc = jnp.zeros((grid if s.has_time else 1, time_tab.shape[1]), jnp.float32)
+    # Grid: (work item, head) over query tiles, then tail-zeroing programs.
+    dq, pos_acc, far, time_acc = pl.pallas_call(
+        kernel,
+        grid=(grid,),
+        out_shape=(
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(pos_acc.shape, jnp.float32),
+            jax.ShapeDtypeStruct((grid,), jnp.float32),
+            jax.ShapeDtypeStruct(time_acc.shape, jnp.float32),
+        ),
+        input_output_aliases={15: 1, 16: 3},
+        compiler_params=params,
+        interpret=s.interpret,
+        name="jagged_attention_bwd_dq",
+    )(
+        wb,
+        wm,
+        wv,
+        offsets,
+        targets,
+        ts,
+        q,
+        k,
+        v,
+        pos_tab,
+        _pos_expand_or_dummy(pos_tab, s, bq, bk),
+        time_tab,
+        do,
+        lse,
+        delta,
+        pos_acc,
+        time_acc,
+    )
+    bk = s.blocks.block_k_dkv
+    wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
+    num_zero = cdiv(t, ZERO_TILES * bk)
+    kernel = functools.partial(_dkv_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+    # Grid: (work item, head) over key tiles, heaviest first, then tail-zeroing programs.
+    dk, dv = pl.pallas_call(
+        kernel,
+        grid=((num_work + num_zero) * heads,),
+        out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        compiler_params=params,
+        interpret=s.interpret,
+        name="jagged_attention_bwd_dkv",
+    )(
+        wb,
+        wm,
+        wv,
+        offsets,
+        targets,
+        ts,
+        q,
+        k,
+        v,
+        pos_tab,
+        _pos_expand_or_dummy(pos_tab, s, s.blocks.block_q_dkv, bk),
+        time_tab,
+        do,
+        lse,
+        delta,
+    )
+    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+    head_of = jnp.arange(grid) % heads
+    dpos = jnp.zeros(pos_tab.shape, jnp.float32)
+    if s.has_pos:
+        dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
+    dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient
+    if s.has_time:
+        dtime = dtime.at[:heads].set(jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale)
+    return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("s",))
 def _attention(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
-  return _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)[0]
+    return _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)[0]
 
 
 def _attention_fwd(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
-  o, lse = _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)
-  return o, (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse)
+    o, lse = _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)
+    return o, (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse)
 
 
 _attention.defvjp(_attention_fwd, _backward)
 
 
 def _pad_last(x, size):
-  return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def jagged_attention_gpu(q, k, v, offsets, *, max_seq_len, activation, alpha, num_targets, max_attn_len,
-                         timestamps, pos_bias, time_bias, interpret=False, block_sizes: BlockSizes | None = None):
-  """Pallas GPU jagged attention (see api.jagged_attention for the arguments)."""
-  t, heads, dqk = q.shape
-  dv = v.shape[-1]
-  if t * heads * _pow2(max(dqk, dv)) >= 2**31:
-    raise ValueError(f"the GPU kernel indexes with int32: T*H*D must be < 2**31, got shape {q.shape}, v {v.shape}")
-  if alpha is None:
-    alpha = 1.0 / math.sqrt(dqk)
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default("cpu" if interpret else "gpu", max(dqk, dv), max_seq_len)
-    if not interpret and (pos_bias is not None or time_bias is not None):
-      # measured on the H200 with both tables (N=1024): 64x128 dK/dV tiles and 2 forward stages beat the
-      # no-bias defaults (whose shared memory the bias tiles overflow)
-      block_sizes = dataclasses.replace(block_sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
-  b = offsets.shape[0] - 1
-  s = Static(
-      max_seq_len=max_seq_len, activation=activation, alpha=float(alpha), max_attn_len=max_attn_len,
-      has_targets=num_targets is not None, has_pos=pos_bias is not None, has_time=time_bias is not None,
-      num_pos=1 if pos_bias is None else pos_bias.shape[1], num_time=1 if time_bias is None else time_bias.shape[1],
-      interpret=interpret, blocks=block_sizes)
-  targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
-  ts = jnp.zeros((1,), jnp.int32) if timestamps is None else timestamps.astype(jnp.int32)
-  pos_tab = jnp.zeros((heads, 16), jnp.float32) if pos_bias is None else _pad_last(
-      pos_bias.astype(jnp.float32), _pow2(pos_bias.shape[1]))
-  time_tab = jnp.zeros((heads + 1, 16), jnp.float32)
-  if time_bias is not None:  # the table, plus one row of bucket thresholds the kernels compare against
-    width = _pow2(time_bias.shape[1])
-    time_tab = jnp.concatenate([_pad_last(time_bias.astype(jnp.float32), width),
-                                time_thresholds(time_bias.shape[1], width)[None]])
-  dqk_p, dv_p = _pow2(dqk), _pow2(dv)
-  out = _attention(_pad_last(q, dqk_p), _pad_last(k, dqk_p), _pad_last(v, dv_p), offsets, targets, ts,
-                   pos_tab, time_tab, s=s)
-  return out[..., :dv]
+def jagged_attention_gpu(
+    q,
+    k,
+    v,
+    offsets,
+    *,
+    max_seq_len,
+    activation,
+    alpha,
+    num_targets,
+    max_attn_len,
+    timestamps,
+    pos_bias,
+    time_bias,
+    interpret=False,
+    block_sizes: BlockSizes | None = None,
+):
+    """Pallas GPU jagged attention (see api.jagged_attention for the arguments)."""
+    t, heads, dqk = q.shape
+    dv = v.shape[-1]
+    if t * heads * _pow2(max(dqk, dv)) >= 2**31:
+        raise ValueError(
+            f"the GPU kernel indexes with int32: T*H*D must be < 2**31, got shape {q.shape}, v {v.shape}"
+        )
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(dqk)
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default("cpu" if interpret else "gpu", max(dqk, dv), max_seq_len)
+        if not interpret and (pos_bias is not None or time_bias is not None):
+            # measured on the H200 with both tables (N=1024): 64x128 dK/dV tiles and 2 forward stages beat the
+            # no-bias defaults (whose shared memory the bias tiles overflow)
+            block_sizes = dataclasses.replace(block_sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
+    b = offsets.shape[0] - 1
+    s = Static(
+        max_seq_len=max_seq_len,
+        activation=activation,
+        alpha=float(alpha),
+        max_attn_len=max_attn_len,
+        has_targets=num_targets is not None,
+        has_pos=pos_bias is not None,
+        has_time=time_bias is not None,
+        num_pos=1 if pos_bias is None else pos_bias.shape[1],
+        num_time=1 if time_bias is None else time_bias.shape[1],
+        interpret=interpret,
+        blocks=block_sizes,
+    )
+    targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
+    ts = jnp.zeros((1,), jnp.int32) if timestamps is None else timestamps.astype(jnp.int32)
+    pos_tab = (
+        jnp.zeros((heads, 16), jnp.float32)
+        if pos_bias is None
+        else _pad_last(pos_bias.astype(jnp.float32), _pow2(pos_bias.shape[1]))
+    )
+    time_tab = jnp.zeros((heads + 1, 16), jnp.float32)
+    if time_bias is not None:  # the table, plus one row of bucket thresholds the kernels compare against
+        width = _pow2(time_bias.shape[1])
+        time_tab = jnp.concatenate(
+            [
+                _pad_last(time_bias.astype(jnp.float32), width),
+                time_thresholds(time_bias.shape[1], width)[None],
+            ]
+        )
+    dqk_p, dv_p = _pow2(dqk), _pow2(dv)
+    out = _attention(
+        _pad_last(q, dqk_p),
+        _pad_last(k, dqk_p),
+        _pad_last(v, dv_p),
+        offsets,
+        targets,
+        ts,
+        pos_tab,
+        time_tab,
+        s=s,
+    )
+    return out[..., :dv]

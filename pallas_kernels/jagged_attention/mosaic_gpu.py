@@ -38,6 +38,7 @@ with the two wgmma calls replaced by plain dots there (interpret=True: the inter
 transposed wgmma operands nor run_state). Numbers come only from the device
 (experiments/bench_mosaic_attention.py).
 """
+
 from __future__ import annotations
 
 import functools
@@ -68,458 +69,558 @@ BRINGUP = {"flat_work": True, "split_staging": True, "flat_gmem": True}
 
 
 def supports(s: Static, q, v) -> bool:
-  """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
-  return (not s.has_pos and not s.has_time and not s.interpret
-          and q.dtype in (jnp.bfloat16, jnp.float16) and v.dtype == q.dtype and q.shape[0] % ALIGN == 0
-          and q.shape[-1] == 128 and v.shape[-1] == 128 and s.activation in ("silu", "softmax"))
+    """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
+    return (
+        not s.has_pos
+        and not s.has_time
+        and not s.interpret
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and v.dtype == q.dtype
+        and q.shape[0] % ALIGN == 0
+        and q.shape[-1] == 128
+        and v.shape[-1] == 128
+        and s.activation in ("silu", "softmax")
+    )
 
 
 def _cast(interpret: bool, x, layout):
-  """plgpu.layout_cast, skipped in the GPU interpreter (which has no layouts)."""
-  return x if interpret else plgpu.layout_cast(x, layout)
+    """plgpu.layout_cast, skipped in the GPU interpreter (which has no layouts)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
 
 
 def _iota(interpret: bool, shape, dim: int):
-  if interpret:
-    return lax.broadcasted_iota(jnp.int32, shape, dim)
-  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
 
 
 def _store_rows(src_smem, dst, nrows, max_rows: int, first=0):
-  """TMA-stores rows [first, first + nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
-  off = 0
-  size = max_rows
-  while size >= 1:
-    @pl.when((nrows & size) != 0)
-    def _(off=off, size=size):
-      plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(first + off, size)], dst(off, size))
+    """TMA-stores rows [first, first + nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
+    off = 0
+    size = max_rows
+    while size >= 1:
 
-    off = off + (nrows & size)
-    size //= 2
+        @pl.when((nrows & size) != 0)
+        def _(off=off, size=size):
+            plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(first + off, size)], dst(off, size))
+
+        off = off + (nrows & size)
+        size //= 2
 
 
-def _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scoped, *, s: Static, heads: int,
-            num_work: int, num_zero: int, block_k: int, stages: int, total_rows: int, interpret: bool,
-            pingpong: bool, num_ctas: int | None, half_diag: bool):
-  wg = lax.axis_index("wg")
-  (q_smem2, o_bufs, k_smem, v_smem, lse_bufs), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-  dv = v_smem.shape[-1]
-  flat = BRINGUP["flat_gmem"]
+def _kernel(
+    work_ref,
+    offsets_ref,
+    targets_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    scoped,
+    *,
+    s: Static,
+    heads: int,
+    num_work: int,
+    num_zero: int,
+    block_k: int,
+    stages: int,
+    total_rows: int,
+    interpret: bool,
+    pingpong: bool,
+    num_ctas: int | None,
+    half_diag: bool,
+):
+    wg = lax.axis_index("wg")
+    (q_smem2, o_bufs, k_smem, v_smem, lse_bufs), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    dv = v_smem.shape[-1]
+    flat = BRINGUP["flat_gmem"]
 
-  def rows_of(ref, row, size, h, d):
-    """[size, d] GMEM window of head h at row (ref is [T, H, d], or [T, H * d] when flat)."""
-    if flat:
-      return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
-    return ref.at[pl.ds(row, size), h]
-
-  def work(k, wc):
-    return work_ref[k * num_work + wc] if BRINGUP["flat_work"] else work_ref[k, wc]
-
-  def staged(bufs, i):
-    """Consumer i's staging buffer: its own allocation (split) or a sub-view of a stacked one."""
-    if bufs is None:
-      return None
-    return bufs[i] if BRINGUP["split_staging"] else bufs.at[i]
-  bq, bk = BLOCK_Q, block_k
-  dtype = q_ref.dtype
-  num_seqs = offsets_ref.shape[0] - 1
-
-  # Items of this CTA: one (head, item) pair per CTA, or (persistent) pairs cta, cta + num_ctas, ... of the
-  # flat list with heads fastest. The K/V ring runs on across items: step g + i of the CTA uses slot
-  # (g + i) % stages, where g counts the key tiles of the CTA's earlier items.
-  if num_ctas is None:
-    num_iters = 1
-
-    def item_of(i):
-      del i
-      return lax.axis_index("heads"), lax.axis_index("items")
-  else:
-    cta = lax.axis_index("sm")
-    num_iters = cdiv_dyn(jnp.maximum((num_work + num_zero) * heads - cta, 0), num_ctas)
-
-    def item_of(i):
-      idx = cta + i * num_ctas
-      return idx % heads, idx // heads
-
-  def info(i):
-    h, w = item_of(i)
-    wc = jnp.minimum(w, num_work - 1)
-    valid = (w < num_work) & (work(2, wc) > 0)
-    b = work(0, wc)
-    start = offsets_ref[b]
-    d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its aligned frame
-    base = start - d  # global row of frame row 0
-    length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
-    first_target = length
-    if s.has_targets:
-      first_target = length - jnp.clip(targets_ref[b], 0, length)
-    tile_lo = work(1, wc) * (COMPUTE_WGS * bq)  # frame row
-    # key tiles the whole CTA needs (the producer's range): the union of both consumers' ranges
-    lo0, hi0 = kv_range(tile_lo, d, length, first_target)
-    lo1, hi1 = kv_range(tile_lo + bq, d, length, first_target)
-    cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
-    cta_hi = jnp.where(valid, jnp.maximum(hi0, hi1), cta_lo)
-    return h, w, valid, base, d, length, first_target, tile_lo, cta_lo, cta_hi
-
-  def kv_range(q_lo, d, length, first_target):
-    """[lo, hi) key tiles that frame rows [q_lo, q_lo + bq) see (lo = hi: no rows of the sequence)."""
-    end = d + length
-    hi = jnp.where((q_lo < end) & (q_lo + bq > d), cdiv_dyn(jnp.minimum(q_lo + bq, end), bk), 0)
-    lo = jnp.int32(0)
-    if s.max_attn_len > 0:
-      lo_col = jnp.maximum(jnp.maximum(q_lo, d) - s.max_attn_len, d)
-      if s.has_targets:  # a tile holding targets sees the whole history
-        lo_col = jnp.where(q_lo + bq > d + first_target, d, lo_col)
-      lo = lo_col // bk
-    return jnp.minimum(lo, hi), hi
-
-  def mask_free(q_lo, d, first_target, lo, hi):
-    """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + bq) sees whole (no mask)."""
-    f_hi = jnp.minimum(q_lo + 1, d + first_target) // bk  # below the diagonal and inside the history
-    f_lo = cdiv_dyn(d, bk)  # frame rows before the sequence (in tile 0 when d > 0) are masked
-    if s.max_attn_len > 0:
-      f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk))
-    f_lo = jnp.clip(f_lo, lo, hi)
-    return f_lo, jnp.clip(f_hi, f_lo, hi)
-
-  def aligned(row):
-    return pl.multiple_of(row, ALIGN)
-
-  def slot_of(g):
-    return lax.rem(g, jnp.int32(stages))
-
-  def sync():
-    # Ping-pong (FA3): both consumers meet here twice per key tile, once after issuing the QK wgmma and
-    # once after the activation, offset by one meeting, so one's activation overlaps the other's wgmmas.
-    if pingpong:
-      plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(sched)
-
-  def load_q(i):
-    """Starts the TMA of this consumer's query rows of the CTA's i-th item (if it is a real tile)."""
-    h, _, valid, base, _, _, _, tile_lo, _, _ = info(i)
-
-    @pl.when(valid & (i < num_iters))
-    def _():
-      q_smem = q_smem2.at[wg]
-      plgpu.copy_gmem_to_smem(rows_of(q_ref, aligned(base + tile_lo + wg * bq), bq, h, q_smem.shape[-1]), q_smem,
-                              q_bar.at[wg])
-
-  def consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g0):
-    # Key tile n of this item sits in ring slot (g0 + n - cta_lo) % stages. This consumer computes tiles
-    # [lo, hi) (masked ones only at the ends) and releases the others of [cta_lo, cta_hi) unread.
-    q_smem = q_smem2.at[wg]
-    q_lo = tile_lo + wg * bq
-    first_row = jnp.clip(d - q_lo, 0, bq)  # this consumer's rows of the sequence: [first_row, last_row)
-    last_row = jnp.clip(d + length - q_lo, 0, bq)
-    lo, hi = kv_range(q_lo, d, length, first_target)
-    lo = jnp.where(hi > lo, lo, cta_lo)
-    hi = jnp.where(hi > lo, hi, cta_lo)
-    f_lo, f_hi = mask_free(q_lo, d, first_target, lo, hi)
-
-    def slot_at(n):
-      return slot_of(g0 + n - cta_lo)
-
-    def drain(n):
-      # The other consumer needs this tile: release our share of its slot, but only once the tile is in
-      # it, so that an early arrival never completes a phase the other consumer still holds.
-      slot = slot_at(n)
-      plgpu.barrier_wait(k_bar.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_wait(v_bar.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
-      sync()
-      sync()
-
-    plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
-    pl.when(wg == 1)(sync)
-    pl.loop(cta_lo, lo)(drain)
-
-    @pl.when(hi > lo)
-    def _():
-      plgpu.barrier_wait(k_bar.at[slot_at(lo)])
-
-    def body(step, carry, masked: bool, width: int = bk):
-      # width < bk: only the first `width` keys of the tile are visible to this consumer (its diagonal
-      # tile when its rows start the tile): half-size QK and PV wgmmas on the leading rows of the slot.
-      slot = slot_at(step)
-      k_tile = k_smem.at[slot] if width == bk else k_smem.at[slot, pl.ds(0, width)]
-      v_tile = v_smem.at[slot] if width == bk else v_smem.at[slot, pl.ds(0, width)]
-
-      def qk_scope(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
-        sync()
-        return acc_ref[...]
-
-      if interpret:  # the GPU interpreter has no transposed wgmma operands: a plain dot of the tiles
-        sc = lax.dot_general(q_smem[...], k_tile[...], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
-        sync()
-      else:
-        sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, width), jnp.float32))
-      plgpu.barrier_arrive(k_free.at[slot])
-      mask = None
-      if masked:
-        rows = (q_lo - d) + _iota(interpret, (bq, width), 0)  # sequence positions
-        cols = (step * bk - d) + _iota(interpret, (bq, width), 1)
-        mask = tiling.allowed_2d(rows, cols, length, first_target, s) & (cols >= 0)
-      if s.activation == "silu":
-        (acc,) = carry
-        half = sc * (0.5 * s.alpha)
-        p = half + half * jnp.tanh(half)
-        if masked:
-          p = jnp.where(mask, p, 0.0)
-        carry_out = ()
-      else:
-        acc, m_i, l_i = carry
-        x = sc * (s.alpha * LOG2E)
-        if masked:
-          x = jnp.where(mask, x, -jnp.inf)
-        m_new = jnp.maximum(m_i, x.max(axis=1))
-        corr = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
-        l_i = l_i * corr + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
-        carry_out = (m_new, l_i)
-      p = p.astype(dtype)
-      if pingpong:
-        acc, p, carry_out = lax.optimization_barrier((acc, p, carry_out))  # activation before the meeting
-        plgpu.barrier_arrive(sched)
-      plgpu.barrier_wait(v_bar.at[slot])
-      if pingpong:
-        plgpu.barrier_wait(sched)
-
-      def wait_next_k():
-        @pl.when(step + 1 < hi)
-        def _():
-          plgpu.barrier_wait(k_bar.at[slot_at(step + 1)])
-
-      def pv_scope(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_tile)
-        wait_next_k()
-
-      if interpret:  # ... and no run_state
-        acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
-        wait_next_k()
-      else:
-        acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-      plgpu.barrier_arrive(v_free.at[slot])
-      return (acc,) + carry_out
-
-    acc = _cast(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
-    if s.activation == "silu":
-      carry = (acc,)
-    else:
-      row_layout = plgpu.Layout.WGMMA.reduce(1)
-      carry = (acc, _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
-               _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout))
-    masked = functools.partial(body, masked=True)
-    carry = lax.fori_loop(lo, f_lo, masked, carry)  # window edge
-    carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
-    if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
-      # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
-      half_ok = jnp.minimum(q_lo + bq, d + length) - (hi - 1) * bk <= bk // 2
-      masked_half = functools.partial(body, masked=True, width=bk // 2)
-
-      def masked_step(step, carry):
-        return lax.cond(half_ok & (step == hi - 1), masked_half, masked, step, carry)
-
-      carry = lax.fori_loop(f_hi, hi, masked_step, carry)  # diagonal, targets, sequence end
-    else:
-      carry = lax.fori_loop(f_hi, hi, masked, carry)
-    pl.loop(hi, cta_hi)(drain)
-    pl.when(wg == 0)(sync)
-    load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
-    if s.activation == "silu":
-      out = carry[0] * (1.0 / s.max_seq_len)
-    else:
-      acc, m_i, l_i = carry
-      l_safe = jnp.where(l_i > 0, l_i, 1.0)
-      out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-    lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if s.activation == "softmax" else None
-    out = out.astype(o_ref.dtype)
-
-    def epilogue(i):
-      o_smem, lse_smem = staged(o_bufs, i), staged(lse_bufs, i)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
-      if lse is not None:
-        lse_smem[...] = lse
-      o_smem[...] = out
-      plgpu.commit_smem()
-      _store_rows(o_smem, lambda off, size: rows_of(o_ref, base + q_lo + first_row + off, size, h, dv),
-                  jnp.maximum(last_row - first_row, 0), bq, first=first_row)
-      if lse is not None:
+    def rows_of(ref, row, size, h, d):
+        """[size, d] GMEM window of head h at row (ref is [T, H, d], or [T, H * d] when flat)."""
         if flat:
-          dst = lse_ref.at[pl.ds(((w * heads + h) * COMPUTE_WGS + i) * bq, bq)]
-        else:
-          dst = lse_ref.at[w, h, pl.ds(i * bq, bq)]
-        plgpu.copy_smem_to_gmem(lse_smem, dst)
+            return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
+        return ref.at[pl.ds(row, size), h]
 
-    if BRINGUP["split_staging"]:  # static buffers: one branch per consumer
-      for i in range(COMPUTE_WGS):
-        pl.when(wg == i)(functools.partial(epilogue, i))
+    def work(k, wc):
+        return work_ref[k * num_work + wc] if BRINGUP["flat_work"] else work_ref[k, wc]
+
+    def staged(bufs, i):
+        """Consumer i's staging buffer: its own allocation (split) or a sub-view of a stacked one."""
+        if bufs is None:
+            return None
+        return bufs[i] if BRINGUP["split_staging"] else bufs.at[i]
+
+    bq, bk = BLOCK_Q, block_k
+    dtype = q_ref.dtype
+    num_seqs = offsets_ref.shape[0] - 1
+
+    # Items of this CTA: one (head, item) pair per CTA, or (persistent) pairs cta, cta + num_ctas, ... of the
+    # flat list with heads fastest. The K/V ring runs on across items: step g + i of the CTA uses slot
+    # (g + i) % stages, where g counts the key tiles of the CTA's earlier items.
+    if num_ctas is None:
+        num_iters = 1
+
+        def item_of(i):
+            del i
+            return lax.axis_index("heads"), lax.axis_index("items")
     else:
-      epilogue(wg)
+        cta = lax.axis_index("sm")
+        num_iters = cdiv_dyn(jnp.maximum((num_work + num_zero) * heads - cta, 0), num_ctas)
 
-  def zero_tail(h, w):
-    o_smem = staged(o_bufs, 0)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
-    plgpu.commit_smem()
-    tail = offsets_ref[num_seqs]
-    for i in range(ZERO_TILES * COMPUTE_WGS):
-      lo = ((w - num_work) * ZERO_TILES * COMPUTE_WGS + i) * bq
-      first = jnp.clip(tail - lo, 0, bq)  # rows [lo, lo + first) are real tokens
-      count = jnp.where(lo < total_rows, bq - first, 0)
-      _store_rows(o_smem, lambda off, size, lo=lo, first=first: rows_of(o_ref, lo + first + off, size, h, dv),
-                  count, bq)
+        def item_of(i):
+            idx = cta + i * num_ctas
+            return idx % heads, idx // heads
 
-  @pl.when(wg < COMPUTE_WGS)
-  def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    def info(i):
+        h, w = item_of(i)
+        wc = jnp.minimum(w, num_work - 1)
+        valid = (w < num_work) & (work(2, wc) > 0)
+        b = work(0, wc)
+        start = offsets_ref[b]
+        d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its aligned frame
+        base = start - d  # global row of frame row 0
+        length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+        first_target = length
+        if s.has_targets:
+            first_target = length - jnp.clip(targets_ref[b], 0, length)
+        tile_lo = work(1, wc) * (COMPUTE_WGS * bq)  # frame row
+        # key tiles the whole CTA needs (the producer's range): the union of both consumers' ranges
+        lo0, hi0 = kv_range(tile_lo, d, length, first_target)
+        lo1, hi1 = kv_range(tile_lo + bq, d, length, first_target)
+        cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
+        cta_hi = jnp.where(valid, jnp.maximum(hi0, hi1), cta_lo)
+        return h, w, valid, base, d, length, first_target, tile_lo, cta_lo, cta_hi
 
-    def one(i, g):
-      h, w, valid, base, d, length, first_target, tile_lo, cta_lo, cta_hi = info(i)
-      pl.when(valid)(lambda: consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g))
-      pl.when((w >= num_work) & (wg == 0))(lambda: zero_tail(h, w))
-      return g + cta_hi - cta_lo
+    def kv_range(q_lo, d, length, first_target):
+        """[lo, hi) key tiles that frame rows [q_lo, q_lo + bq) see (lo = hi: no rows of the sequence)."""
+        end = d + length
+        hi = jnp.where((q_lo < end) & (q_lo + bq > d), cdiv_dyn(jnp.minimum(q_lo + bq, end), bk), 0)
+        lo = jnp.int32(0)
+        if s.max_attn_len > 0:
+            lo_col = jnp.maximum(jnp.maximum(q_lo, d) - s.max_attn_len, d)
+            if s.has_targets:  # a tile holding targets sees the whole history
+                lo_col = jnp.where(q_lo + bq > d + first_target, d, lo_col)
+            lo = lo_col // bk
+        return jnp.minimum(lo, hi), hi
 
-    load_q(0)
-    lax.fori_loop(0, num_iters, one, jnp.int32(0))
-    plgpu.wait_smem_to_gmem(0)
+    def mask_free(q_lo, d, first_target, lo, hi):
+        """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + bq) sees whole (no mask)."""
+        f_hi = jnp.minimum(q_lo + 1, d + first_target) // bk  # below the diagonal and inside the history
+        f_lo = cdiv_dyn(d, bk)  # frame rows before the sequence (in tile 0 when d > 0) are masked
+        if s.max_attn_len > 0:
+            f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk))
+        f_lo = jnp.clip(f_lo, lo, hi)
+        return f_lo, jnp.clip(f_hi, f_lo, hi)
 
-  @pl.when(wg == COMPUTE_WGS)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    def aligned(row):
+        return pl.multiple_of(row, ALIGN)
 
-    def one(i, g):
-      h, _, _, base, _, _, _, _, cta_lo, cta_hi = info(i)
+    def slot_of(g):
+        return lax.rem(g, jnp.int32(stages))
 
-      @pl.loop(cta_lo, cta_hi)
-      def _(n):
-        j = g + n - cta_lo  # the CTA's running key-tile count
-        slot = slot_of(j)
+    def sync():
+        # Ping-pong (FA3): both consumers meet here twice per key tile, once after issuing the QK wgmma and
+        # once after the activation, offset by one meeting, so one's activation overlaps the other's wgmmas.
+        if pingpong:
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
 
-        @pl.when(j >= stages)
+    def load_q(i):
+        """Starts the TMA of this consumer's query rows of the CTA's i-th item (if it is a real tile)."""
+        h, _, valid, base, _, _, _, tile_lo, _, _ = info(i)
+
+        @pl.when(valid & (i < num_iters))
         def _():
-          plgpu.barrier_wait(k_free.at[slot])
+            q_smem = q_smem2.at[wg]
+            plgpu.copy_gmem_to_smem(
+                rows_of(q_ref, aligned(base + tile_lo + wg * bq), bq, h, q_smem.shape[-1]),
+                q_smem,
+                q_bar.at[wg],
+            )
 
-        plgpu.copy_gmem_to_smem(rows_of(k_ref, aligned(base + n * bk), bk, h, k_smem.shape[-1]), k_smem.at[slot],
-                                k_bar.at[slot])
+    def consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g0):
+        # Key tile n of this item sits in ring slot (g0 + n - cta_lo) % stages. This consumer computes tiles
+        # [lo, hi) (masked ones only at the ends) and releases the others of [cta_lo, cta_hi) unread.
+        q_smem = q_smem2.at[wg]
+        q_lo = tile_lo + wg * bq
+        first_row = jnp.clip(d - q_lo, 0, bq)  # this consumer's rows of the sequence: [first_row, last_row)
+        last_row = jnp.clip(d + length - q_lo, 0, bq)
+        lo, hi = kv_range(q_lo, d, length, first_target)
+        lo = jnp.where(hi > lo, lo, cta_lo)
+        hi = jnp.where(hi > lo, hi, cta_lo)
+        f_lo, f_hi = mask_free(q_lo, d, first_target, lo, hi)
 
-        @pl.when(j >= stages)
+        def slot_at(n):
+            return slot_of(g0 + n - cta_lo)
+
+        def drain(n):
+            # The other consumer needs this tile: release our share of its slot, but only once the tile is in
+            # it, so that an early arrival never completes a phase the other consumer still holds.
+            slot = slot_at(n)
+            plgpu.barrier_wait(k_bar.at[slot])
+            plgpu.barrier_arrive(k_free.at[slot])
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_arrive(v_free.at[slot])
+            sync()
+            sync()
+
+        plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
+        pl.when(wg == 1)(sync)
+        pl.loop(cta_lo, lo)(drain)
+
+        @pl.when(hi > lo)
         def _():
-          plgpu.barrier_wait(v_free.at[slot])
+            plgpu.barrier_wait(k_bar.at[slot_at(lo)])
 
-        plgpu.copy_gmem_to_smem(rows_of(v_ref, aligned(base + n * bk), bk, h, dv), v_smem.at[slot],
-                                v_bar.at[slot])
+        def body(step, carry, masked: bool, width: int = bk):
+            # width < bk: only the first `width` keys of the tile are visible to this consumer (its diagonal
+            # tile when its rows start the tile): half-size QK and PV wgmmas on the leading rows of the slot.
+            slot = slot_at(step)
+            k_tile = k_smem.at[slot] if width == bk else k_smem.at[slot, pl.ds(0, width)]
+            v_tile = v_smem.at[slot] if width == bk else v_smem.at[slot, pl.ds(0, width)]
 
-      return g + cta_hi - cta_lo
+            def qk_scope(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
+                sync()
+                return acc_ref[...]
 
-    g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+            if interpret:  # the GPU interpreter has no transposed wgmma operands: a plain dot of the tiles
+                sc = lax.dot_general(
+                    q_smem[...], k_tile[...], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
+                sync()
+            else:
+                sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, width), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            mask = None
+            if masked:
+                rows = (q_lo - d) + _iota(interpret, (bq, width), 0)  # sequence positions
+                cols = (step * bk - d) + _iota(interpret, (bq, width), 1)
+                mask = tiling.allowed_2d(rows, cols, length, first_target, s) & (cols >= 0)
+            if s.activation == "silu":
+                (acc,) = carry
+                half = sc * (0.5 * s.alpha)
+                p = half + half * jnp.tanh(half)
+                if masked:
+                    p = jnp.where(mask, p, 0.0)
+                carry_out = ()
+            else:
+                acc, m_i, l_i = carry
+                x = sc * (s.alpha * LOG2E)
+                if masked:
+                    x = jnp.where(mask, x, -jnp.inf)
+                m_new = jnp.maximum(m_i, x.max(axis=1))
+                corr = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+                l_i = l_i * corr + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
+                carry_out = (m_new, l_i)
+            p = p.astype(dtype)
+            if pingpong:
+                acc, p, carry_out = lax.optimization_barrier(
+                    (acc, p, carry_out)
+                )  # activation before the meeting
+                plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(sched)
 
-    @pl.loop(jnp.maximum(g - stages, 0), g)
-    def _(step):  # observe the last releases too: the barriers then end in a consistent phase
-      plgpu.barrier_wait(k_free.at[slot_of(step)])
-      plgpu.barrier_wait(v_free.at[slot_of(step)])
+            def wait_next_k():
+                @pl.when(step + 1 < hi)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[slot_at(step + 1)])
+
+            def pv_scope(acc_ref):
+                plgpu.wgmma(acc_ref, p, v_tile)
+                wait_next_k()
+
+            if interpret:  # ... and no run_state
+                acc = acc + jnp.dot(p, v_tile[...], preferred_element_type=jnp.float32)
+                wait_next_k()
+            else:
+                acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return (acc,) + carry_out
+
+        acc = _cast(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
+        if s.activation == "silu":
+            carry = (acc,)
+        else:
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+            carry = (
+                acc,
+                _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
+                _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout),
+            )
+        masked = functools.partial(body, masked=True)
+        carry = lax.fori_loop(lo, f_lo, masked, carry)  # window edge
+        carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
+        if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
+            # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
+            half_ok = jnp.minimum(q_lo + bq, d + length) - (hi - 1) * bk <= bk // 2
+            masked_half = functools.partial(body, masked=True, width=bk // 2)
+
+            def masked_step(step, carry):
+                return lax.cond(half_ok & (step == hi - 1), masked_half, masked, step, carry)
+
+            carry = lax.fori_loop(f_hi, hi, masked_step, carry)  # diagonal, targets, sequence end
+        else:
+            carry = lax.fori_loop(f_hi, hi, masked, carry)
+        pl.loop(hi, cta_hi)(drain)
+        pl.when(wg == 0)(sync)
+        load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
+        if s.activation == "silu":
+            out = carry[0] * (1.0 / s.max_seq_len)
+        else:
+            acc, m_i, l_i = carry
+            l_safe = jnp.where(l_i > 0, l_i, 1.0)
+            out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+        lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if s.activation == "softmax" else None
+        out = out.astype(o_ref.dtype)
+
+        def epilogue(i):
+            o_smem, lse_smem = staged(o_bufs, i), staged(lse_bufs, i)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
+            if lse is not None:
+                lse_smem[...] = lse
+            o_smem[...] = out
+            plgpu.commit_smem()
+            _store_rows(
+                o_smem,
+                lambda off, size: rows_of(o_ref, base + q_lo + first_row + off, size, h, dv),
+                jnp.maximum(last_row - first_row, 0),
+                bq,
+                first=first_row,
+            )
+            if lse is not None:
+                if flat:
+                    dst = lse_ref.at[pl.ds(((w * heads + h) * COMPUTE_WGS + i) * bq, bq)]
+                else:
+                    dst = lse_ref.at[w, h, pl.ds(i * bq, bq)]
+                plgpu.copy_smem_to_gmem(lse_smem, dst)
+
+        if BRINGUP["split_staging"]:  # static buffers: one branch per consumer
+            for i in range(COMPUTE_WGS):
+                pl.when(wg == i)(functools.partial(epilogue, i))
+        else:
+            epilogue(wg)
+
+    def zero_tail(h, w):
+        o_smem = staged(o_bufs, 0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+        tail = offsets_ref[num_seqs]
+        for i in range(ZERO_TILES * COMPUTE_WGS):
+            lo = ((w - num_work) * ZERO_TILES * COMPUTE_WGS + i) * bq
+            first = jnp.clip(tail - lo, 0, bq)  # rows [lo, lo + first) are real tokens
+            count = jnp.where(lo < total_rows, bq - first, 0)
+            _store_rows(
+                o_smem,
+                lambda off, size, lo=lo, first=first: rows_of(o_ref, lo + first + off, size, h, dv),
+                count,
+                bq,
+            )
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+
+        def one(i, g):
+            h, w, valid, base, d, length, first_target, tile_lo, cta_lo, cta_hi = info(i)
+            pl.when(valid)(
+                lambda: consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g)
+            )
+            pl.when((w >= num_work) & (wg == 0))(lambda: zero_tail(h, w))
+            return g + cta_hi - cta_lo
+
+        load_q(0)
+        lax.fori_loop(0, num_iters, one, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def one(i, g):
+            h, _, _, base, _, _, _, _, cta_lo, cta_hi = info(i)
+
+            @pl.loop(cta_lo, cta_hi)
+            def _(n):
+                j = g + n - cta_lo  # the CTA's running key-tile count
+                slot = slot_of(j)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(k_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(
+                    rows_of(k_ref, aligned(base + n * bk), bk, h, k_smem.shape[-1]),
+                    k_smem.at[slot],
+                    k_bar.at[slot],
+                )
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(v_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(
+                    rows_of(v_ref, aligned(base + n * bk), bk, h, dv), v_smem.at[slot], v_bar.at[slot]
+                )
+
+            return g + cta_hi - cta_lo
+
+        g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+
+        @pl.loop(jnp.maximum(g - stages, 0), g)
+        def _(step):  # observe the last releases too: the barriers then end in a consistent phase
+            plgpu.barrier_wait(k_free.at[slot_of(step)])
+            plgpu.barrier_wait(v_free.at[slot_of(step)])
 
 
 def cdiv_dyn(a, b: int):
-  return (a + b - 1) // b
+    return (a + b - 1) // b
 
 
 def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_len: int):
-  """[H, T] natural-log lse from the kernel's tile-major [items, H, tile] buffer (0 for rows not computed).
+    """[H, T] natural-log lse from the kernel's tile-major [items, H, tile] buffer (0 for rows not computed).
 
-  The buffer is indexed by frame row (sequence position + offsets[b] % ALIGN), as the kernel's tiles are.
-  """
-  tile = lse_tiles.shape[-1]
-  n_max = cdiv(max_seq_len + ALIGN - 1, tile)
-  b = offsets.shape[0] - 1
-  item_of = jnp.zeros((b * n_max,), jnp.int32).at[work[0] * n_max + work[1]].set(
-      jnp.where(work[2] > 0, jnp.arange(num_work, dtype=jnp.int32), 0))
-  rows = jnp.arange(total_rows, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1, 0, b - 1)
-  pos = rows - offsets[seq]
-  ok = (rows < offsets[b]) & (pos < max_seq_len)
-  fpos = pos + offsets[seq] % ALIGN
-  item = item_of[seq * n_max + jnp.clip(fpos // tile, 0, n_max - 1)]
-  lse = lse_tiles[item, :, fpos % tile]  # [T, H]
-  return jnp.where(ok[:, None], lse, 0.0).T
-
-
-def forward_mosaic_gpu(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static, *, block_k: int = 128,
-                       stages: int = 2, pingpong: bool = True, num_ctas: int | None = NUM_SMS,
-                       half_diag: bool = False, interpret: bool = False):
-  """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
-  del ts, pos_tab, time_tab  # no relative bias (supports() says so)
-  t, heads, dqk = q.shape
-  if not s.has_targets:
-    targets = jnp.zeros((1,), jnp.int32)
-  dv = v.shape[-1]
-  tile = COMPUTE_WGS * BLOCK_Q
-  if t % ALIGN:
-    raise ValueError(f"the Mosaic GPU kernel needs a token capacity T that is a multiple of {ALIGN}, got {t}")
-  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-  # tiles of each sequence's aligned frame: frame length L + offsets[b] % ALIGN (at most ALIGN - 1 more rows
-  # per sequence, hence the larger static bounds)
-  frame = jnp.where(lengths > 0, lengths + offsets[:-1] % ALIGN, 0)
-  wb, wm, wv, num_work = tiling.work_list(frame, tile, s.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0],
-                                          "query")
-  work = jnp.stack([wb, wm, wv])
-  num_zero = cdiv(t, ZERO_TILES * tile)
-  softmax = s.activation == "softmax"
-  flat = BRINGUP["flat_gmem"]
-  split = BRINGUP["split_staging"]
-
-  def entry(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
-    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-    def staging(shape, dtype):
-      if split:
-        return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
-      return plgpu.SMEM((COMPUTE_WGS,) + shape, dtype)
-
-    smem = (
-        plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dqk), q.dtype, transforms=swz),
-        staging((BLOCK_Q, dv), v.dtype),
-        plgpu.SMEM((stages, block_k, dqk), k.dtype, transforms=swz),
-        plgpu.SMEM((stages, block_k, dv), v.dtype, transforms=swz),
-        staging((BLOCK_Q,), jnp.float32) if softmax else None,
+    The buffer is indexed by frame row (sequence position + offsets[b] % ALIGN), as the kernel's tiles are.
+    """
+    tile = lse_tiles.shape[-1]
+    n_max = cdiv(max_seq_len + ALIGN - 1, tile)
+    b = offsets.shape[0] - 1
+    item_of = (
+        jnp.zeros((b * n_max,), jnp.int32)
+        .at[work[0] * n_max + work[1]]
+        .set(jnp.where(work[2] > 0, jnp.arange(num_work, dtype=jnp.int32), 0))
     )
-    loaded = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-              plgpu.Barrier(num_barriers=COMPUTE_WGS))
-    freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
-    sched = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
-    pl.run_scoped(
-        lambda *sc: _kernel(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, sc, s=s,
-                            heads=heads,
-                            num_work=num_work, num_zero=num_zero, block_k=block_k, stages=stages,
-                            total_rows=t, interpret=interpret, pingpong=pingpong, num_ctas=num_ctas,
-                            half_diag=half_diag),
-        smem, loaded, freed, sched, collective_axes="wg")
+    rows = jnp.arange(total_rows, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1, 0, b - 1)
+    pos = rows - offsets[seq]
+    ok = (rows < offsets[b]) & (pos < max_seq_len)
+    fpos = pos + offsets[seq] % ALIGN
+    item = item_of[seq * n_max + jnp.clip(fpos // tile, 0, n_max - 1)]
+    lse = lse_tiles[item, :, fpos % tile]  # [T, H]
+    return jnp.where(ok[:, None], lse, 0.0).T
 
-  lse_shape = (num_work if softmax else 1, heads, tile)
-  if flat:
-    lse_shape = (math.prod(lse_shape),)
-  o_shape = (t, heads * dv) if flat else (t, heads, dv)
-  ins = (work.reshape(-1) if BRINGUP["flat_work"] else work, offsets, targets.astype(jnp.int32))
-  ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)) if flat else (q, k, v)
-  # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
-  # that zero rows past offsets[B]; or (persistent) NUM_SMS CTAs walking that list. Three warpgroups per
-  # CTA: two consumers, one TMA producer.
-  o, lse_tiles = plgpu.kernel(
-      entry,
-      out_type=(jax.ShapeDtypeStruct(o_shape, v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
-      grid=(heads, num_work + num_zero) if num_ctas is None else (num_ctas,),
-      grid_names=("heads", "items") if num_ctas is None else ("sm",),
-      num_threads=COMPUTE_WGS + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-  )(*ins)
-  o = o.reshape(t, heads, dv)
-  if softmax:
-    lse = _tile_lse(lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, s.max_seq_len)
-  else:
-    lse = jnp.zeros((heads, t), jnp.float32)
-  return o, lse
+
+def forward_mosaic_gpu(
+    q,
+    k,
+    v,
+    offsets,
+    targets,
+    ts,
+    pos_tab,
+    time_tab,
+    s: Static,
+    *,
+    block_k: int = 128,
+    stages: int = 2,
+    pingpong: bool = True,
+    num_ctas: int | None = NUM_SMS,
+    half_diag: bool = False,
+    interpret: bool = False,
+):
+    """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
+    del ts, pos_tab, time_tab  # no relative bias (supports() says so)
+    t, heads, dqk = q.shape
+    if not s.has_targets:
+        targets = jnp.zeros((1,), jnp.int32)
+    dv = v.shape[-1]
+    tile = COMPUTE_WGS * BLOCK_Q
+    if t % ALIGN:
+        raise ValueError(
+            f"the Mosaic GPU kernel needs a token capacity T that is a multiple of {ALIGN}, got {t}"
+        )
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    # tiles of each sequence's aligned frame: frame length L + offsets[b] % ALIGN (at most ALIGN - 1 more rows
+    # per sequence, hence the larger static bounds)
+    frame = jnp.where(lengths > 0, lengths + offsets[:-1] % ALIGN, 0)
+    wb, wm, wv, num_work = tiling.work_list(
+        frame, tile, s.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0], "query"
+    )
+    work = jnp.stack([wb, wm, wv])
+    num_zero = cdiv(t, ZERO_TILES * tile)
+    softmax = s.activation == "softmax"
+    flat = BRINGUP["flat_gmem"]
+    split = BRINGUP["split_staging"]
+
+    def entry(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+        swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+        def staging(shape, dtype):
+            if split:
+                return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
+            return plgpu.SMEM((COMPUTE_WGS,) + shape, dtype)
+
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dqk), q.dtype, transforms=swz),
+            staging((BLOCK_Q, dv), v.dtype),
+            plgpu.SMEM((stages, block_k, dqk), k.dtype, transforms=swz),
+            plgpu.SMEM((stages, block_k, dv), v.dtype, transforms=swz),
+            staging((BLOCK_Q,), jnp.float32) if softmax else None,
+        )
+        loaded = (
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        )
+        freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+        sched = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
+        pl.run_scoped(
+            lambda *sc: _kernel(
+                work_ref,
+                offsets_ref,
+                targets_ref,
+                q_ref,
+                k_ref,
+                v_ref,
+                o_ref,
+                lse_ref,
+                sc,
+                s=s,
+                heads=heads,
+                num_work=num_work,
+                num_zero=num_zero,
+                block_k=block_k,
+                stages=stages,
+                total_rows=t,
+                interpret=interpret,
+                pingpong=pingpong,
+                num_ctas=num_ctas,
+                half_diag=half_diag,
+            ),
+            smem,
+            loaded,
+            freed,
+            sched,
+            collective_axes="wg",
+        )
+
+    lse_shape = (num_work if softmax else 1, heads, tile)
+    if flat:
+        lse_shape = (math.prod(lse_shape),)
+    o_shape = (t, heads * dv) if flat else (t, heads, dv)
+    ins = (work.reshape(-1) if BRINGUP["flat_work"] else work, offsets, targets.astype(jnp.int32))
+    ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)) if flat else (q, k, v)
+    # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
+    # that zero rows past offsets[B]; or (persistent) NUM_SMS CTAs walking that list. Three warpgroups per
+    # CTA: two consumers, one TMA producer.
+    o, lse_tiles = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(o_shape, v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+        grid=(heads, num_work + num_zero) if num_ctas is None else (num_ctas,),
+        grid_names=("heads", "items") if num_ctas is None else ("sm",),
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(*ins)
+    o = o.reshape(t, heads, dv)
+    if softmax:
+        lse = _tile_lse(lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, s.max_seq_len)
+    else:
+        lse = jnp.zeros((heads, t), jnp.float32)
+    return o, lse

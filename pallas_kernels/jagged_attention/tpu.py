@@ -15,6 +15,7 @@ bucket (same loops) into per-(head, query tile) histogram rows, which the wrappe
 
 No TPU was available: this kernel is validated only in TPU interpret mode (pltpu.InterpretParams).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,397 +35,476 @@ NEG_INF = -1e30
 
 
 def _layout(offsets, targets, t: int, s: Static):
-  """Tile tables (all int32) for the tile-major layout; see module docstring."""
-  bt = s.blocks.block_q
-  b = offsets.shape[0] - 1
-  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-  first_target = lengths - jnp.clip(targets, 0, lengths) if s.has_targets else lengths
-  ntiles = (lengths + bt - 1) // bt
-  tile_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ntiles)[:-1]]).astype(jnp.int32)
-  num_tiles = min(cdiv(t, bt) + b, b * cdiv(s.max_seq_len, bt))
-  idx = jnp.arange(num_tiles, dtype=jnp.int32)
-  valid = idx < jnp.sum(ntiles)
-  tile_b = jnp.clip(jnp.searchsorted(jnp.cumsum(ntiles), idx, side="right"), 0, b - 1).astype(jnp.int32)
-  tile_m = jnp.where(valid, idx - tile_start[tile_b], 0)
-  length = jnp.where(valid, lengths[tile_b], 0)
-  ft = first_target[tile_b]
-  lo_row = tile_m * bt
-  # key tiles a query tile sees: [kv_lo, kv_hi) (absolute tile indices)
-  kv_lo_row = jnp.zeros_like(lo_row)
-  if s.max_attn_len > 0:
-    kv_lo_row = jnp.maximum(lo_row - s.max_attn_len, 0)
+    """Tile tables (all int32) for the tile-major layout; see module docstring."""
+    bt = s.blocks.block_q
+    b = offsets.shape[0] - 1
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    first_target = lengths - jnp.clip(targets, 0, lengths) if s.has_targets else lengths
+    ntiles = (lengths + bt - 1) // bt
+    tile_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ntiles)[:-1]]).astype(jnp.int32)
+    num_tiles = min(cdiv(t, bt) + b, b * cdiv(s.max_seq_len, bt))
+    idx = jnp.arange(num_tiles, dtype=jnp.int32)
+    valid = idx < jnp.sum(ntiles)
+    tile_b = jnp.clip(jnp.searchsorted(jnp.cumsum(ntiles), idx, side="right"), 0, b - 1).astype(jnp.int32)
+    tile_m = jnp.where(valid, idx - tile_start[tile_b], 0)
+    length = jnp.where(valid, lengths[tile_b], 0)
+    ft = first_target[tile_b]
+    lo_row = tile_m * bt
+    # key tiles a query tile sees: [kv_lo, kv_hi) (absolute tile indices)
+    kv_lo_row = jnp.zeros_like(lo_row)
+    if s.max_attn_len > 0:
+        kv_lo_row = jnp.maximum(lo_row - s.max_attn_len, 0)
+        if s.has_targets:
+            kv_lo_row = jnp.where(lo_row + bt > ft, 0, kv_lo_row)
+    kv_hi_row = jnp.minimum(lo_row + bt, length)
+    base = tile_start[tile_b]
+    kv_lo = base + kv_lo_row // bt
+    kv_hi = jnp.where(valid, base + (kv_hi_row + bt - 1) // bt, kv_lo)
+    # query tiles that see a key tile: [q_lo, q_hi)
+    q_hi_row = length
+    if s.max_attn_len > 0 and not s.has_targets:
+        q_hi_row = jnp.minimum(length, lo_row + bt + s.max_attn_len)
     if s.has_targets:
-      kv_lo_row = jnp.where(lo_row + bt > ft, 0, kv_lo_row)
-  kv_hi_row = jnp.minimum(lo_row + bt, length)
-  base = tile_start[tile_b]
-  kv_lo = base + kv_lo_row // bt
-  kv_hi = jnp.where(valid, base + (kv_hi_row + bt - 1) // bt, kv_lo)
-  # query tiles that see a key tile: [q_lo, q_hi)
-  q_hi_row = length
-  if s.max_attn_len > 0 and not s.has_targets:
-    q_hi_row = jnp.minimum(length, lo_row + bt + s.max_attn_len)
-  if s.has_targets:
-    q_hi_row = jnp.where(lo_row >= ft, jnp.minimum(q_hi_row, lo_row + bt), q_hi_row)
-  q_lo = idx
-  q_hi = jnp.where(valid, base + (q_hi_row + bt - 1) // bt, q_lo)
-  rows = offsets[tile_b][:, None] + lo_row[:, None] + jnp.arange(bt, dtype=jnp.int32)[None, :]
-  row_ok = (lo_row[:, None] + jnp.arange(bt)[None, :]) < length[:, None]
-  tables = dict(tile_m=tile_m, length=length, first_target=ft.astype(jnp.int32), base=base,
-                kv_lo=kv_lo.astype(jnp.int32), kv_hi=kv_hi.astype(jnp.int32), q_lo=q_lo, q_hi=q_hi.astype(jnp.int32))
-  return tables, rows, row_ok, num_tiles
+        q_hi_row = jnp.where(lo_row >= ft, jnp.minimum(q_hi_row, lo_row + bt), q_hi_row)
+    q_lo = idx
+    q_hi = jnp.where(valid, base + (q_hi_row + bt - 1) // bt, q_lo)
+    rows = offsets[tile_b][:, None] + lo_row[:, None] + jnp.arange(bt, dtype=jnp.int32)[None, :]
+    row_ok = (lo_row[:, None] + jnp.arange(bt)[None, :]) < length[:, None]
+    tables = dict(
+        tile_m=tile_m,
+        length=length,
+        first_target=ft.astype(jnp.int32),
+        base=base,
+        kv_lo=kv_lo.astype(jnp.int32),
+        kv_hi=kv_hi.astype(jnp.int32),
+        q_lo=q_lo,
+        q_hi=q_hi.astype(jnp.int32),
+    )
+    return tables, rows, row_ok, num_tiles
 
 
 def _to_tiles(x, rows, row_ok):
-  """[T, H, D] -> [H, tiles, block, D], zero past each sequence end."""
-  xt = jnp.take(x, jnp.where(row_ok, rows, 0), axis=0)
-  xt = jnp.where(row_ok[:, :, None, None], xt, 0)
-  return jnp.transpose(xt, (2, 0, 1, 3))
+    """[T, H, D] -> [H, tiles, block, D], zero past each sequence end."""
+    xt = jnp.take(x, jnp.where(row_ok, rows, 0), axis=0)
+    xt = jnp.where(row_ok[:, :, None, None], xt, 0)
+    return jnp.transpose(xt, (2, 0, 1, 3))
 
 
 def _ts_tiles(ts, rows, row_ok):
-  """int32[T] timestamps -> ([tiles, block, 1] query-side columns, [tiles, 1, block] key-side rows)."""
-  tt = jnp.where(row_ok, jnp.take(ts.astype(jnp.int32), jnp.where(row_ok, rows, 0), axis=0), 0)
-  return tt[:, :, None], tt[:, None, :]
+    """int32[T] timestamps -> ([tiles, block, 1] query-side columns, [tiles, 1, block] key-side rows)."""
+    tt = jnp.where(row_ok, jnp.take(ts.astype(jnp.int32), jnp.where(row_ok, rows, 0), axis=0), 0)
+    return tt[:, :, None], tt[:, None, :]
 
 
 def _from_tiles(xt, offsets, t: int, s: Static):
-  """[H, tiles, block, D] -> [T, H, D] (zeros past offsets[B] and past max_seq_len in a sequence)."""
-  bt = s.blocks.block_q
-  b = offsets.shape[0] - 1
-  lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-  ntiles = (lengths + bt - 1) // bt
-  tile_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ntiles)[:-1]])
-  tok = jnp.arange(t, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(offsets, tok, side="right") - 1, 0, b - 1)
-  pos = tok - offsets[seq]
-  ok = (tok < offsets[-1]) & (pos < lengths[seq])
-  tile = jnp.where(ok, tile_start[seq] + pos // bt, 0)
-  out = xt[:, tile, jnp.where(ok, pos % bt, 0)]  # [H, T, D]
-  return jnp.where(ok[None, :, None], out, 0).transpose(1, 0, 2)
+    """[H, tiles, block, D] -> [T, H, D] (zeros past offsets[B] and past max_seq_len in a sequence)."""
+    bt = s.blocks.block_q
+    b = offsets.shape[0] - 1
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    ntiles = (lengths + bt - 1) // bt
+    tile_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(ntiles)[:-1]])
+    tok = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(offsets, tok, side="right") - 1, 0, b - 1)
+    pos = tok - offsets[seq]
+    ok = (tok < offsets[-1]) & (pos < lengths[seq])
+    tile = jnp.where(ok, tile_start[seq] + pos // bt, 0)
+    out = xt[:, tile, jnp.where(ok, pos % bt, 0)]  # [H, T, D]
+    return jnp.where(ok[None, :, None], out, 0).transpose(1, 0, 2)
 
 
 _TABLES = ("tile_m", "length", "first_target", "base", "kv_lo", "kv_hi", "q_lo", "q_hi")
 
 
 def _tab(refs, name, i):
-  return refs[_TABLES.index(name)][i]
+    return refs[_TABLES.index(name)][i]
 
 
 def _positions(refs, i, other_tile, s: Static, bt: int):
-  """2-D row/col positions (within the sequence) of query tile i against tile other_tile."""
-  r = _tab(refs, "tile_m", i) * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-  c = (other_tile - _tab(refs, "base", i)) * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
-  return r, c
+    """2-D row/col positions (within the sequence) of query tile i against tile other_tile."""
+    r = _tab(refs, "tile_m", i) * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+    c = (other_tile - _tab(refs, "base", i)) * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+    return r, c
 
 
 def _pad128(n: int) -> int:
-  return cdiv(n, 128) * 128
+    return cdiv(n, 128) * 128
 
 
 def _bias_inputs(pos, time, ts_rows, ts_cols, rows_side: str, cols_side: str):
-  """(arrays, spec kinds) of the bias inputs a kernel needs: flat tables in SMEM, timestamps as tiles."""
-  arrays, kinds = [], []
-  for x, kind in ((pos, "smem"), (time, "smem"), (ts_rows, rows_side), (ts_cols, cols_side)):
-    if x is not None:
-      arrays.append(x.reshape(-1).astype(jnp.float32) if kind == "smem" else x)
-      kinds.append(kind)
-  return arrays, kinds
+    """(arrays, spec kinds) of the bias inputs a kernel needs: flat tables in SMEM, timestamps as tiles."""
+    arrays, kinds = [], []
+    for x, kind in ((pos, "smem"), (time, "smem"), (ts_rows, rows_side), (ts_cols, cols_side)):
+        if x is not None:
+            arrays.append(x.reshape(-1).astype(jnp.float32) if kind == "smem" else x)
+            kinds.append(kind)
+    return arrays, kinds
 
 
 def _split_bias(refs, s: Static):
-  """(pos_ref, time_ref, ts_rows_ref, ts_cols_ref) (None where absent), rest of the refs."""
-  have = (s.has_pos, s.has_time, s.has_time, s.has_time)
-  out, n = [], 0
-  for h in have:
-    out.append(refs[n] if h else None)
-    n += int(h)
-  return out, refs[n:]
+    """(pos_ref, time_ref, ts_rows_ref, ts_cols_ref) (None where absent), rest of the refs."""
+    have = (s.has_pos, s.has_time, s.has_time, s.has_time)
+    out, n = [], 0
+    for h in have:
+        out.append(refs[n] if h else None)
+        n += int(h)
+    return out, refs[n:]
 
 
 def _bias(bias_refs, h, rm, cm, r, c, mask, s: Static, bt: int):
-  """float32 [bt, bt] relative bias of query tile rm against key tile cm (tile indices within the sequence).
+    """float32 [bt, bt] relative bias of query tile rm against key tile cm (tile indices within the sequence).
 
-  Returns (bias, pos bucket, its [lo, hi] range, time bucket, its [lo, hi] range); buckets are None when
-  the table is absent. Only bucket values the tile can hold are visited (no vector gather on the TPU).
-  """
-  pos_ref, time_ref, tsr_ref, tsc_ref = bias_refs
-  bias = jnp.zeros((bt, bt), jnp.float32)
-  pb = prange = tb = trange = None
-  if s.has_pos:
-    last = s.num_pos - 1
-    pb = jnp.clip(r - c, 0, last)
-    d = (rm - cm) * bt  # i - j of the tiles' first rows; cells span d - (bt - 1) .. d + (bt - 1)
-    prange = (jnp.clip(d - (bt - 1), 0, last), jnp.clip(d + (bt - 1), 0, last))
-    base = h * s.num_pos
-    bias = lax.fori_loop(prange[0], prange[1] + 1, lambda t, b: jnp.where(pb == t, pos_ref[base + t], b), bias)
-  if s.has_time:
-    last = s.num_time - 1
-    tb = tiling.time_bucket(tsr_ref[...] - tsc_ref[...], s.num_time)
-    trange = (jnp.min(jnp.where(mask, tb, last)), jnp.max(jnp.where(mask, tb, 0)))  # empty if no allowed cell
-    base = h * s.num_time
-    bias = lax.fori_loop(trange[0], trange[1] + 1,
-                         lambda t, b: jnp.where(tb == t, b + time_ref[base + t], b), bias)
-  return bias, pb, prange, tb, trange
+    Returns (bias, pos bucket, its [lo, hi] range, time bucket, its [lo, hi] range); buckets are None when
+    the table is absent. Only bucket values the tile can hold are visited (no vector gather on the TPU).
+    """
+    pos_ref, time_ref, tsr_ref, tsc_ref = bias_refs
+    bias = jnp.zeros((bt, bt), jnp.float32)
+    pb = prange = tb = trange = None
+    if s.has_pos:
+        last = s.num_pos - 1
+        pb = jnp.clip(r - c, 0, last)
+        d = (rm - cm) * bt  # i - j of the tiles' first rows; cells span d - (bt - 1) .. d + (bt - 1)
+        prange = (jnp.clip(d - (bt - 1), 0, last), jnp.clip(d + (bt - 1), 0, last))
+        base = h * s.num_pos
+        bias = lax.fori_loop(
+            prange[0], prange[1] + 1, lambda t, b: jnp.where(pb == t, pos_ref[base + t], b), bias
+        )
+    if s.has_time:
+        last = s.num_time - 1
+        tb = tiling.time_bucket(tsr_ref[...] - tsc_ref[...], s.num_time)
+        trange = (
+            jnp.min(jnp.where(mask, tb, last)),
+            jnp.max(jnp.where(mask, tb, 0)),
+        )  # empty if no allowed cell
+        base = h * s.num_time
+        bias = lax.fori_loop(
+            trange[0], trange[1] + 1, lambda t, b: jnp.where(tb == t, b + time_ref[base + t], b), bias
+        )
+    return bias, pb, prange, tb, trange
 
 
 def _histogram(ds, bucket, lo_hi, width: int):
-  """[1, width] row with sum(ds over cells of bucket t) at lane t, for t in [lo, hi]."""
-  lane = lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    """[1, width] row with sum(ds over cells of bucket t) at lane t, for t in [lo, hi]."""
+    lane = lax.broadcasted_iota(jnp.int32, (1, width), 1)
 
-  def add(t, row):
-    tot = jnp.sum(jnp.sum(jnp.where(bucket == t, ds, 0.0), axis=1, keepdims=True), axis=0, keepdims=True)
-    return row + jnp.where(lane == t, tot, 0.0)
+    def add(t, row):
+        tot = jnp.sum(jnp.sum(jnp.where(bucket == t, ds, 0.0), axis=1, keepdims=True), axis=0, keepdims=True)
+        return row + jnp.where(lane == t, tot, 0.0)
 
-  return lax.fori_loop(lo_hi[0], lo_hi[1] + 1, add, jnp.zeros((1, width), jnp.float32))
+    return lax.fori_loop(lo_hi[0], lo_hi[1] + 1, add, jnp.zeros((1, width), jnp.float32))
 
 
 def _act(sc, mask, s: Static, lse=None):
-  """(p, sigmoid or None) for a score tile; for SiLU p lacks the 1/max_seq_len factor."""
-  if s.activation == "silu":
-    sig = jax.nn.sigmoid(sc)
-    return jnp.where(mask, sc * sig, 0.0), sig
-  return jnp.where(mask, jnp.exp(sc - lse), 0.0), None
+    """(p, sigmoid or None) for a score tile; for SiLU p lacks the 1/max_seq_len factor."""
+    if s.activation == "silu":
+        sig = jax.nn.sigmoid(sc)
+        return jnp.where(mask, sc * sig, 0.0), sig
+    return jnp.where(mask, jnp.exp(sc - lse), 0.0), None
 
 
 def _dot(a, b, dims):
-  return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=jnp.float32)
 
 
 def _fwd_kernel(*refs, s: Static, bt: int, steps: int):
-  tabs = refs[:len(_TABLES)]
-  bias_refs, refs = _split_bias(refs[len(_TABLES):], s)
-  q_ref, k_ref, v_ref, o_ref, lse_ref, acc, m_scr, l_scr = refs
-  h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  kv = _tab(tabs, "kv_lo", i) + j
+    tabs = refs[: len(_TABLES)]
+    bias_refs, refs = _split_bias(refs[len(_TABLES) :], s)
+    q_ref, k_ref, v_ref, o_ref, lse_ref, acc, m_scr, l_scr = refs
+    h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv = _tab(tabs, "kv_lo", i) + j
 
-  @pl.when(j == 0)
-  def _():
-    acc[...] = jnp.zeros_like(acc)
-    m_scr[...] = jnp.full_like(m_scr, NEG_INF)
-    l_scr[...] = jnp.zeros_like(l_scr)
+    @pl.when(j == 0)
+    def _():
+        acc[...] = jnp.zeros_like(acc)
+        m_scr[...] = jnp.full_like(m_scr, NEG_INF)
+        l_scr[...] = jnp.zeros_like(l_scr)
 
-  @pl.when(kv < _tab(tabs, "kv_hi", i))
-  def _():
-    r, c = _positions(tabs, i, kv, s, bt)
-    mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
-    sc = s.alpha * _dot(q_ref[...], k_ref[...], ((1,), (1,)))
-    if s.has_pos or s.has_time:
-      rm, cm = _tab(tabs, "tile_m", i), kv - _tab(tabs, "base", i)
-      sc = sc + _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)[0]
-    v = v_ref[...]
-    if s.activation == "silu":
-      p, _ = _act(sc, mask, s)
-      acc[...] += _dot(p.astype(v.dtype), v, ((1,), (0,)))
-    else:
-      sc = jnp.where(mask, sc, NEG_INF)
-      m_prev = m_scr[...]
-      m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
-      p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
-      corr = jnp.exp(m_prev - m_new)
-      acc[...] = acc[...] * corr + _dot(p.astype(v.dtype), v, ((1,), (0,)))
-      l_scr[...] = l_scr[...] * corr + jnp.sum(p, axis=1, keepdims=True)
-      m_scr[...] = m_new
+    @pl.when(kv < _tab(tabs, "kv_hi", i))
+    def _():
+        r, c = _positions(tabs, i, kv, s, bt)
+        mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
+        sc = s.alpha * _dot(q_ref[...], k_ref[...], ((1,), (1,)))
+        if s.has_pos or s.has_time:
+            rm, cm = _tab(tabs, "tile_m", i), kv - _tab(tabs, "base", i)
+            sc = sc + _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)[0]
+        v = v_ref[...]
+        if s.activation == "silu":
+            p, _ = _act(sc, mask, s)
+            acc[...] += _dot(p.astype(v.dtype), v, ((1,), (0,)))
+        else:
+            sc = jnp.where(mask, sc, NEG_INF)
+            m_prev = m_scr[...]
+            m_new = jnp.maximum(m_prev, jnp.max(sc, axis=1, keepdims=True))
+            p = jnp.where(mask, jnp.exp(sc - m_new), 0.0)
+            corr = jnp.exp(m_prev - m_new)
+            acc[...] = acc[...] * corr + _dot(p.astype(v.dtype), v, ((1,), (0,)))
+            l_scr[...] = l_scr[...] * corr + jnp.sum(p, axis=1, keepdims=True)
+            m_scr[...] = m_new
 
-  @pl.when(j == steps - 1)
-  def _():
-    if s.activation == "silu":
-      o_ref[...] = (acc[...] * (1.0 / s.max_seq_len)).astype(o_ref.dtype)
-      lse_ref[...] = jnp.zeros_like(lse_ref)
-    else:
-      l = l_scr[...]
-      l_safe = jnp.where(l > 0, l, 1.0)
-      o_ref[...] = (acc[...] / l_safe).astype(o_ref.dtype)
-      lse_ref[...] = m_scr[...] + jnp.log(l_safe)
+    @pl.when(j == steps - 1)
+    def _():
+        if s.activation == "silu":
+            o_ref[...] = (acc[...] * (1.0 / s.max_seq_len)).astype(o_ref.dtype)
+            lse_ref[...] = jnp.zeros_like(lse_ref)
+        else:
+            l = l_scr[...]
+            l_safe = jnp.where(l > 0, l, 1.0)
+            o_ref[...] = (acc[...] / l_safe).astype(o_ref.dtype)
+            lse_ref[...] = m_scr[...] + jnp.log(l_safe)
 
 
 def _specs(shape, which):
-  """BlockSpec of a [H, tiles, a, b] (or head-less [tiles, a, b]) tile array: this grid point's own tile,
-  or its key/query tile; "smem": the whole (flat) array in SMEM, read as scalars."""
-  if which == "smem":
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
-  block = (None,) * (len(shape) - 2) + tuple(shape[-2:])
-  heads = len(shape) == 4
-  if which == "own":
-    tile = lambda i, j, t: i
-  else:
-    lo, hi = ("kv_lo", "kv_hi") if which == "kv" else ("q_lo", "q_hi")
-    a, b = _TABLES.index(lo), _TABLES.index(hi)
-    tile = lambda i, j, t: jnp.maximum(jnp.minimum(t[a][i] + j, t[b][i] - 1), 0)  # past the range: last block
+    """BlockSpec of a [H, tiles, a, b] (or head-less [tiles, a, b]) tile array: this grid point's own tile,
+    or its key/query tile; "smem": the whole (flat) array in SMEM, read as scalars."""
+    if which == "smem":
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    block = (None,) * (len(shape) - 2) + tuple(shape[-2:])
+    heads = len(shape) == 4
+    if which == "own":
+        tile = lambda i, j, t: i
+    else:
+        lo, hi = ("kv_lo", "kv_hi") if which == "kv" else ("q_lo", "q_hi")
+        a, b = _TABLES.index(lo), _TABLES.index(hi)
+        tile = lambda i, j, t: jnp.maximum(
+            jnp.minimum(t[a][i] + j, t[b][i] - 1), 0
+        )  # past the range: last block
 
-  def index(h, i, j, *t):
-    return (h, tile(i, j, t), 0, 0) if heads else (tile(i, j, t), 0, 0)
+    def index(h, i, j, *t):
+        return (h, tile(i, j, t), 0, 0) if heads else (tile(i, j, t), 0, 0)
 
-  return pl.BlockSpec(block, index)
+    return pl.BlockSpec(block, index)
 
 
 def _call(kernel, tables, inputs, in_kinds, out_shapes, out_kinds, scratch, grid, s: Static, name: str):
-  in_specs = [_specs(x.shape, kind) for x, kind in zip(inputs, in_kinds)]
-  out_specs = [_specs(o.shape, kind) for o, kind in zip(out_shapes, out_kinds)]
-  grid_spec = pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=len(_TABLES), grid=grid, in_specs=in_specs,
-                                           out_specs=out_specs, scratch_shapes=scratch)
-  return pl.pallas_call(
-      kernel, grid_spec=grid_spec, out_shape=out_shapes, name=name,
-      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
-      interpret=pltpu.InterpretParams() if s.interpret else False,
-  )(*[tables[k] for k in _TABLES], *inputs)
+    in_specs = [_specs(x.shape, kind) for x, kind in zip(inputs, in_kinds)]
+    out_specs = [_specs(o.shape, kind) for o, kind in zip(out_shapes, out_kinds)]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(_TABLES),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=scratch,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=out_shapes,
+        name=name,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=pltpu.InterpretParams() if s.interpret else False,
+    )(*[tables[k] for k in _TABLES], *inputs)
 
 
 def _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
-  heads, tiles, bt, dv = vt.shape
-  steps = cdiv(s.max_seq_len, bt)
-  kernel = functools.partial(_fwd_kernel, s=s, bt=bt, steps=steps)
-  bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
-  # Grid: (head, query tile, key step); the key step walks the query tile's causal key range.
-  return _call(kernel, tables, [*bias_in, qt, kt, vt], [*bias_kinds, "own", "kv", "kv"],
-               [jax.ShapeDtypeStruct(vt.shape, vt.dtype), jax.ShapeDtypeStruct((heads, tiles, bt, 1), jnp.float32)],
-               ["own", "own"], [pltpu.VMEM((bt, dv), jnp.float32), pltpu.VMEM((bt, 1), jnp.float32),
-                                pltpu.VMEM((bt, 1), jnp.float32)],
-               (heads, tiles, steps), s, "jagged_attention_fwd_tpu")
+    heads, tiles, bt, dv = vt.shape
+    steps = cdiv(s.max_seq_len, bt)
+    kernel = functools.partial(_fwd_kernel, s=s, bt=bt, steps=steps)
+    bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
+    # Grid: (head, query tile, key step); the key step walks the query tile's causal key range.
+    return _call(
+        kernel,
+        tables,
+        [*bias_in, qt, kt, vt],
+        [*bias_kinds, "own", "kv", "kv"],
+        [jax.ShapeDtypeStruct(vt.shape, vt.dtype), jax.ShapeDtypeStruct((heads, tiles, bt, 1), jnp.float32)],
+        ["own", "own"],
+        [
+            pltpu.VMEM((bt, dv), jnp.float32),
+            pltpu.VMEM((bt, 1), jnp.float32),
+            pltpu.VMEM((bt, 1), jnp.float32),
+        ],
+        (heads, tiles, steps),
+        s,
+        "jagged_attention_fwd_tpu",
+    )
 
 
 def _dscore(sc, mask, dp, lse, delta, s: Static):
-  p, sig = _act(sc, mask, s, lse)
-  if s.activation == "silu":
-    return p, jnp.where(mask, dp * sig * (1.0 + sc * (1.0 - sig)), 0.0)
-  return p, p * (dp - delta)
+    p, sig = _act(sc, mask, s, lse)
+    if s.activation == "silu":
+        return p, jnp.where(mask, dp * sig * (1.0 + sc * (1.0 - sig)), 0.0)
+    return p, p * (dp - delta)
 
 
 def _dq_kernel(*refs, s: Static, bt: int, steps: int):
-  tabs = refs[:len(_TABLES)]
-  bias_refs, refs = _split_bias(refs[len(_TABLES):], s)
-  q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *hist_refs, acc = refs
-  dpos_ref = hist_refs[0] if s.has_pos else None
-  dtime_ref = hist_refs[-1] if s.has_time else None
-  h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  kv = _tab(tabs, "kv_lo", i) + j
+    tabs = refs[: len(_TABLES)]
+    bias_refs, refs = _split_bias(refs[len(_TABLES) :], s)
+    q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, dq_ref, *hist_refs, acc = refs
+    dpos_ref = hist_refs[0] if s.has_pos else None
+    dtime_ref = hist_refs[-1] if s.has_time else None
+    h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv = _tab(tabs, "kv_lo", i) + j
 
-  @pl.when(j == 0)
-  def _():
-    acc[...] = jnp.zeros_like(acc)
-    for ref in hist_refs:
-      ref[...] = jnp.zeros_like(ref)
+    @pl.when(j == 0)
+    def _():
+        acc[...] = jnp.zeros_like(acc)
+        for ref in hist_refs:
+            ref[...] = jnp.zeros_like(ref)
 
-  @pl.when(kv < _tab(tabs, "kv_hi", i))
-  def _():
-    r, c = _positions(tabs, i, kv, s, bt)
-    mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
-    k = k_ref[...]
-    sc = s.alpha * _dot(q_ref[...], k, ((1,), (1,)))
-    if s.has_pos or s.has_time:
-      rm, cm = _tab(tabs, "tile_m", i), kv - _tab(tabs, "base", i)
-      bias, pb, prange, tb, trange = _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)
-      sc = sc + bias
-    dp = _dot(do_ref[...], v_ref[...], ((1,), (1,)))
-    _, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)  # zero outside the mask
-    acc[...] += _dot(ds.astype(k.dtype), k, ((1,), (0,)))
-    if s.has_pos:
-      dpos_ref[...] += _histogram(ds, pb, prange, dpos_ref.shape[-1])
-    if s.has_time:
-      dtime_ref[...] += _histogram(ds, tb, trange, dtime_ref.shape[-1])
+    @pl.when(kv < _tab(tabs, "kv_hi", i))
+    def _():
+        r, c = _positions(tabs, i, kv, s, bt)
+        mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
+        k = k_ref[...]
+        sc = s.alpha * _dot(q_ref[...], k, ((1,), (1,)))
+        if s.has_pos or s.has_time:
+            rm, cm = _tab(tabs, "tile_m", i), kv - _tab(tabs, "base", i)
+            bias, pb, prange, tb, trange = _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)
+            sc = sc + bias
+        dp = _dot(do_ref[...], v_ref[...], ((1,), (1,)))
+        _, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)  # zero outside the mask
+        acc[...] += _dot(ds.astype(k.dtype), k, ((1,), (0,)))
+        if s.has_pos:
+            dpos_ref[...] += _histogram(ds, pb, prange, dpos_ref.shape[-1])
+        if s.has_time:
+            dtime_ref[...] += _histogram(ds, tb, trange, dtime_ref.shape[-1])
 
-  @pl.when(j == steps - 1)
-  def _():
-    scale = s.alpha / s.max_seq_len if s.activation == "silu" else s.alpha
-    dq_ref[...] = (acc[...] * scale).astype(dq_ref.dtype)
+    @pl.when(j == steps - 1)
+    def _():
+        scale = s.alpha / s.max_seq_len if s.activation == "silu" else s.alpha
+        dq_ref[...] = (acc[...] * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(*refs, s: Static, bt: int, steps: int):
-  tabs = refs[:len(_TABLES)]
-  bias_refs, refs = _split_bias(refs[len(_TABLES):], s)
-  k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
-  h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  qi = _tab(tabs, "q_lo", i) + j
+    tabs = refs[: len(_TABLES)]
+    bias_refs, refs = _split_bias(refs[len(_TABLES) :], s)
+    k_ref, v_ref, q_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_acc, dv_acc = refs
+    h, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    qi = _tab(tabs, "q_lo", i) + j
 
-  @pl.when(j == 0)
-  def _():
-    dk_acc[...] = jnp.zeros_like(dk_acc)
-    dv_acc[...] = jnp.zeros_like(dv_acc)
+    @pl.when(j == 0)
+    def _():
+        dk_acc[...] = jnp.zeros_like(dk_acc)
+        dv_acc[...] = jnp.zeros_like(dv_acc)
 
-  @pl.when(qi < _tab(tabs, "q_hi", i))
-  def _():
-    # rows: query tile qi, cols: this key tile i (same sequence, so the same base)
-    rm, cm = _tab(tabs, "tile_m", qi), _tab(tabs, "tile_m", i)
-    r = rm * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
-    c = cm * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
-    mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
-    q, do = q_ref[...], do_ref[...]
-    sc = s.alpha * _dot(q, k_ref[...], ((1,), (1,)))
-    if s.has_pos or s.has_time:
-      sc = sc + _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)[0]
-    dp = _dot(do, v_ref[...], ((1,), (1,)))
-    p, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)
-    dv_acc[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
-    dk_acc[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,)))
+    @pl.when(qi < _tab(tabs, "q_hi", i))
+    def _():
+        # rows: query tile qi, cols: this key tile i (same sequence, so the same base)
+        rm, cm = _tab(tabs, "tile_m", qi), _tab(tabs, "tile_m", i)
+        r = rm * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 0)
+        c = cm * bt + lax.broadcasted_iota(jnp.int32, (bt, bt), 1)
+        mask = tiling.allowed_2d(r, c, _tab(tabs, "length", i), _tab(tabs, "first_target", i), s)
+        q, do = q_ref[...], do_ref[...]
+        sc = s.alpha * _dot(q, k_ref[...], ((1,), (1,)))
+        if s.has_pos or s.has_time:
+            sc = sc + _bias(bias_refs, h, rm, cm, r, c, mask, s, bt)[0]
+        dp = _dot(do, v_ref[...], ((1,), (1,)))
+        p, ds = _dscore(sc, mask, dp, lse_ref[...], delta_ref[...], s)
+        dv_acc[...] += _dot(p.astype(do.dtype), do, ((0,), (0,)))
+        dk_acc[...] += _dot(ds.astype(q.dtype), q, ((0,), (0,)))
 
-  @pl.when(j == steps - 1)
-  def _():
-    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
-    dk_ref[...] = (dk_acc[...] * (s.alpha * scale)).astype(dk_ref.dtype)
-    dv_ref[...] = (dv_acc[...] * scale).astype(dv_ref.dtype)
+    @pl.when(j == steps - 1)
+    def _():
+        scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+        dk_ref[...] = (dk_acc[...] * (s.alpha * scale)).astype(dk_ref.dtype)
+        dv_ref[...] = (dv_acc[...] * scale).astype(dv_ref.dtype)
 
 
 def _backward(s: Static, res, dot):
-  qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols = res
-  heads, tiles, bt, dqk = qt.shape
-  dv = vt.shape[-1]
-  dot = dot.astype(vt.dtype)
-  if s.activation == "softmax":
-    delta = jnp.sum(dot.astype(jnp.float32) * ot.astype(jnp.float32), axis=-1, keepdims=True)
-  else:
-    delta = jnp.zeros_like(lse)
-  steps = cdiv(s.max_seq_len, bt)
-  # per-(head, query tile) bucket histograms of dScore, lane-padded: block (1, 128 * n) per grid point
-  hists = [jax.ShapeDtypeStruct((heads, tiles, 1, _pad128(n)), jnp.float32)
-           for n, on in ((s.num_pos, s.has_pos), (s.num_time, s.has_time)) if on]
-  bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
-  # Grid: (head, query tile, key step), as the forward; the histograms accumulate over the key step.
-  dq, *hist = _call(functools.partial(_dq_kernel, s=s, bt=bt, steps=steps), tables,
-                    [*bias_in, qt, dot, lse, delta, kt, vt], [*bias_kinds, "own", "own", "own", "own", "kv", "kv"],
-                    [jax.ShapeDtypeStruct(qt.shape, qt.dtype), *hists], ["own"] * (1 + len(hists)),
-                    [pltpu.VMEM((bt, dqk), jnp.float32)], (heads, tiles, steps), s, "jagged_attention_bwd_dq_tpu")
-  scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
-  dtab = [jnp.sum(x, axis=(1, 2)) * scale for x in hist]  # [H, padded buckets]
-  dpos = dtab[0][:, :s.num_pos].astype(pos.dtype) if s.has_pos else None
-  dtime = dtab[-1][:, :s.num_time].astype(time.dtype) if s.has_time else None
-  bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "q", "own")
-  # Grid: (head, key tile, query step); the query step walks the query tiles that see the key tile.
-  dk, dvv = _call(functools.partial(_dkv_kernel, s=s, bt=bt, steps=steps), tables,
-                  [*bias_in, kt, vt, qt, dot, lse, delta], [*bias_kinds, "own", "own", "q", "q", "q", "q"],
-                  [jax.ShapeDtypeStruct(kt.shape, kt.dtype), jax.ShapeDtypeStruct(vt.shape, vt.dtype)],
-                  ["own", "own"], [pltpu.VMEM((bt, dqk), jnp.float32), pltpu.VMEM((bt, dv), jnp.float32)],
-                  (heads, tiles, steps), s, "jagged_attention_bwd_dkv_tpu")
-  return dq, dk, dvv, None, dpos, dtime, None, None
+    qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols = res
+    heads, tiles, bt, dqk = qt.shape
+    dv = vt.shape[-1]
+    dot = dot.astype(vt.dtype)
+    if s.activation == "softmax":
+        delta = jnp.sum(dot.astype(jnp.float32) * ot.astype(jnp.float32), axis=-1, keepdims=True)
+    else:
+        delta = jnp.zeros_like(lse)
+    steps = cdiv(s.max_seq_len, bt)
+    # per-(head, query tile) bucket histograms of dScore, lane-padded: block (1, 128 * n) per grid point
+    hists = [
+        jax.ShapeDtypeStruct((heads, tiles, 1, _pad128(n)), jnp.float32)
+        for n, on in ((s.num_pos, s.has_pos), (s.num_time, s.has_time))
+        if on
+    ]
+    bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
+    # Grid: (head, query tile, key step), as the forward; the histograms accumulate over the key step.
+    dq, *hist = _call(
+        functools.partial(_dq_kernel, s=s, bt=bt, steps=steps),
+        tables,
+        [*bias_in, qt, dot, lse, delta, kt, vt],
+        [*bias_kinds, "own", "own", "own", "own", "kv", "kv"],
+        [jax.ShapeDtypeStruct(qt.shape, qt.dtype), *hists],
+        ["own"] * (1 + len(hists)),
+        [pltpu.VMEM((bt, dqk), jnp.float32)],
+        (heads, tiles, steps),
+        s,
+        "jagged_attention_bwd_dq_tpu",
+    )
+    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+    dtab = [jnp.sum(x, axis=(1, 2)) * scale for x in hist]  # [H, padded buckets]
+    dpos = dtab[0][:, : s.num_pos].astype(pos.dtype) if s.has_pos else None
+    dtime = dtab[-1][:, : s.num_time].astype(time.dtype) if s.has_time else None
+    bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "q", "own")
+    # Grid: (head, key tile, query step); the query step walks the query tiles that see the key tile.
+    dk, dvv = _call(
+        functools.partial(_dkv_kernel, s=s, bt=bt, steps=steps),
+        tables,
+        [*bias_in, kt, vt, qt, dot, lse, delta],
+        [*bias_kinds, "own", "own", "q", "q", "q", "q"],
+        [jax.ShapeDtypeStruct(kt.shape, kt.dtype), jax.ShapeDtypeStruct(vt.shape, vt.dtype)],
+        ["own", "own"],
+        [pltpu.VMEM((bt, dqk), jnp.float32), pltpu.VMEM((bt, dv), jnp.float32)],
+        (heads, tiles, steps),
+        s,
+        "jagged_attention_bwd_dkv_tpu",
+    )
+    return dq, dk, dvv, None, dpos, dtime, None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("s",))
 def _attention_tiles(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
-  return _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)[0]
+    return _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)[0]
 
 
 def _attention_tiles_fwd(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
-  ot, lse = _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)
-  return ot, (qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols)
+    ot, lse = _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)
+    return ot, (qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols)
 
 
 _attention_tiles.defvjp(_attention_tiles_fwd, _backward)
 
 
-def jagged_attention_tpu(q, k, v, offsets, *, max_seq_len, activation, alpha, num_targets, max_attn_len,
-                         timestamps, pos_bias, time_bias, interpret=False, block_sizes: BlockSizes | None = None):
-  """Pallas Mosaic TPU jagged attention (see api.jagged_attention for the arguments)."""
-  t = q.shape[0]
-  if alpha is None:
-    alpha = 1.0 / math.sqrt(q.shape[-1])
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default("cpu" if interpret else "tpu", max(q.shape[-1], v.shape[-1]), max_seq_len)
-  s = Static(max_seq_len=max_seq_len, activation=activation, alpha=float(alpha), max_attn_len=max_attn_len,
-             has_targets=num_targets is not None, has_pos=pos_bias is not None, has_time=time_bias is not None,
-             num_pos=1 if pos_bias is None else pos_bias.shape[1],
-             num_time=1 if time_bias is None else time_bias.shape[1], interpret=interpret, blocks=block_sizes)
-  b = offsets.shape[0] - 1
-  targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
-  tables, rows, row_ok, _ = _layout(offsets, targets, t, s)
-  qt, kt, vt = (_to_tiles(x, rows, row_ok) for x in (q, k, v))
-  ts_rows, ts_cols = _ts_tiles(timestamps, rows, row_ok) if time_bias is not None else (None, None)
-  ot = _attention_tiles(qt, kt, vt, tables, pos_bias, time_bias, ts_rows, ts_cols, s=s)
-  return _from_tiles(ot, offsets, t, s)
+def jagged_attention_tpu(
+    q,
+    k,
+    v,
+    offsets,
+    *,
+    max_seq_len,
+    activation,
+    alpha,
+    num_targets,
+    max_attn_len,
+    timestamps,
+    pos_bias,
+    time_bias,
+    interpret=False,
+    block_sizes: BlockSizes | None = None,
+):
+    """Pallas Mosaic TPU jagged attention (see api.jagged_attention for the arguments)."""
+    t = q.shape[0]
+    if alpha is None:
+        alpha = 1.0 / math.sqrt(q.shape[-1])
+    if block_sizes is None:
+        block_sizes = BlockSizes.get_default(
+            "cpu" if interpret else "tpu", max(q.shape[-1], v.shape[-1]), max_seq_len
+        )
+    s = Static(
+        max_seq_len=max_seq_len,
+        activation=activation,
+        alpha=float(alpha),
+        max_attn_len=max_attn_len,
+        has_targets=num_targets is not None,
+        has_pos=pos_bias is not None,
+        has_time=time_bias is not None,
+        num_pos=1 if pos_bias is None else pos_bias.shape[1],
+        num_time=1 if time_bias is None else time_bias.shape[1],
+        interpret=interpret,
+        blocks=block_sizes,
+    )
+    b = offsets.shape[0] - 1
+    targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
+    tables, rows, row_ok, _ = _layout(offsets, targets, t, s)
+    qt, kt, vt = (_to_tiles(x, rows, row_ok) for x in (q, k, v))
+    ts_rows, ts_cols = _ts_tiles(timestamps, rows, row_ok) if time_bias is not None else (None, None)
+    ot = _attention_tiles(qt, kt, vt, tables, pos_bias, time_bias, ts_rows, ts_cols, s=s)
+    return _from_tiles(ot, offsets, t, s)
