@@ -16,10 +16,12 @@ import pytest
 from flax import nnx
 
 from gem_jax.config import ConfigError, load_config
+from gem_jax.data.next_item import load_next_item_data
 from gem_jax.embeddings import HashedEmbedding
-from gem_jax.model.retrieval import NextItemModel, bce_loss, sampled_softmax_loss
+from gem_jax.model.next_item import NextItemModel, bce_loss, sampled_softmax_loss
 from gem_jax.precision import PrecisionPolicy
-from gem_jax.train import loop, retrieval
+from gem_jax.tasks import make_task
+from gem_jax.train import loop
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_ITEMS = 40
@@ -71,7 +73,6 @@ def small(path: Path, *overrides: str):
             "retrieval.eval_negatives=20",
             "retrieval.epochs=30",
             "retrieval.eval_every_epochs=5",
-            "retrieval.patience=0",
             *overrides,
         ],
     )
@@ -171,10 +172,12 @@ def test_train_both_protocols_and_test_scored_once(tmp_path):
     workdir = tmp_path / "run"
     config = small(data, "retrieval.loss=bce", "retrieval.normalize=false", "retrieval.epochs=30")
     # Interrupted after the first evaluation (as a preemption would), then resumed from it.
-    first = loop.train(config, workdir, stop_after=1)
+    task = make_task(config)
+    first_eval = next(s for s in range(1, task.total_steps() + 1) if task.eval_due(s))
+    first = loop.train(task, workdir, stop_after=first_eval)
     assert first["interrupted"] and first["epoch"] == 5 and first["test"] is None
     assert not (workdir / "test.json").exists()
-    summary = loop.train(config, workdir)
+    summary = loop.train(make_task(config), workdir)
     assert not summary["interrupted"] and summary["epoch"] == 30
     recs = records(workdir)
     valid = [r for r in recs if r.get("split") == "valid"]
@@ -200,12 +203,12 @@ def test_train_both_protocols_and_test_scored_once(tmp_path):
     # It learned: chance is HR@10 = 10/21 with 20 negatives, NDCG@10 ~ 0.2.
     assert tests[0]["test"]["sampled/HR@10"] > 0.8, tests[0]
     # Re-running a finished run does not score the test split again.
-    loop.train(config, workdir)
+    loop.train(make_task(config), workdir)
     assert sum(r.get("split") == "test" for r in records(workdir)) == 1
     # `eval` reports the chosen checkpoint's validation metrics and the recorded test metrics.
-    ev = loop.evaluate_checkpoint(config, workdir)
+    ev = loop.evaluate_run(make_task(config), workdir)
     assert ev["step"] == best["step"]
-    assert ev["valid"]["sampled/NDCG@10"] == pytest.approx(best["valid"]["sampled/NDCG@10"], abs=1e-6)
+    assert ev["eval"]["sampled/NDCG@10"] == pytest.approx(best["valid"]["sampled/NDCG@10"], abs=1e-6)
     assert ev["test"] == tests[0]["test"]
 
 
@@ -218,12 +221,12 @@ def test_early_stopping_keeps_first_best(tmp_path):
         data,
         "train.learning_rate=0.0",
         "retrieval.eval_every_epochs=1",
-        "retrieval.patience=2",
+        "train.patience=2",
         "retrieval.negatives=in_batch",
         "retrieval.eval_protocol=full",
-        "retrieval.select_metric=full/NDCG@10",
+        "train.select_metric=full/NDCG@10",
     )
-    summary = loop.train(config, workdir)
+    summary = loop.train(make_task(config), workdir)
     valid = [r for r in records(workdir) if r.get("split") == "valid"]
     assert [r["epoch"] for r in valid] == [1, 2, 3]
     assert summary["stopped_early"] and summary["best_epoch"] == 1
@@ -232,18 +235,18 @@ def test_early_stopping_keeps_first_best(tmp_path):
 
 
 def test_time_budget_stops_with_a_last_evaluation_and_scores_test(tmp_path):
-    """`retrieval.max_minutes` ends training at the first epoch end past the budget: that epoch is
+    """`train.max_minutes` ends training at the first epoch end past the budget: that epoch is
     evaluated even off the `eval_every_epochs` grid, and the test split is scored for the best one."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     workdir = tmp_path / "run"
-    config = small(data, "retrieval.max_minutes=1e-6", "retrieval.eval_every_epochs=5")
-    summary = loop.train(config, workdir)
+    config = small(data, "train.max_minutes=1e-6", "retrieval.eval_every_epochs=5")
+    summary = loop.train(make_task(config), workdir)
     valid = [r for r in records(workdir) if r.get("split") == "valid"]
     assert [r["epoch"] for r in valid] == [1]
     assert summary["out_of_time"] and not summary["stopped_early"] and summary["epoch"] == 1
     assert summary["test"] is not None and (workdir / "test.json").exists()
     # A finished (out-of-time) run is not trained further when re-run.
-    again = loop.train(config, workdir)
+    again = loop.train(make_task(config), workdir)
     assert again["epoch"] == 1 and sum(r.get("split") == "test" for r in records(workdir)) == 1
 
 
@@ -252,9 +255,9 @@ def test_exclude_history_reports_both_full_rankings(tmp_path):
     dropping candidates can only move a target up, so every HR is at least as high."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     config = small(
-        data, "retrieval.exclude_history=true", "retrieval.epochs=5", "retrieval.select_metric=full/NDCG@10"
+        data, "retrieval.exclude_history=true", "retrieval.epochs=5", "train.select_metric=full/NDCG@10"
     )
-    summary = loop.train(config, tmp_path / "run")
+    summary = loop.train(make_task(config), tmp_path / "run")
     test = summary["test"]
     for k in (5, 10, 20):
         assert test[f"full/HR@{k}"] >= test[f"full_incl_history/HR@{k}"], test
@@ -276,7 +279,7 @@ def test_sasrec_block_learns_with_bce(tmp_path):
         "retrieval.epochs=20",
         "retrieval.eval_every_epochs=20",
     )
-    summary = loop.train(config, tmp_path / "run")
+    summary = loop.train(make_task(config), tmp_path / "run")
     assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
 
 
@@ -299,7 +302,7 @@ def test_uniform_sampled_softmax_learns(tmp_path):
         "retrieval.epochs=15",
         "retrieval.eval_every_epochs=15",
     )
-    summary = loop.train(config, tmp_path / "run")
+    summary = loop.train(make_task(config), tmp_path / "run")
     assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
 
 
@@ -340,4 +343,4 @@ def test_malformed_file_exits_2_naming_file_and_line(tmp_path):
     assert f"{bad}:3" in out.stderr
     missing = tmp_path / "missing.txt"
     with pytest.raises(ConfigError, match="not found"):
-        retrieval.load_data(small(missing))
+        load_next_item_data(small(missing))
