@@ -4,8 +4,11 @@
   python -m experiments eval --workdir runs/tiny
   python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
 
-Config errors (unknown keys, wrong types, bad values) print one line naming the key and the file and
-exit with code 2; a diverged run (NaN/Inf) exits with code 3.
+Config errors (unknown keys, wrong types, bad values, unreadable data) and workdir errors (a file, not
+writable, locked by another trainer, holding a run with other settings, no intact checkpoint) print
+one line and exit with code 2; a diverged run (NaN/Inf) exits with code 3. SIGINT/SIGTERM save a
+checkpoint and exit 0 once training has started; before that (start-up, compilation) they exit at once
+with 128 + the signal number (gem_jax/train/interrupt.py).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gem_jax.train.interrupt import INTERRUPTS  # first: no KeyboardInterrupt from here on
+
+    if not INTERRUPTS.installed:
+        INTERRUPTS.install()
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
@@ -65,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     from gem_jax.config import ConfigError, load_config
     from gem_jax.tasks import make_task
     from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
+    from gem_jax.train.run_record import RunRecord
+    from gem_jax.train.workdir_lock import WorkdirError
 
     try:
         if args.command == "train":
@@ -74,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
             task = make_task(config)
             summary = train(task, workdir, stop_after=args.stop_after)
         else:
-            config_path = Path(args.workdir) / "config.toml"
-            if not config_path.exists():
-                raise ConfigError(f"{config_path} not found: is {args.workdir} a run directory?")
-            config = load_config(config_path, args.overrides)
+            config = RunRecord(Path(args.workdir)).recorded_config(args.overrides)
             task = make_task(config)
             summary = evaluate_run(task, args.workdir)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except WorkdirError as e:
+        print(f"workdir error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"training diverged: {e}", file=sys.stderr)
