@@ -3,6 +3,7 @@
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
   python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
+  python -m experiments fuzz attention --seconds S   (randomized kernel-vs-reference sweep)
 
 Config errors (unknown keys, wrong types, bad values, unreadable data) and workdir errors (a file, not
 writable, locked by another trainer, holding a run with other settings, no intact checkpoint) print
@@ -57,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kernel benchmarks (GPU)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER)
+    fuzz = sub.add_parser("fuzz", help="randomized correctness sweep of a kernel against its reference")
+    fuzz.add_argument("target", choices=["attention"])
+    fuzz.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments.fuzz --help`")
     return parser
 
 
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+    if args.command == "fuzz":
+        from experiments import fuzz
+
+        return fuzz.main([args.target, *args.args])
 
     from gem_jax.config import ConfigError, load_config
     from gem_jax.tasks import make_task
