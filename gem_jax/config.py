@@ -474,7 +474,7 @@ RANGES: dict[str, Range] = {
     "parallel.mesh_shape": Range(-1),  # -1: all remaining devices; 0 is refused below
     "train.steps": AT_LEAST_1,
     "train.seed": AT_LEAST_0,
-    "train.learning_rate": POSITIVE,
+    "train.learning_rate": AT_LEAST_0,  # 0: a frozen model (tests use it); negative trains uphill
     "train.warmup_steps": AT_LEAST_0,
     "train.end_learning_rate_fraction": FRACTION,
     "train.weight_decay": AT_LEAST_0,

@@ -30,9 +30,11 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -115,7 +117,16 @@ def blocked() -> Iterator[None]:
 
     A signal that arrives meanwhile is not lost: another thread takes it (the handler still runs on
     the main thread), or it stays pending until the mask is restored.
+
+    multiprocessing's resource tracker (one helper process, started with the first semaphore or shared
+    memory block) unblocks SIGINT/SIGTERM in whichever thread starts it; it is started here first,
+    so that no thread inside does. It cleans up after worker processes that `exit_now` killed; its
+    report of those leaked objects is a `UserWarning`, silenced (the clean-up itself still runs).
     """
+    warning = "ignore::UserWarning:multiprocessing.resource_tracker"
+    if warning not in sys.warnoptions:
+        sys.warnoptions.append(warning)  # passed on to the tracker's command line as -W
+    resource_tracker.ensure_running()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
         yield
