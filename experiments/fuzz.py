@@ -105,6 +105,12 @@ def make_family(seed: int, index: int, platform: str) -> Family:
         )
     )
     n = pick("max_seq_len")
+    # Bias table sizes from their own stream; the covering families get non-degenerate tables (one
+    # bucket, where every cell is clipped, is left to the random ones).
+    tables = np.random.default_rng([seed, index, 1])
+    cover = index < len(COVER)
+    num_pos = int(tables.choice([n // 2, n + 17] if cover else [1, 5, n // 2, n + 17]))
+    num_time = int(tables.choice([12, 64] if cover else [1, 12, 64]))
     return Family(
         capacity=max(pick("capacity"), n),
         batch=pick("batch"),
@@ -116,8 +122,8 @@ def make_family(seed: int, index: int, platform: str) -> Family:
         dtype=switches["dtype"],
         targets=switches["targets"],
         window=int(rng.integers(1, n)) if switches["window"] else 0,
-        num_pos=int(rng.choice([1, 5, n // 2, n + 17])) if switches["pos"] else 0,
-        num_time=int(rng.choice([1, 12, 64])) if switches["time"] else 0,
+        num_pos=num_pos if switches["pos"] else 0,
+        num_time=num_time if switches["time"] else 0,
     )
 
 
