@@ -194,7 +194,7 @@ def test_allowed_changes_are_recorded_and_eval_applies_them(trained, tmp_path):
     assert record.recorded_config() == changed
 
 
-def test_changed_data_file_is_refused_and_a_moved_one_accepted(tmp_path):
+def test_changed_data_file_is_refused_and_a_moved_one_accepted(tmp_path, capsys):
     data = write_cyclic_pairs(tmp_path / "pairs.txt", num_users=24)
     config = small_next_item(data, "retrieval.epochs=1", "retrieval.eval_every_epochs=1")
     workdir = tmp_path / "run"
@@ -212,6 +212,12 @@ def test_changed_data_file_is_refused_and_a_moved_one_accepted(tmp_path):
     config2 = small_next_item(moved, "retrieval.epochs=1", "retrieval.eval_every_epochs=1")
     plan = RunRecord(workdir).check(config2, data_fingerprint(config2))
     assert set(plan.changed) == {"data.path"}
+    # A corrupt best/ checkpoint: `eval` reports it and falls back to the newest intact checkpoint.
+    (best,) = [p for p in (workdir / "best").iterdir() if p.name.isdigit()]
+    victim = _largest_file(best)
+    victim.write_bytes(victim.read_bytes()[::-1])
+    summary = loop.evaluate_run(make_task(config2), workdir)
+    assert summary["checkpoint"] == "checkpoints" and f"{best} is not intact" in capsys.readouterr().err
 
 
 def test_workdir_without_a_checkpoint_starts_over(tmp_path):

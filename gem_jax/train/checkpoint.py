@@ -208,4 +208,4 @@ def _agree(value: int) -> int:
     import numpy as np
     from jax.experimental import multihost_utils
 
-    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
