@@ -2,7 +2,7 @@
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
-  python -m experiments bench {attention,block_attention,train_step} [args...]
+  python -m experiments bench {attention,block_attention,train_step,fp8} [args...]
 
 Config errors (unknown keys, wrong types, bad values) print one line naming the key and the file and
 exit with code 2; a diverged run (NaN/Inf) exits with code 3.
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "attention": "experiments.bench_attention",
     "block_attention": "experiments.bench_block_attention",
     "train_step": "experiments.bench_train_step",
+    "fp8": "experiments.bench_fp8",
 }
 
 
