@@ -12,7 +12,7 @@ pack of the global batch and hands the sums to `loss`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import grain
 import jax
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 Metrics = dict[str, Any]  # nested dicts of floats, e.g. {"click": {"auc": 0.7}} or {"full/HR@10": 0.1}
 
 
+@runtime_checkable
 class Task(Protocol):
     """One kind of training run. Implementations: RankingTask, NextItemTask (gem_jax/tasks/)."""
 
@@ -92,6 +93,7 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
 class Evaluator(Protocol):
     splits: tuple[str, ...]  # e.g. ("valid",) or ("valid", "test"); "test" is scored once, at the end
 
