@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gem_jax.config import ConfigError, PrecisionConfig
 from gem_jax.model.fp8 import FP8Recipe
@@ -18,7 +19,7 @@ from gem_jax.model.fp8 import FP8Recipe
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _dtype(name: str, key: str) -> jnp.dtype:
+def _dtype(name: str, key: str) -> DTypeLike:
     if name not in _DTYPES:
         raise ConfigError(f"`precision.{key}` must be one of {tuple(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
@@ -26,10 +27,10 @@ def _dtype(name: str, key: str) -> jnp.dtype:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    param_dtype: jnp.dtype
-    default_compute: jnp.dtype
-    sensitive: jnp.dtype
-    overrides: tuple[tuple[str, jnp.dtype], ...]
+    param_dtype: DTypeLike
+    default_compute: DTypeLike
+    sensitive: DTypeLike
+    overrides: tuple[tuple[str, DTypeLike], ...]
     fp8: FP8Recipe | None = None  # None: no FP8 layers
     fp8_layers: tuple[str, ...] = ()
 
@@ -51,7 +52,7 @@ class PrecisionPolicy:
             fp8_layers=tuple(config.fp8_layers),
         )
 
-    def compute_dtype(self, layer: str, *, sensitive: bool = False) -> jnp.dtype:
+    def compute_dtype(self, layer: str, *, sensitive: bool = False) -> DTypeLike:
         """The compute dtype of `layer`; sensitive layers (heads, norms) default to `sensitive`."""
         for prefix, dtype in self.overrides:
             if layer.startswith(prefix):

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 E4M3 = jnp.float8_e4m3fn  # inputs and weights: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344, more range
@@ -101,12 +101,12 @@ def scale_from_amax(a: Float[Array, "..."], dtype, margin: int) -> Float[Array, 
     return jnp.where(ok, a * (2.0**margin / fp8_max(dtype)), 1.0).astype(jnp.float32)
 
 
-def scale_from_history(history: Float[Array, " N"], dtype, margin: int) -> Float[Array, ""]:
+def scale_from_history(history: Float[Array, " hist"], dtype, margin: int) -> Float[Array, ""]:
     """Delayed scaling: the scale of the history's largest finite amax."""
     return scale_from_amax(jnp.max(jnp.where(jnp.isfinite(history), history, 0.0)), dtype, margin)
 
 
-def roll_history(history: Float[Array, "... N"], new: Float[Array, "..."]) -> Float[Array, "... N"]:
+def roll_history(history: Float[Array, "... hist"], new: Float[Array, "..."]) -> Float[Array, "... hist"]:
     """Pushes this step's amax in front (newest first); the oldest falls off."""
     return jnp.concatenate([new[..., None].astype(history.dtype), history[..., :-1]], axis=-1)
 
@@ -122,7 +122,7 @@ def _dequantize(q: Array, scale: Float[Array, ""]) -> Float[Array, "..."]:
     return q.astype(jnp.float32) * scale
 
 
-def _dot(a: Array, b: Array, contract: tuple[int, int], precision) -> Float[Array, "m n"]:
+def _dot(a: Array, b: Array, contract: tuple[int, int], precision) -> Array:
     """A GEMM with f32 result. The precision picks cuBLASLt's FP8 accumulation: DEFAULT turns on its
     fast accumulation (not periodically promoted to full f32), HIGHEST turns it off. As Transformer
     Engine and flax do, the forward GEMM accumulates fast and the two gradient GEMMs do not."""
@@ -188,9 +188,12 @@ class FP8Matmul(nnx.Module):
         else:
             self.amax_history = self.amax_probe = None
 
-    def __call__(self, x: Float[Array, "M K"], w: Float[Array, "K N"]) -> Float[Array, "M N"]:
+    def __call__(
+        self, x: Float[ArrayLike, "rows din"], w: Float[ArrayLike, "din dout"]
+    ) -> Float[Array, "rows dout"]:
+        x, w = jnp.asarray(x), jnp.asarray(w)
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
-            raise ValueError(f"FP8Matmul wants x [M, K] and w [K, N], got {x.shape} and {w.shape}")
+            raise ValueError(f"FP8Matmul wants x [rows, din] and w [din, dout], got {x.shape} and {w.shape}")
         static = _Static(self.recipe, x.dtype, w.dtype)
         if self.amax_history is None:
             return _fp8_matmul(static, x, w, None, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 from gem_jax.model.fp8 import FP8Matmul
 from gem_jax.precision import PrecisionPolicy
@@ -49,7 +49,7 @@ class Dense(nnx.Module):
         recipe = policy.fp8_recipe(name, sensitive=sensitive)
         self.fp8 = FP8Matmul(recipe) if recipe is not None else None
 
-    def __call__(self, x: Float[Array, "... din"]) -> Float[Array, "... dout"]:
+    def __call__(self, x: Float[ArrayLike, "... din"]) -> Float[ArrayLike, "... dout"]:
         if self.fp8 is not None:
             y = self.fp8(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
         else:
@@ -72,7 +72,7 @@ class LayerNorm(nnx.Module):
         )
         self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",), policy.param_dtype)
 
-    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    def __call__(self, x: Float[ArrayLike, "... d"]) -> Float[ArrayLike, "... d"]:
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)
