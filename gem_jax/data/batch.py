@@ -11,30 +11,31 @@ summaries), then the history events oldest first, then `num_targets` candidate t
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
-import jax
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import ArrayLike, Bool, Float, Int
 
 
+@typing.no_type_check  # pytrees are rebuilt with non-array leaves (see gem_jax/typing.py)
 @struct.dataclass
 class JaggedBatch:
     """One pack (or, with a leading shard axis on every field, a stack of packs)."""
 
-    item_ids: Int[Array, "... T"]  # raw item ids; 0 on context slots and padding
-    action_ids: Int[Array, "... T"]  # action type of history events; 0 elsewhere
-    timestamps: Int[Array, "... T"]  # seconds; candidates carry the request time
-    offsets: Int[Array, "... B1"]  # int32[B+1], offsets[0] = 0
-    num_targets: Int[Array, "... B"]  # candidate tokens at the end of each sequence; 0 = padding
-    sparse_values: Int[Array, "... S"]  # all non-sequence bags, flattened
-    sparse_offsets: Int[Array, "... BF1"]  # bag (b, f) is values[o[b*F+f]:o[b*F+f+1]]
-    dense: Float[Array, "... B Fd"]
-    labels: Float[Array, "... B C K"]  # per candidate, per task
+    item_ids: Int[ArrayLike, "... T"]  # raw item ids; 0 on context slots and padding
+    action_ids: Int[ArrayLike, "... T"]  # action type of history events; 0 elsewhere
+    timestamps: Int[ArrayLike, "... T"]  # seconds; candidates carry the request time
+    offsets: Int[ArrayLike, "... B1"]  # int32[B+1], offsets[0] = 0
+    num_targets: Int[ArrayLike, "... B"]  # candidate tokens at the end of each sequence; 0 = padding
+    sparse_values: Int[ArrayLike, "... S"]  # all non-sequence bags, flattened
+    sparse_offsets: Int[ArrayLike, "... BF1"]  # bag (b, f) is values[o[b*F+f]:o[b*F+f+1]]
+    dense: Float[ArrayLike, "... B Fd"]
+    labels: Float[ArrayLike, "... B C K"]  # per candidate, per task
 
     @property
-    def example_mask(self) -> Bool[Array, "... B"]:
+    def example_mask(self) -> Bool[ArrayLike, "... B"]:
         return self.num_targets > 0
 
     @property
@@ -62,7 +63,7 @@ def pack_examples(
 
     Each example dict has: `item_ids`, `action_ids`, `timestamps` (history + candidates, without
     the prefix slots), `num_targets` (int), `sparse_ids` (list of F id arrays), `dense`, `labels`
-    [C, K]. The caller guarantees the examples fit (see `fits`).
+    [C, K]. The caller guarantees the examples fit (see `packing.fits`).
     """
     n = len(examples)
     if n > examples_capacity:
@@ -117,22 +118,6 @@ def pack_examples(
     )
 
 
-def fits(
-    num_examples: int,
-    num_tokens: int,
-    example: dict[str, Any],
-    *,
-    prefix: int,
-    examples_capacity: int,
-    tokens_capacity: int,
-) -> bool:
-    """Whether `example` still fits into a pack that holds `num_examples` / `num_tokens`."""
-    return (
-        num_examples + 1 <= examples_capacity
-        and num_tokens + prefix + len(example["item_ids"]) <= tokens_capacity
-    )
-
-
 def check_pack(batch: JaggedBatch) -> None:
     """Raises AssertionError if a (numpy) pack breaks the jagged-batch invariants."""
     o = np.asarray(batch.offsets)
@@ -152,8 +137,3 @@ def check_pack(batch: JaggedBatch) -> None:
     so = np.asarray(batch.sparse_offsets)
     assert so[0] == 0 and np.all(np.diff(so) >= 0)
     assert so[-1] <= batch.sparse_values.shape[-1]
-
-
-def stack_packs(packs: list[JaggedBatch]) -> JaggedBatch:
-    """Stacks packs on a new leading shard axis."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *packs)
