@@ -17,6 +17,8 @@ Array arguments at module boundaries carry jaxtyping annotations such as
 | P, NT | relative position buckets, relative time buckets |
 | R, G | rows of a gathered sub-layout (long history), blocks of a block table |
 | M, L | sampled negatives per user, history length of an exclusion list |
+| din, dout, rows | a Dense layer's input and output widths; rows of its flattened input (FP8 GEMM) |
+| hist | steps kept in an FP8 amax history |
 | ... | leading batch axes (a stack of packs has one: the shard axis) |
 
 Why "B1" and not "B+1": jaxtyping evaluates "B+1" only once B is bound by an earlier argument,
