@@ -22,7 +22,7 @@ BENCHMARKS = {
     "block_attention": "experiments.benchmarks.block_attention",
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.bench_train_step",
-    "fp8": "experiments.bench_fp8",
+    "fp8": "experiments.benchmarks.fp8",
 }
 
 
