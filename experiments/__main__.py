@@ -18,10 +18,11 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
 BENCHMARKS = {
-    "attention": "experiments.bench_attention",
-    "block_attention": "experiments.bench_block_attention",
+    "attention": "experiments.benchmarks.attention",
+    "block_attention": "experiments.benchmarks.block_attention",
+    "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.bench_train_step",
-    "fp8": "experiments.bench_fp8",
+    "fp8": "experiments.benchmarks.fp8",
 }
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments.benchmarks import shapes
 from pallas_kernels.block_attention import block_attention, reference
 from pallas_kernels.block_attention import block_table as table_lib
 
@@ -104,8 +105,8 @@ class _KernelTest:
         causal,
         dtype,
         *,
-        heads=2,
-        dqk=32,
+        heads=shapes.BLOCK_SMOKE.heads,
+        dqk=shapes.BLOCK_SMOKE.head_dim,
         dv=16,
         spare=7,
         spare_value=None,

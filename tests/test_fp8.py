@@ -390,7 +390,7 @@ def test_amax_history_gets_the_global_max_over_packs_and_shards():
 
 @pytest.mark.slow
 def test_bench_fp8_small_runs_its_checks(capsys):
-    from experiments.bench_fp8 import main
+    from experiments.benchmarks.fp8 import main
 
     assert main(["--small"]) == 0
     out = capsys.readouterr().out

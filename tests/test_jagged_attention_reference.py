@@ -92,6 +92,6 @@ def test_bad_arguments_name_the_value():
 
 def test_default_implementation_per_platform():
     assert default_implementation("cpu") == "reference"
-    assert default_implementation("gpu") == "pallas_gpu"
-    assert default_implementation("tpu") == "pallas_tpu"
+    assert default_implementation("gpu") == "gpu"
+    assert default_implementation("tpu") == "tpu"
     assert default_implementation() == "reference"  # tests run on CPU

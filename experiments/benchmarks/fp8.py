@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from experiments.timing import median_seconds
+from experiments.benchmarks.timing import median_seconds
 from gem_jax.config import PrecisionConfig, load_config
 from gem_jax.model import fp8
 from gem_jax.model.gem import GEMModel
