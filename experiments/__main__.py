@@ -21,7 +21,7 @@ BENCHMARKS = {
     "attention": "experiments.benchmarks.attention",
     "block_attention": "experiments.benchmarks.block_attention",
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
-    "train_step": "experiments.bench_train_step",
+    "train_step": "experiments.benchmarks.train_step",
     "fp8": "experiments.benchmarks.fp8",
 }
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 
-PACKAGES = ("gem_jax",)  # pallas_kernels joins once its public APIs take ArrayLike (numpy from eager callers)
+PACKAGES = ("gem_jax", "pallas_kernels")
 ENV_VAR = "GEM_JAX_TYPECHECK"
 
 

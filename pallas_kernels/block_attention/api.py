@@ -10,7 +10,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels import implementations
 from pallas_kernels.block_attention import block_sizes, reference
@@ -50,16 +50,16 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 @functools.partial(jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation"))
 def block_attention(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     block_size: int = 64,
     causal: bool = False,
     alpha: float | None = None,
     implementation: str | None = None,
-) -> Float[Array, "T H Dv"]:
+) -> Float[ArrayLike, "T H Dv"]:
     """Softmax attention inside consecutive blocks of each jagged sequence.
 
     Each sequence (tokens offsets[b]:offsets[b+1] of the flat arrays) is cut into

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.block_attention import block_sizes as bs_lib
 from pallas_kernels.block_attention import block_table as table_lib
@@ -208,10 +208,10 @@ def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interp
 
 
 def forward(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     block_size: int,
     causal: bool,

@@ -13,7 +13,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels import implementations
 from pallas_kernels.checks import check_jagged_qkv
@@ -69,23 +69,23 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
     ),
 )
 def jagged_attention(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     max_seq_len: int,
     activation: str = "silu",
     alpha: float | None = None,
-    num_targets: Int[Array, " B"] | None = None,
+    num_targets: Int[ArrayLike, " B"] | None = None,
     max_attn_len: int = 0,
-    timestamps: Int[Array, " T"] | None = None,
-    pos_bias: Float[Array, "H P"] | None = None,
-    time_bias: Float[Array, "H NT"] | None = None,
+    timestamps: Int[ArrayLike, " T"] | None = None,
+    pos_bias: Float[ArrayLike, "H P"] | None = None,
+    time_bias: Float[ArrayLike, "H NT"] | None = None,
     implementation: str | None = None,
     block_sizes: BlockSizes | None = None,
     options: KernelOptions | None = None,
-) -> Float[Array, "T H Dv"]:
+) -> Float[ArrayLike, "T H Dv"]:
     """Causal attention over jagged sequences (HSTU SiLU or softmax), differentiable in q, k, v and biases.
 
     Args:

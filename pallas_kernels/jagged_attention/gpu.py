@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.block_sizes import ZERO_TILES
@@ -783,14 +783,14 @@ def _pad_last(x, size):
 
 
 def to_kernel_layout(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
-    num_targets: Int[Array, " B"] | None,
-    timestamps: Int[Array, " T"] | None,
-    pos_bias: Float[Array, "H P"] | None,
-    time_bias: Float[Array, "H NT"] | None,
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"] | None,
+    timestamps: Int[ArrayLike, " T"] | None,
+    pos_bias: Float[ArrayLike, "H P"] | None,
+    time_bias: Float[ArrayLike, "H NT"] | None,
     s: Static,
 ) -> tuple:
     """The kernels' inputs (q, k, v, offsets, targets, ts, pos_tab, time_tab) from api.jagged_attention's.
@@ -836,8 +836,11 @@ def to_kernel_layout(
 
 
 def from_kernel_layout(
-    out: Float[Array, "T H DvPadded"], v: Float[Array, "T H Dv"], offsets: Int[Array, " B1"], s: Static
-) -> Float[Array, "T H Dv"]:
+    out: Float[ArrayLike, "T H DvPadded"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    s: Static,
+) -> Float[ArrayLike, "T H Dv"]:
     """[T, H, Dv] output: drops the head-dim padding."""
     del offsets, s
     return out[..., : v.shape[-1]]

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.tiling import Static, cdiv
@@ -459,14 +459,14 @@ def backward(residuals, dot, s: Static):
 
 
 def to_kernel_layout(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
-    num_targets: Int[Array, " B"] | None,
-    timestamps: Int[Array, " T"] | None,
-    pos_bias: Float[Array, "H P"] | None,
-    time_bias: Float[Array, "H NT"] | None,
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"] | None,
+    timestamps: Int[ArrayLike, " T"] | None,
+    pos_bias: Float[ArrayLike, "H P"] | None,
+    time_bias: Float[ArrayLike, "H NT"] | None,
     s: Static,
 ) -> tuple:
     """The kernels' inputs (qt, kt, vt, tables, pos, time, ts_rows, ts_cols) from api.jagged_attention's."""
@@ -480,7 +480,10 @@ def to_kernel_layout(
 
 
 def from_kernel_layout(
-    out: Float[Array, "H tiles block Dv"], v: Float[Array, "T H Dv"], offsets: Int[Array, " B1"], s: Static
-) -> Float[Array, "T H Dv"]:
+    out: Float[ArrayLike, "H tiles block Dv"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    s: Static,
+) -> Float[ArrayLike, "T H Dv"]:
     """[T, H, Dv] output from the tiles (zeros past offsets[B] and past max_seq_len in a sequence)."""
     return _from_tiles(out, offsets, v.shape[0], s)
