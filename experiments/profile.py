@@ -49,7 +49,7 @@ class ProfileResult:
     def markdown(self) -> str:
         s = self.summary
         lines = [
-            f"Profile of `{s['config']}` {' '.join(s['overrides'])} on {s['devices']} x {s['device']} "
+            f"Profile of `{' '.join([s['config'], *s['overrides']])}` on {s['devices']} x {s['device']} "
             f"(jax {s['jax']}), {s['steps']} traced steps, ops from {self.breakdown.source}.",
             "",
             ta.markdown_table(self.rows),
@@ -174,6 +174,14 @@ def run_profile(
         "named_fraction": b.named_fraction,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "compiled_peak_bytes": compiled_peak,
+        "compiled_memory": {
+            "arguments": analysis.argument_size_in_bytes,
+            "outputs": analysis.output_size_in_bytes,
+            "temporaries": analysis.temp_size_in_bytes,
+            "aliased (donated)": analysis.alias_size_in_bytes,
+        }
+        if analysis is not None
+        else None,
         "peak_device_flops": peak_flops,
         "train_step_flops_per_device": step_flops if np.isfinite(step_flops) else None,
         "trace_dir": str(trace_dir),

@@ -59,8 +59,10 @@ COLLECTIVE_OPCODES = (
 # Kernel-name fallbacks for ops without an HLO match (custom kernels named by their pallas_call).
 _BACKWARD_KERNEL = re.compile(r"bwd|backward|_dq\b|_dkv|_dkdv|grad", re.IGNORECASE)
 _GEMM_KERNEL = re.compile(r"gemm|matmul|cublas|xmma|cutlass|\bdot\b", re.IGNORECASE)
-# Derived trace-viewer lines that repeat the kernels of a device (never counted twice).
+# Device lines: GPU streams, else TPU's "XLA Ops"; else every line but the derived ones that repeat
+# or span the ops (modules, steps, framework scopes), so nothing is counted twice.
 _STREAM_LINE = re.compile(r"^Stream #")
+_DERIVED_LINE = re.compile(r"Module|Step|Name Scope|Framework|TensorFlow|Source|TraceMe|Launch")
 _DEVICE_PROCESS = re.compile(r"^/device:([A-Z]+):(\d+)")
 
 
@@ -284,7 +286,11 @@ def device_events(trace: dict[str, Any], device: int = 0) -> tuple[list[OpEvent]
     for pid in device_pids:
         lanes = {key: name for key, name in threads.items() if key[0] == pid}
         streams = {k for k, n in lanes.items() if _STREAM_LINE.match(n)}
-        chosen = streams or {k for k, n in lanes.items() if n == "XLA Ops"}
+        chosen = (
+            streams
+            or {k for k, n in lanes.items() if n == "XLA Ops"}
+            or {k for k, n in lanes.items() if not _DERIVED_LINE.search(n)}
+        )
         ops = [
             _op_event(e)
             for e in complete
@@ -384,7 +390,7 @@ class Breakdown:
     idle_ms: float
     rows: list[GroupRow]
     ops: list[dict[str, Any]]  # per HLO op: group, scope, kernel names, ms per step, count per step
-    named_fraction: float  # share of busy time whose op has a named-scope op_name
+    named_fraction: float  # share of busy time whose op resolved to a named scope
 
     @property
     def busy_ms(self) -> float:
@@ -401,11 +407,13 @@ def breakdown(
 ) -> Breakdown:
     """Groups the device ops of `steps` traced steps (of HLO module `module`) into per-step times.
 
-    The window spans the module's first to last op (every op when `module` is None); ops of other
-    modules inside it count as "other modules".
+    The window spans the module's first to last op (every op when `module` is None or no event names
+    its module); ops of other modules inside it count as "other modules".
     """
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
+    if all(e.hlo_module is None for e in events):
+        module = None
     in_module = [e for e in events if module is None or e.hlo_module == module]
     if not in_module:
         seen = sorted({str(e.hlo_module) for e in events})
@@ -418,12 +426,12 @@ def breakdown(
     per_op: dict[tuple[str, str], dict[str, Any]] = {}
     named = 0.0
     for e, s in zip(window, share):
-        op = hlo_ops.get(e.hlo_op) if e.hlo_op else hlo_ops.get(e.name)
+        op = lookup(hlo_ops, e)
         if module is not None and e.hlo_module is not None and e.hlo_module != module:
             group = "other modules"
         else:
             group = classify(op, e.name)
-        if op is not None and op.op_name:
+        if op is not None and op.scope:
             named += s
         row = rows[group]
         row.ms += s / 1e3 / steps
@@ -459,6 +467,14 @@ def breakdown(
         ops=ops,
         named_fraction=named / busy if busy else 0.0,
     )
+
+
+def lookup(hlo_ops: dict[str, HloOp], e: OpEvent) -> HloOp | None:
+    """The HLO instruction of an event: its `hlo_op`, else its name as is (TPU) or with XLA:GPU's
+    kernel naming undone ("loop_add_fusion_3" -> "loop_add_fusion.3")."""
+    if e.hlo_op:
+        return hlo_ops.get(e.hlo_op)
+    return hlo_ops.get(e.name) or hlo_ops.get(re.sub(r"_(\d+)$", r".\1", e.name))
 
 
 # ----------------------------------------------------------------------------- tables
@@ -510,7 +526,7 @@ COLUMNS = (
     ("kernel_ms_per_step", "op ms/step (raw)", "{:.3f}"),
     ("ops_per_step", "ops/step", "{:.0f}"),
     ("gflop_per_step", "GFLOP/step", "{:.2f}"),
-    ("tflops", "TFLOP/s", "{:.1f}"),
+    ("tflops", "TFLOP/s", "{:.3g}"),
     ("mfu", "MFU", "{:.1%}"),
 )
 

@@ -152,7 +152,8 @@ def test_breakdown_of_a_synthetic_gpu_trace():
     assert rows["other modules"].ms == pytest.approx(6 * ms)
     assert rows["other fusions"].ms == pytest.approx(10 * ms)
     assert sum(r.ms for r in b.rows) + b.idle_ms == pytest.approx(b.step_ms)
-    assert b.named_fraction == pytest.approx((125 - 16) / 125)
+    # Named: all but the unmatched kernels (16 us) and the all-reduce (a psum outside any scope).
+    assert b.named_fraction == pytest.approx((125 - 16 - 12.5) / 125)
     assert b.ops[0]["hlo_op"] == "custom-call.3" and b.ops[0]["scope"] == "hstu/0/attention"
 
     # FLOPs -> TFLOP/s and MFU per group; idle and total rows close the table.
@@ -166,6 +167,11 @@ def test_breakdown_of_a_synthetic_gpu_trace():
 
     with pytest.raises(ValueError, match="no device op of module 'jit_missing'"):
         ta.breakdown(events, {}, steps=2, module="jit_missing")
+
+    # Events that name no module and no hlo_op: every op counts, matched by kernel name.
+    bare = [ta.OpEvent(name, e.start, e.duration, e.lane) for e, name in zip(events, ["gemm_fusion_1"] * 8)]
+    b = ta.breakdown(bare, ta.parse_hlo_ops(HLO), steps=1, module=m)
+    assert {r.group for r in b.rows if r.ops} == {"gemm hstu"} and b.step_ms == pytest.approx(0.14)
 
 
 def test_cpu_trace_uses_host_op_events_of_one_device():
@@ -275,8 +281,9 @@ def test_train_profile_steps_writes_a_trace(tmp_path):
 
 @pytest.mark.slow
 def test_notebook_executes(tmp_path, monkeypatch):
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient  # the test extra installs them (and ipykernel, matplotlib): no skip
+    import nbformat
+
     for key, value in _one_device_env().items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
