@@ -10,6 +10,7 @@ import dataclasses
 import math
 import tomllib
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,15 @@ class PrecisionConfig:
     compute_dtype: str = "bfloat16"
     sensitive_dtype: str = "float32"  # heads, losses, LayerNorm statistics
     overrides: dict[str, str] = field(default_factory=dict)
+    # FP8 GEMMs (gem_jax/model/fp8.py, docs/fp8.md): e4m3 inputs and weights, e5m2 output gradients, one
+    # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on
+    # sensitive layers: task heads, logit layers; LayerNorms and embeddings are not Dense). Their output
+    # dtype stays the layer's compute dtype.
+    fp8: bool = False
+    fp8_layers: tuple[str, ...] = ("hstu/", "wukong/")  # HSTU U/V/Q/K and output projections, Wukong MLPs
+    fp8_recipe: str = "delayed"  # "delayed" (amax history) | "current" (this step's amax)
+    fp8_amax_history: int = 1024  # steps of amax history (delayed recipe)
+    fp8_margin: int = 0  # binades of headroom: scale = amax * 2^margin / fp8_max
 
 
 @dataclass(frozen=True)
@@ -308,6 +318,7 @@ def validate(config: Config, source: str) -> Config:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
     _validate_selection(config, source)
+    _validate_precision(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
     return config
@@ -364,6 +375,18 @@ def _validate_long_history(config: Config, source: str) -> None:
                 f"{source}: `model.pyramid` must be non-increasing (deeper layers keep "
                 f"fewer tokens), got {m.pyramid}"
             )
+
+
+def _validate_precision(config: Config, source: str) -> None:
+    """Checks of the FP8 options in `[precision]` (dtype names are checked by `PrecisionPolicy`)."""
+    p = config.precision
+    if p.fp8_recipe not in ("delayed", "current"):
+        raise ConfigError(
+            f"{source}: `precision.fp8_recipe` must be one of ('delayed', 'current'), got {p.fp8_recipe!r}"
+        )
+    for i, prefix in enumerate(p.fp8_layers):
+        if not prefix:
+            raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
 
 
 SELECT_METRICS = tuple(
@@ -472,6 +495,8 @@ RANGES: dict[str, Range] = {
     "model.block_size": AT_LEAST_1,
     "model.pyramid": Range(0, 1, low_open=True),
     "parallel.mesh_shape": Range(-1),  # -1: all remaining devices; 0 is refused below
+    "precision.fp8_amax_history": AT_LEAST_1,
+    "precision.fp8_margin": AT_LEAST_0,
     "train.steps": AT_LEAST_1,
     "train.seed": AT_LEAST_0,
     "train.learning_rate": AT_LEAST_0,  # 0: a frozen model (tests use it); negative trains uphill
@@ -517,7 +542,7 @@ def _validate_ranges(config: Config, source: str) -> None:
         raise ConfigError(f"{source}: `parallel.mesh_shape` entries must be >= 1 or -1, got {shape}")
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Loads a TOML file (or the defaults when `path` is None) and applies `key.sub=value` overrides."""
     values: dict[str, Any] = {}
     source = "defaults"

@@ -33,6 +33,7 @@ import jax
 from gem_jax.train import files, interrupt
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
+from gem_jax.train.profiling import TraceWindow
 from gem_jax.train.run_record import RunRecord, data_fingerprint
 from gem_jax.train.step import Trainer
 from gem_jax.train.task import Task, flatten, higher_is_better
@@ -178,12 +179,20 @@ class _Throughput:
         return out
 
 
-def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> dict[str, Any]:
+def train(
+    task: Task,
+    workdir: str | Path,
+    *,
+    stop_after: int | None = None,
+    profile_steps: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """Trains (or resumes) `task` in `workdir` until its last step or an early stop; returns a summary.
 
     `stop_after` ends this invocation (with a checkpoint) after that global step, as a preemption
-    would; re-running resumes. Raises WorkdirError (the workdir is unusable, locked by another
-    trainer, holds a run with other settings, or no intact checkpoint) before writing anything.
+    would; re-running resumes. `profile_steps=(A, B)` traces global steps A..B-1 into
+    `workdir/profile` (gem_jax/train/profiling.py). Raises WorkdirError (the workdir is unusable,
+    locked by another trainer, holds a run with other settings, or no intact checkpoint) before
+    writing anything.
     """
     workdir = Path(workdir)
     check_usable(workdir)
@@ -201,14 +210,14 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
                 best.newest_intact(required=False)
             if jax.process_index() == 0:
                 record.write(plan, task.config, fingerprint, resumed_from=latest)
-            return _train(task, workdir, checkpoints, best, latest, interrupts, stop_after)
+            return _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps)
         finally:
             checkpoints.close()
             if best is not None:
                 best.close()
 
 
-def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after) -> dict[str, Any]:
+def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps) -> dict[str, Any]:
     t_start = time.perf_counter()
     tc = task.config.train
     if task.describe():
@@ -237,6 +246,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after) -> 
     last_eval: dict[str, Any] | None = None
     saved_step = latest
     bar = None
+    window = TraceWindow(profile_steps, workdir / "profile")
     if tc.progress and jax.process_index() == 0:
         from tqdm import tqdm
 
@@ -256,13 +266,20 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after) -> 
             while step < total and progress.stopped is None and interrupts.requested is None:
                 if stop_after is not None and step >= stop_after:
                     break
-                stack, first = (first, None) if first is not None else (next(data_iter), None)
+                window.before(step)
+                if first is not None:  # fetched before the loop (gem_jax/train/interrupt.py: blocked())
+                    stack, first = first, None
+                else:
+                    with jax.profiler.TraceAnnotation("data"):  # host-side labels in traces
+                        stack = next(data_iter)
                 throughput.add(task.batch_counts(stack))
-                state, metrics = trainer.train_step(state, trainer.to_device(stack))
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, metrics = trainer.train_step(state, trainer.to_device(stack))
                 step += 1
                 if step == start + 1:
                     protect.enter_context(interrupts.saving())
                 checkpoints.poll()
+                window.after(step, metrics)
                 if previous is not None:
                     last_values = _check_finite(previous[1], previous[0], checkpoints)
                 previous = (step, metrics)
@@ -288,9 +305,10 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after) -> 
                         )
                     throughput.reset()
                 if eval_now:
-                    last_eval = _evaluate(
-                        task, evaluate, state, step, progress, best, writer, last_values, t_start
-                    )
+                    with jax.profiler.TraceAnnotation("evaluation"):
+                        last_eval = _evaluate(
+                            task, evaluate, state, step, progress, best, writer, last_values, t_start
+                        )
                     if out_of_time and progress.stopped is None:
                         progress.stopped = "time"
                         print(
@@ -316,6 +334,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after) -> 
             else None
         )
     finally:
+        window.close()
         if bar is not None:
             bar.close()
         writer.close()
