@@ -432,7 +432,7 @@ class Range:
     low_open: bool = False
     high_open: bool = False
 
-    def __contains__(self, x: float) -> bool:
+    def __contains__(self, x: int | float) -> bool:
         if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
             return False
         return self.high is None or (x < self.high if self.high_open else x <= self.high)
@@ -445,11 +445,11 @@ class Range:
         )
 
 
-AT_LEAST_0 = Range(0)
-AT_LEAST_1 = Range(1)
-POSITIVE = Range(0, low_open=True)
-FRACTION = Range(0, 1)
-BELOW_1 = Range(0, 1, high_open=True)
+AT_LEAST_0 = Range(0.0)
+AT_LEAST_1 = Range(1.0)
+POSITIVE = Range(0.0, low_open=True)
+FRACTION = Range(0.0, 1.0)
+BELOW_1 = Range(0.0, 1.0, high_open=True)
 
 # Every int and float setting (and each element of a tuple of them) with its valid range; a test checks
 # that no numeric field of the schema is missing here. 0 means "off" where the schema's comment says so.
@@ -493,8 +493,8 @@ RANGES: dict[str, Range] = {
     "model.head_hidden": AT_LEAST_1,
     "model.recent_len": AT_LEAST_1,
     "model.block_size": AT_LEAST_1,
-    "model.pyramid": Range(0, 1, low_open=True),
-    "parallel.mesh_shape": Range(-1),  # -1: all remaining devices; 0 is refused below
+    "model.pyramid": Range(0.0, 1.0, low_open=True),
+    "parallel.mesh_shape": Range(-1.0),  # -1: all remaining devices; 0 is refused below
     "precision.fp8_amax_history": AT_LEAST_1,
     "precision.fp8_margin": AT_LEAST_0,
     "train.steps": AT_LEAST_1,

@@ -56,7 +56,7 @@ def _why_not_writable(path: Path) -> str:
 class WorkdirLock:
     """An exclusive, non-blocking lock of a run directory, held until `release()` or process exit."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: str | Path):
         self.path = Path(workdir) / LOCK_FILE
         self._fd: int | None = None
 
