@@ -18,9 +18,10 @@ Checks per case, forward and every gradient (q, k, v, and each bias table), agai
 reference (`implementation="reference"`, matmuls at full float32 precision, on the float32 cast of
 the same inputs): every value finite, rows past offsets[B] zero in the output, the relative L2
 error of the whole array and of each sequence's rows within tolerance (float32 inputs 1e-4 / 1e-3,
-bf16 inputs 1e-2 / 5e-2; a wrong mask or bias shows as O(1) errors). A crash is a failure too. It
-prints the case count, the worst error per check and dtype, and every failure with its replay
-argument; exit code 1 if anything failed.
+bf16 inputs 1e-2 / 5e-2; a wrong mask or bias shows as O(1) errors). A crash (an exception from the
+kernel: compilation or execution) is a failure too; its family is skipped from then on, and three
+crashes in a row end the sweep. It prints the case count, the worst error per check and dtype, and
+every failure with its replay argument; exit code 1 if anything failed.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ COVER = (
 # (whole array, per sequence) relative L2 tolerances by input dtype.
 TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (1e-2, 5e-2)}
 CHECKS = ("out", "dq", "dk", "dv", "dpos", "dtime")
+# A crashed family is skipped from then on; this many crashes in a row (a device that is gone, e.g. after
+# an illegal memory access) end the sweep.
+MAX_CRASHES_IN_A_ROW = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,7 +255,8 @@ class Report:
     compile_s: float = 0.0
     worst: dict[tuple[str, str], tuple[float, float]] = dataclasses.field(default_factory=dict)
     failures: list[str] = dataclasses.field(default_factory=list)
-    crashed: bool = False
+    crashed: set[int] = dataclasses.field(default_factory=set)  # families whose kernel raised
+    crashes_in_a_row: int = 0
 
 
 def check_case(report: Report, seed: int, index: int, case_index: int, family: Family, fns) -> None:
@@ -261,12 +266,13 @@ def check_case(report: Report, seed: int, index: int, case_index: int, family: F
     kernel, reference = fns
     try:
         got_out, got_grads = _run(kernel, case, jnp.dtype(family.dtype))
-    except Exception as e:  # a crash is a failure; the CUDA context may be gone, so stop after it
-        report.failures.append(
-            f"CRASH {type(e).__name__}: {str(e).splitlines()[0][:200]} ({family}; {replay})"
-        )
-        report.crashed = True
+    except Exception as e:  # a crash is a failure; its family is not run again
+        first_line = (str(e).splitlines() or [""])[0][:200]
+        report.failures.append(f"CRASH {type(e).__name__}: {first_line} ({family}; {replay})")
+        report.crashed.add(index)
+        report.crashes_in_a_row += 1
         return
+    report.crashes_in_a_row = 0
     with jax.default_matmul_precision("float32"):
         # the reference on the float32 cast of the same (rounded) inputs
         rounded = dataclasses.replace(
@@ -348,12 +354,15 @@ def fuzz(
     t0 = time.perf_counter()
     rng = np.random.default_rng([seed, 2**31])
     next_case: dict[int, int] = {}
-    while not report.crashed:
+    while report.crashes_in_a_row < MAX_CRASHES_IN_A_ROW:
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds or (max_cases is not None and report.cases >= max_cases):
             break
-        new = len(compiled) < max_families and (not compiled or elapsed < compile_share * seconds)
-        index = len(compiled) if new else int(rng.choice(sorted(compiled)))
+        working = sorted(set(compiled) - report.crashed)
+        new = len(compiled) < max_families and (not working or elapsed < compile_share * seconds)
+        if not new and not working:
+            break
+        index = len(compiled) if new else int(rng.choice(working))
         t_case = time.perf_counter()
         family, fns = get(index)
         case_index = next_case.get(index, 0)

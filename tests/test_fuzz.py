@@ -78,3 +78,14 @@ def test_cli_prints_the_table_and_exit_code():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 cases in" in r.stdout and "| out | bfloat16 |" in r.stdout and "failures: 0" in r.stdout
+
+
+def test_a_crashing_kernel_is_reported_and_ends_the_sweep(monkeypatch):
+    def crash(*args, implementation, **kw):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(fuzz, "jagged_attention", crash)
+    report = fuzz.fuzz(seconds=600, implementation="broken", log=lambda line: None)
+    assert report.cases == 0 and len(report.failures) == fuzz.MAX_CRASHES_IN_A_ROW
+    assert all(f.startswith("CRASH RuntimeError: boom (") and "--replay" in f for f in report.failures)
+    assert report.crashed == set(range(fuzz.MAX_CRASHES_IN_A_ROW))  # each family skipped after its crash
