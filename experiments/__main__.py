@@ -20,6 +20,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml
 BENCHMARKS = {
     "attention": "experiments.bench_attention",
     "block_attention": "experiments.bench_block_attention",
+    "embeddings": "experiments.bench_embeddings",
     "train_step": "experiments.bench_train_step",
 }
 
