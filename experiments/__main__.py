@@ -2,7 +2,7 @@
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
-  python -m experiments bench {attention,block_attention,train_step} [args...]
+  python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
 
 Config errors (unknown keys, wrong types, bad values) print one line naming the key and the file and
 exit with code 2; a diverged run (NaN/Inf) exits with code 3.
@@ -64,45 +64,51 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
 
     from gem_jax.config import ConfigError, load_config
-    from gem_jax.train.loop import TrainingDiverged, evaluate_checkpoint, train
+    from gem_jax.tasks import make_task
+    from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
 
     try:
         if args.command == "train":
             config_path = Path(args.config) if args.config else DEFAULT_CONFIG
             config = load_config(config_path, args.overrides)
             workdir = Path(args.workdir) if args.workdir else Path("runs") / config_path.stem
-            summary = train(config, workdir, stop_after=args.stop_after)
+            task = make_task(config)
+            summary = train(task, workdir, stop_after=args.stop_after)
         else:
             config_path = Path(args.workdir) / "config.toml"
             if not config_path.exists():
                 raise ConfigError(f"{config_path} not found: is {args.workdir} a run directory?")
             config = load_config(config_path, args.overrides)
-            summary = evaluate_checkpoint(config, args.workdir)
+            task = make_task(config)
+            summary = evaluate_run(task, args.workdir)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"training diverged: {e}", file=sys.stderr)
         return 3
-    print(_format_summary(summary))
+    print(_format_summary(summary, task.summary_lines(summary)))
     return 0
 
 
-def _format_summary(summary: dict) -> str:
+def _format_summary(summary: dict, task_lines: list[str]) -> str:
     lines = [f"== {summary.get('workdir')} at step {summary.get('step')}"]
     if "wall_time_s" in summary:
-        state = "interrupted (checkpoint saved)" if summary.get("interrupted") else "done"
+        if summary.get("interrupted"):
+            state = "interrupted (checkpoint saved)"
+        elif summary.get("stopped_early"):
+            state = "stopped early (no better validation metric)"
+        elif summary.get("out_of_time"):
+            state = "stopped at the time budget"
+        else:
+            state = "done"
         lines.append(
             f"   {state}: {summary['wall_time_s']:.1f} s on {summary['devices']} x {summary['device_kind']}"
         )
     final = summary.get("final") or {}
     if final:
         lines.append(f"   final train loss {final.get('loss', float('nan')):.4f}")
-    for task, m in (summary.get("eval") or {}).items():
-        lines.append(
-            f"   eval {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
-            f"(positives {m['positive_rate']:.3f} of {m['examples']})"
-        )
+    lines += task_lines
     lines.append(json.dumps(summary, default=str))
     return "\n".join(lines)
 

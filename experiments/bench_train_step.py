@@ -25,22 +25,19 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     from gem_jax.config import load_config
-    from gem_jax.parallel import make_mesh, num_batch_shards
+    from gem_jax.tasks import make_task
     from gem_jax.train.flops import device_peak_flops, train_step_flops
-    from gem_jax.train.loop import _datasets, _to_global
     from gem_jax.train.step import Trainer
 
     config = load_config(args.config, args.overrides)
-    mesh = make_mesh(config.parallel)
-    trainer = Trainer(config, mesh)
-    shards = num_batch_shards(mesh, config.parallel)
-    train_data, _ = _datasets(config, shards // jax.process_count())
-    it = iter(train_data)
+    task = make_task(config)
+    trainer = Trainer(task, task.mesh)
+    it = iter(task.train_data(jax.process_index(), jax.process_count()))
     next(it)  # start workers
     t0 = time.perf_counter()
     host = [next(it) for _ in range(args.pipeline_steps)]
     pipeline_s = (time.perf_counter() - t0) / args.pipeline_steps
-    batches = [_to_global(h, trainer.batch_sharding) for h in host[: args.batches]]
+    batches = [trainer.to_device(h) for h in host[: args.batches]]
     flops = [train_step_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     tokens = [float(h.offsets[:, -1].sum()) for h in host[: args.batches]]
     state = trainer.init_state()

@@ -44,7 +44,6 @@ class DataConfig:
     tokens_per_shard: int = 2048  # token capacity of one shard's pack
     eval_examples: int = 4096
     num_workers: int = 0  # grain worker processes generating train examples (0: in the main process)
-    max_seq_len_buckets: tuple[int, ...] = ()  # empty: derived from max_history_len + num_candidates
 
 
 SHARDING_TYPES = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d")
@@ -188,8 +187,13 @@ class TrainConfig:
     clip_norm: float = 1.0
     adam_b2: float = 0.999  # SASRec uses 0.98
     log_every: int = 10
-    eval_every: int = 0  # 0: evaluate once at the end
+    eval_every: int = 0  # ranking: validation every N steps (0: once, at the end); next-item: retrieval.*
     eval_batches: int = 0  # 0: all of data.eval_examples
+    # The validation metric that picks the checkpoint kept in best/ (and scored on test where the task
+    # has a test split): "" = the task's default (next-item: "sampled/NDCG@10"; ranking: none kept).
+    select_metric: str = ""
+    patience: int = 0  # evaluations without a better select_metric before stopping; 0: never
+    max_minutes: float = 0.0  # time budget: stop at the first task boundary past it (0: none)
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     async_checkpointing: bool = True
@@ -212,16 +216,13 @@ class RetrievalConfig:
     num_negatives: int = 128  # uniform negatives per pack, shared by its positions (sampled softmax)
     temperature: float = 0.05  # sampled softmax logits are score / temperature
     normalize: bool = True  # L2-normalise user vectors and item embeddings (sampled softmax, eval)
-    epochs: int = 200
+    epochs: int = 200  # a run's length; an epoch ends a task boundary (evaluation, time budget)
     eval_every_epochs: int = 1
-    patience: int = 10  # evaluations without a better validation metric before stopping; 0: never
     eval_protocol: str = "both"  # "sampled" (100 negatives) | "full" (all items) | "both"
-    select_metric: str = "sampled/NDCG@10"  # validation metric that picks the checkpoint
     eval_negatives: int = 100
     eval_users: int = 0  # 0: all evaluated users; else a fixed random subset (quick runs)
     exclude_history: bool = False  # full ranking: drop the user's own items from the candidates
     # (ICLRec's evaluation code does); the "full_incl_history/" metrics then report the other setting
-    max_minutes: float = 0.0  # training time budget: stop at the first epoch end past it (0: none)
 
 
 @dataclass(frozen=True)
@@ -389,9 +390,41 @@ def validate(config: Config, source: str) -> Config:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
     _validate_embeddings(config, source)
+    _validate_selection(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
     return config
+
+
+RANKING_METRICS = ("auc", "ne")
+
+
+def _validate_selection(config: Config, source: str) -> None:
+    """`train.select_metric`, `train.patience` and `train.max_minutes` (the loop's stopping rules)."""
+    t = config.train
+    for key, value in {"train.patience": t.patience, "train.max_minutes": t.max_minutes}.items():
+        if value < 0:
+            raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
+    metric = t.select_metric
+    if config.data.kind == "interactions":
+        r = config.retrieval
+        metric = metric or "sampled/NDCG@10"
+        if metric not in SELECT_METRICS:
+            raise ConfigError(
+                f"{source}: `train.select_metric` must be one of {SELECT_METRICS}, got {metric!r}"
+            )
+        protocol = metric.split("/")[0]
+        if r.eval_protocol not in ("both", protocol):
+            raise ConfigError(
+                f"{source}: `train.select_metric` {metric!r} needs "
+                f'`retrieval.eval_protocol` "{protocol}" or "both", got {r.eval_protocol!r}'
+            )
+        return
+    allowed = tuple(f"{task}/{m}" for task in config.model.tasks for m in RANKING_METRICS)
+    if metric and metric not in allowed:
+        raise ConfigError(f'{source}: `train.select_metric` must be "" or one of {allowed}, got {metric!r}')
+    if t.patience and not metric:
+        raise ConfigError(f"{source}: `train.patience` needs `train.select_metric` (the metric to watch)")
 
 
 def _validate_long_history(config: Config, source: str) -> None:
@@ -493,15 +526,8 @@ def _validate_retrieval(config: Config, source: str) -> None:
         "retrieval.loss": (r.loss, ("bce", "sampled_softmax")),
         "retrieval.negatives": (r.negatives, ("uniform", "in_batch")),
         "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
-        "retrieval.select_metric": (r.select_metric, SELECT_METRICS),
     }
     _check_choices(choices, source)
-    protocol = r.select_metric.split("/")[0]
-    if r.eval_protocol not in ("both", protocol):
-        raise ConfigError(
-            f"{source}: `retrieval.select_metric` {r.select_metric!r} needs "
-            f'`retrieval.eval_protocol` "{protocol}" or "both", got {r.eval_protocol!r}'
-        )
     positive = {
         "retrieval.max_len": r.max_len,
         "retrieval.num_negatives": r.num_negatives,
@@ -511,13 +537,8 @@ def _validate_retrieval(config: Config, source: str) -> None:
         "retrieval.temperature": r.temperature,
     }
     _check_positive(positive, source)
-    for key, value in {
-        "retrieval.patience": r.patience,
-        "retrieval.eval_users": r.eval_users,
-        "retrieval.max_minutes": r.max_minutes,
-    }.items():
-        if value < 0:
-            raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
+    if r.eval_users < 0:
+        raise ConfigError(f"{source}: `retrieval.eval_users` must be >= 0, got {r.eval_users}")
     if not d.path:
         raise ConfigError(
             f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'

@@ -15,6 +15,7 @@ from gem_jax.model.gem import GEMModel
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.long_history import long_history_attention, pyramid_layout, suffix_layout
 from gem_jax.precision import PrecisionPolicy
+from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from pallas_kernels.block_attention.reference import block_attention_reference
 from tests.helpers import first_pack, small_config, stacks
@@ -302,6 +303,6 @@ def test_gem_long_cpu_variant_learns(tmp_path):
     below that, with room for other platforms' float differences."""
     c = load_config(Path(__file__).resolve().parent.parent / "configs" / "gem_long.toml", GEM_LONG_CPU)
     assert c.model.long_history and c.model.pyramid == (1.0, 1.0, 0.5, 0.25)
-    summary = loop.train(c, tmp_path)
+    summary = loop.train(make_task(c), tmp_path)
     auc = summary["eval"]["click"]["auc"]
     assert math.isfinite(auc) and auc >= 0.65, summary["eval"]

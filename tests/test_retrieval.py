@@ -16,10 +16,12 @@ import pytest
 from flax import nnx
 
 from gem_jax.config import ConfigError, load_config
+from gem_jax.data.next_item import load_next_item_data
 from gem_jax.embeddings import HashedEmbedding
-from gem_jax.model.retrieval import NextItemModel, bce_loss, sampled_softmax_loss
+from gem_jax.model.next_item import NextItemModel, bce_loss, sampled_softmax_loss
 from gem_jax.precision import PrecisionPolicy
-from gem_jax.train import loop, retrieval
+from gem_jax.tasks import make_task
+from gem_jax.train import loop
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_ITEMS = 40
@@ -40,41 +42,38 @@ def write_cyclic_pairs(path: Path, num_users: int = 48, seed: int = 0) -> Path:
     return path
 
 
+SMALL_ARGS = [
+    "data.kind=interactions",
+    "data.examples_per_shard=16",
+    "data.tokens_per_shard=160",
+    "embeddings.dim=16",
+    "model.model_dim=16",
+    "model.num_heads=1",
+    "model.attention_dim=16",
+    "model.value_dim=16",
+    "model.num_layers=1",
+    "model.num_position_buckets=12",
+    "model.num_time_buckets=0",
+    "model.activation=softmax",
+    "model.attention_implementation=reference",
+    "precision.compute_dtype=float32",
+    "parallel.mesh_shape=[1]",
+    "train.learning_rate=1e-2",
+    "train.warmup_steps=0",
+    "train.end_learning_rate_fraction=1.0",
+    "train.weight_decay=0.0",
+    "train.log_every=2",
+    "train.progress=false",
+    "train.async_checkpointing=false",
+    "retrieval.max_len=10",
+    "retrieval.eval_negatives=20",
+    "retrieval.epochs=30",
+    "retrieval.eval_every_epochs=5",
+]
+
+
 def small(path: Path, *overrides: str):
-    return load_config(
-        None,
-        [
-            "data.kind=interactions",
-            f"data.path={path}",
-            "data.examples_per_shard=16",
-            "data.tokens_per_shard=160",
-            "embeddings.dim=16",
-            "model.model_dim=16",
-            "model.num_heads=1",
-            "model.attention_dim=16",
-            "model.value_dim=16",
-            "model.num_layers=1",
-            "model.num_position_buckets=12",
-            "model.num_time_buckets=0",
-            "model.activation=softmax",
-            "model.attention_implementation=reference",
-            "precision.compute_dtype=float32",
-            "parallel.mesh_shape=[1]",
-            "train.learning_rate=1e-2",
-            "train.warmup_steps=0",
-            "train.end_learning_rate_fraction=1.0",
-            "train.weight_decay=0.0",
-            "train.log_every=2",
-            "train.progress=false",
-            "train.async_checkpointing=false",
-            "retrieval.max_len=10",
-            "retrieval.eval_negatives=20",
-            "retrieval.epochs=30",
-            "retrieval.eval_every_epochs=5",
-            "retrieval.patience=0",
-            *overrides,
-        ],
-    )
+    return load_config(None, [*SMALL_ARGS, f"data.path={path}", *overrides])
 
 
 def records(workdir: Path) -> list[dict]:
@@ -171,10 +170,12 @@ def test_train_both_protocols_and_test_scored_once(tmp_path):
     workdir = tmp_path / "run"
     config = small(data, "retrieval.loss=bce", "retrieval.normalize=false", "retrieval.epochs=30")
     # Interrupted after the first evaluation (as a preemption would), then resumed from it.
-    first = loop.train(config, workdir, stop_after=1)
+    task = make_task(config)
+    first_eval = next(s for s in range(1, task.total_steps() + 1) if task.eval_due(s))
+    first = loop.train(task, workdir, stop_after=first_eval)
     assert first["interrupted"] and first["epoch"] == 5 and first["test"] is None
     assert not (workdir / "test.json").exists()
-    summary = loop.train(config, workdir)
+    summary = loop.train(make_task(config), workdir)
     assert not summary["interrupted"] and summary["epoch"] == 30
     recs = records(workdir)
     valid = [r for r in recs if r.get("split") == "valid"]
@@ -200,12 +201,12 @@ def test_train_both_protocols_and_test_scored_once(tmp_path):
     # It learned: chance is HR@10 = 10/21 with 20 negatives, NDCG@10 ~ 0.2.
     assert tests[0]["test"]["sampled/HR@10"] > 0.8, tests[0]
     # Re-running a finished run does not score the test split again.
-    loop.train(config, workdir)
+    loop.train(make_task(config), workdir)
     assert sum(r.get("split") == "test" for r in records(workdir)) == 1
     # `eval` reports the chosen checkpoint's validation metrics and the recorded test metrics.
-    ev = loop.evaluate_checkpoint(config, workdir)
+    ev = loop.evaluate_run(make_task(config), workdir)
     assert ev["step"] == best["step"]
-    assert ev["valid"]["sampled/NDCG@10"] == pytest.approx(best["valid"]["sampled/NDCG@10"], abs=1e-6)
+    assert ev["eval"]["sampled/NDCG@10"] == pytest.approx(best["valid"]["sampled/NDCG@10"], abs=1e-6)
     assert ev["test"] == tests[0]["test"]
 
 
@@ -218,12 +219,12 @@ def test_early_stopping_keeps_first_best(tmp_path):
         data,
         "train.learning_rate=0.0",
         "retrieval.eval_every_epochs=1",
-        "retrieval.patience=2",
+        "train.patience=2",
         "retrieval.negatives=in_batch",
         "retrieval.eval_protocol=full",
-        "retrieval.select_metric=full/NDCG@10",
+        "train.select_metric=full/NDCG@10",
     )
-    summary = loop.train(config, workdir)
+    summary = loop.train(make_task(config), workdir)
     valid = [r for r in records(workdir) if r.get("split") == "valid"]
     assert [r["epoch"] for r in valid] == [1, 2, 3]
     assert summary["stopped_early"] and summary["best_epoch"] == 1
@@ -232,18 +233,18 @@ def test_early_stopping_keeps_first_best(tmp_path):
 
 
 def test_time_budget_stops_with_a_last_evaluation_and_scores_test(tmp_path):
-    """`retrieval.max_minutes` ends training at the first epoch end past the budget: that epoch is
+    """`train.max_minutes` ends training at the first epoch end past the budget: that epoch is
     evaluated even off the `eval_every_epochs` grid, and the test split is scored for the best one."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     workdir = tmp_path / "run"
-    config = small(data, "retrieval.max_minutes=1e-6", "retrieval.eval_every_epochs=5")
-    summary = loop.train(config, workdir)
+    config = small(data, "train.max_minutes=1e-6", "retrieval.eval_every_epochs=5")
+    summary = loop.train(make_task(config), workdir)
     valid = [r for r in records(workdir) if r.get("split") == "valid"]
     assert [r["epoch"] for r in valid] == [1]
     assert summary["out_of_time"] and not summary["stopped_early"] and summary["epoch"] == 1
     assert summary["test"] is not None and (workdir / "test.json").exists()
     # A finished (out-of-time) run is not trained further when re-run.
-    again = loop.train(config, workdir)
+    again = loop.train(make_task(config), workdir)
     assert again["epoch"] == 1 and sum(r.get("split") == "test" for r in records(workdir)) == 1
 
 
@@ -252,9 +253,9 @@ def test_exclude_history_reports_both_full_rankings(tmp_path):
     dropping candidates can only move a target up, so every HR is at least as high."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     config = small(
-        data, "retrieval.exclude_history=true", "retrieval.epochs=5", "retrieval.select_metric=full/NDCG@10"
+        data, "retrieval.exclude_history=true", "retrieval.epochs=5", "train.select_metric=full/NDCG@10"
     )
-    summary = loop.train(config, tmp_path / "run")
+    summary = loop.train(make_task(config), tmp_path / "run")
     test = summary["test"]
     for k in (5, 10, 20):
         assert test[f"full/HR@{k}"] >= test[f"full_incl_history/HR@{k}"], test
@@ -276,7 +277,7 @@ def test_sasrec_block_learns_with_bce(tmp_path):
         "retrieval.epochs=20",
         "retrieval.eval_every_epochs=20",
     )
-    summary = loop.train(config, tmp_path / "run")
+    summary = loop.train(make_task(config), tmp_path / "run")
     assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
 
 
@@ -299,7 +300,7 @@ def test_uniform_sampled_softmax_learns(tmp_path):
         "retrieval.epochs=15",
         "retrieval.eval_every_epochs=15",
     )
-    summary = loop.train(config, tmp_path / "run")
+    summary = loop.train(make_task(config), tmp_path / "run")
     assert summary["test"]["sampled/HR@10"] > 0.8, summary["test"]
 
 
@@ -340,4 +341,75 @@ def test_malformed_file_exits_2_naming_file_and_line(tmp_path):
     assert f"{bad}:3" in out.stderr
     missing = tmp_path / "missing.txt"
     with pytest.raises(ConfigError, match="not found"):
-        retrieval.load_data(small(missing))
+        load_next_item_data(small(missing))
+
+
+# ----------------------------------------------------------------------------- resumption and processes
+
+
+def _final_params(workdir: Path, config) -> list[np.ndarray]:
+    from gem_jax.train.checkpoint import Checkpointer
+    from gem_jax.train.step import Trainer
+
+    task = make_task(config)
+    trainer = Trainer(task, task.mesh)
+    ck = Checkpointer(workdir / "checkpoints", config.train)
+    state, _ = ck.restore(ck.latest_step(), trainer.abstract_state, trainer.state_shardings)
+    ck.close()
+    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+
+def test_resume_mid_epoch_gives_identical_parameters(tmp_path):
+    """Stopped in the middle of an epoch (the data iterator's position is in the checkpoint) and
+    resumed, a run ends with the same parameters, bit for bit, as one that never stopped."""
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    config = small(
+        data, "retrieval.loss=bce", "retrieval.epochs=4", "retrieval.eval_every_epochs=2", "model.dropout=0.2"
+    )
+    task = make_task(config)
+    per_epoch = task.total_steps() // 4
+    assert per_epoch >= 3, "the test needs epochs of several steps"
+    middle = per_epoch + per_epoch // 2  # inside the second epoch
+    assert not task.is_boundary(middle)
+    whole = loop.train(task, tmp_path / "whole")
+    first = loop.train(make_task(config), tmp_path / "split", stop_after=middle)
+    assert first["interrupted"] and first["step"] == middle and first["epoch"] == 1
+    second = loop.train(make_task(config), tmp_path / "split")
+    assert second["step"] == whole["step"] == task.total_steps()
+    for a, b in zip(_final_params(tmp_path / "whole", config), _final_params(tmp_path / "split", config)):
+        np.testing.assert_array_equal(a, b)
+    assert second["test"] == whole["test"]
+
+
+def test_processes_split_each_step_and_together_see_the_epoch(tmp_path):
+    """With 2 processes, each yields its half of every step's packs; side by side they are the
+    single-process stream, so multi-process training sees the same global batches."""
+    from gem_jax.data.next_item import NextItemEpochs
+
+    data_path = write_cyclic_pairs(tmp_path / "cyclic.txt", num_users=96)
+    config = small(data_path, "data.examples_per_shard=4", "retrieval.epochs=2")
+    data = load_next_item_data(config)
+    whole = list(NextItemEpochs(data, config, shards=4))
+    halves = [
+        list(NextItemEpochs(data, config, shards=4, process_index=p, process_count=2)) for p in range(2)
+    ]
+    assert len(halves[0]) == len(halves[1]) == len(whole) > 2
+    for w, a, b in zip(whole, *halves):
+        for name in ("item_ids", "targets", "offsets"):
+            joined = np.concatenate([getattr(a, name), getattr(b, name)])
+            np.testing.assert_array_equal(joined, getattr(w, name))
+
+
+def test_cli_trains_next_item_task(tmp_path):
+    """`python -m experiments train` runs the next-item task through the same loop as ranking."""
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt")
+    args = [sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path / "run")]
+    for o in SMALL_ARGS + ["retrieval.epochs=5", "retrieval.eval_every_epochs=5", f"data.path={data}"]:
+        args += ["--set", o]
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["epoch"] == 5 and not summary["interrupted"]
+    assert summary["test"]["sampled/HR@10"] > 0.5, summary["test"]
+    assert (tmp_path / "run" / "test.json").exists() and (tmp_path / "run" / "best").is_dir()
+    assert "chosen checkpoint" in out.stdout

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gem_jax.parallel import make_mesh
+from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
@@ -23,20 +23,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _params(workdir, config):
-    trainer = Trainer(config, make_mesh(config.parallel))
+    task = make_task(config)
+    trainer = Trainer(task, task.mesh)
     ck = Checkpointer(Path(workdir) / "checkpoints", config.train)
     step = ck.latest_step()
-    state = ck.restore(step, trainer.abstract_state, trainer.state_shardings, None)
+    state, _ = ck.restore(step, trainer.abstract_state, trainer.state_shardings)
     ck.close()
     return step, jax.tree.map(np.asarray, state.params)
 
 
 def test_resume_gives_identical_parameters(tmp_path):
     c = small_config("train.steps=40", "train.checkpoint_every=10")
-    loop.train(c, tmp_path / "one")
-    first = loop.train(c, tmp_path / "two", stop_after=20)
+    loop.train(make_task(c), tmp_path / "one")
+    first = loop.train(make_task(c), tmp_path / "two", stop_after=20)
     assert first["step"] == 20 and first["eval"] is None
-    second = loop.train(c, tmp_path / "two")
+    second = loop.train(make_task(c), tmp_path / "two")
     assert second["step"] == 40
     step_a, a = _params(tmp_path / "one", c)
     step_b, b = _params(tmp_path / "two", c)
@@ -47,9 +48,9 @@ def test_resume_gives_identical_parameters(tmp_path):
     logged = [r for r in records if "loss" in r]
     for key in ("step", "loss", "examples_per_s", "tokens_per_s", "tflops_per_device", "mfu"):
         assert key in logged[0], key
-    evals = [r for r in records if "eval" in r]
-    assert evals and set(evals[-1]["eval"]) == {"click", "conversion"}
-    assert {"auc", "ne"} <= set(evals[-1]["eval"]["click"])
+    evals = [r for r in records if r.get("split") == "valid"]
+    assert evals and set(evals[-1]["valid"]) == {"click", "conversion"}
+    assert {"auc", "ne"} <= set(evals[-1]["valid"]["click"])
     assert (tmp_path / "one" / "config.toml").exists()
     try:
         import tensorboardX  # noqa: F401  (optional extra)
@@ -70,7 +71,7 @@ def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
     monkeypatch.setattr(Trainer, "_train_step", poisoned)
     c = small_config("train.steps=20", "train.checkpoint_every=2", "train.log_every=100")
     with pytest.raises(loop.TrainingDiverged, match="step 6"):
-        loop.train(c, tmp_path)
+        loop.train(make_task(c), tmp_path)
     step, params = _params(tmp_path, c)
     assert step == 4
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
@@ -82,7 +83,7 @@ def test_sharded_step_equals_single_device():
     c8 = small_config("parallel.mesh_shape=[8]", *lean)
     c1 = small_config("parallel.mesh_shape=[1]", *lean)
     stack = next(stacks(c8, shards=8))
-    t8, t1 = Trainer(c8, make_mesh(c8.parallel)), Trainer(c1, make_mesh(c1.parallel))
+    t8, t1 = (Trainer(task, task.mesh) for task in (make_task(c8), make_task(c1)))
     losses = []
     for t in (t8, t1):
         state = t.init_state()
@@ -102,7 +103,8 @@ def test_two_axis_mesh_runs():
         "model.num_layers=1",
         "model.wukong_layers=1",
     )
-    t = Trainer(c, make_mesh(c.parallel))
+    task = make_task(c)
+    t = Trainer(task, task.mesh)
     state = t.init_state()
     assert "data" in str(state.params["items"]["table"].sharding.spec)
     batch = jax.device_put(next(stacks(c, shards=8)), t.batch_sharding)

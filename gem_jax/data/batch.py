@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import numpy as np
 from flax import struct
 from jaxtyping import Array, Bool, Float, Int
@@ -62,7 +61,7 @@ def pack_examples(
 
     Each example dict has: `item_ids`, `action_ids`, `timestamps` (history + candidates, without
     the prefix slots), `num_targets` (int), `sparse_ids` (list of F id arrays), `dense`, `labels`
-    [C, K]. The caller guarantees the examples fit (see `fits`).
+    [C, K]. The caller guarantees the examples fit (see `packing.fits`).
     """
     n = len(examples)
     if n > examples_capacity:
@@ -117,22 +116,6 @@ def pack_examples(
     )
 
 
-def fits(
-    num_examples: int,
-    num_tokens: int,
-    example: dict[str, Any],
-    *,
-    prefix: int,
-    examples_capacity: int,
-    tokens_capacity: int,
-) -> bool:
-    """Whether `example` still fits into a pack that holds `num_examples` / `num_tokens`."""
-    return (
-        num_examples + 1 <= examples_capacity
-        and num_tokens + prefix + len(example["item_ids"]) <= tokens_capacity
-    )
-
-
 def check_pack(batch: JaggedBatch) -> None:
     """Raises AssertionError if a (numpy) pack breaks the jagged-batch invariants."""
     o = np.asarray(batch.offsets)
@@ -152,8 +135,3 @@ def check_pack(batch: JaggedBatch) -> None:
     so = np.asarray(batch.sparse_offsets)
     assert so[0] == 0 and np.all(np.diff(so) >= 0)
     assert so[-1] <= batch.sparse_values.shape[-1]
-
-
-def stack_packs(packs: list[JaggedBatch]) -> JaggedBatch:
-    """Stacks packs on a new leading shard axis."""
-    return jax.tree.map(lambda *xs: np.stack(xs), *packs)

@@ -1,91 +1,44 @@
-"""The training and evaluation loops behind `python -m experiments train|eval`.
+"""The one training loop behind `python -m experiments train|eval`, for any Task.
 
-A run directory holds `config.toml` (resolved), `checkpoints/` (orbax), `metrics.jsonl` (one JSON
-object per logged step or eval) and, when tensorboardX is installed, TensorBoard event files.
-Re-running on an existing directory resumes from the latest checkpoint (state, step, RNG and the
-data iterator's position). SIGINT/SIGTERM save a checkpoint before exit; a NaN/Inf loss or
-parameter norm stops the run without saving, so the last good checkpoint survives.
+A run directory holds `config.toml` (resolved), `checkpoints/` (orbax: train state, data-iterator
+position and the loop's progress), `best/` (the checkpoint chosen on validation, when the task has
+a selection metric), `metrics.jsonl` (one JSON object per logged step or evaluation),
+`test.json` (tasks with a test split: scored once, for the chosen checkpoint) and, when
+tensorboardX is installed, TensorBoard event files.
+
+What the loop does for every task: resume from the latest checkpoint (state, step, RNG, data
+position, best-so-far, time spent) at any step; stop on NaN/Inf without saving (the last good
+checkpoint survives); turn SIGINT/SIGTERM into a checkpoint and a clean exit; evaluate where the
+task says (`eval_due`), keep the best checkpoint and stop early after `train.patience` evaluations
+without improvement; stop at the first task boundary past `train.max_minutes` (with a last
+evaluation); log throughput, MFU and norms; show a progress bar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import signal
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grain
 import jax
-import numpy as np
-from jax.experimental import multihost_utils
 
-from gem_jax.config import Config, config_to_toml
-from gem_jax.data.batch import JaggedBatch
-from gem_jax.data.pipeline import packed_dataset
-from gem_jax.data.synthetic import SyntheticAds
-from gem_jax.parallel import make_mesh, num_batch_shards
-from gem_jax.train import retrieval
+from gem_jax.config import config_to_toml
 from gem_jax.train.checkpoint import Checkpointer
-from gem_jax.train.flops import device_peak_flops, train_step_flops
-from gem_jax.train.metrics import auc, normalized_entropy
+from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.step import Trainer
-
-EVAL_START = 10**12  # eval examples are indexed far from the (streaming) train examples
+from gem_jax.train.task import Task, flatten, higher_is_better
 
 
 class TrainingDiverged(RuntimeError):
     """The loss or parameters became NaN/Inf; the run stopped without saving."""
 
 
-# ----------------------------------------------------------------------------- data
-
-
-def _datasets(config: Config, local_shards: int):
-    d, m = config.data, config.model
-    generator = SyntheticAds(d, num_tasks=len(m.tasks))
-    common = dict(
-        examples_capacity=d.examples_per_shard,
-        tokens_capacity=d.tokens_per_shard,
-        num_sparse_features=d.num_sparse_features,
-        max_bag_size=d.max_bag_size,
-        prefix=m.num_context_tokens,
-        shards_per_step=local_shards,
-    )
-    train = packed_dataset(generator.example, num_examples=None, start=0, **common)
-    if d.num_workers:
-        from absl import flags  # grain's workers read absl flags, which a plain script never parses
-
-        if not flags.FLAGS.is_parsed():
-            flags.FLAGS.mark_as_parsed()
-        train = train.mp_prefetch(grain.MultiprocessingOptions(num_workers=d.num_workers))
-    evaluation = packed_dataset(generator.example, num_examples=d.eval_examples, start=EVAL_START, **common)
-    return train, evaluation
-
-
-def _pad_stack(stack: JaggedBatch, shards: int) -> JaggedBatch:
-    """Pads a short last stack (end of the eval set) with empty packs."""
-    have = stack.num_targets.shape[0]
-    if have == shards:
-        return stack
-
-    def pad(x):
-        empty = np.zeros((shards - have, *x.shape[1:]), x.dtype)
-        return np.concatenate([x, empty])
-
-    padded = jax.tree.map(pad, stack)
-    # Empty packs: all offsets equal 0 (zeros already), no targets (zeros already).
-    return padded
-
-
-def _to_global(stack: JaggedBatch, sharding) -> JaggedBatch:
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), stack)
-
-
-# ----------------------------------------------------------------------------- logging
+# ----------------------------------------------------------------------------- records
 
 
 class MetricsWriter:
@@ -93,7 +46,7 @@ class MetricsWriter:
 
     def __init__(self, workdir: Path):
         self.enabled = jax.process_index() == 0
-        self.file = open(workdir / "metrics.jsonl", "a") if self.enabled else None
+        self.file = open(workdir / "metrics.jsonl", "a") if self.enabled else None  # noqa: SIM115 (closed in close())
         self.tb = None
         if self.enabled:
             try:
@@ -110,7 +63,7 @@ class MetricsWriter:
         self.file.flush()
         if self.tb is not None:
             step = record["step"]
-            for key, value in _flatten(record).items():
+            for key, value in flatten(record).items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self.tb.add_scalar(key, value, step)
 
@@ -121,14 +74,15 @@ class MetricsWriter:
             self.tb.close()
 
 
-def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in record.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}/"))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
+def read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def write_json(path: Path, value: dict[str, Any]) -> None:
+    """Writes atomically (a crash leaves the old file or the new one, never half of one)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
 
 
 class _StopRequest:
@@ -153,35 +107,29 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
-# ----------------------------------------------------------------------------- evaluation
+# ----------------------------------------------------------------------------- progress
 
 
-def evaluate(
-    trainer: Trainer, params, eval_batches: Iterator[JaggedBatch], local_shards: int, max_batches: int = 0
-) -> dict[str, dict[str, float]]:
-    """AUC and NE per task over the eval set (all processes' examples)."""
-    probabilities, labels, masks = [], [], []
-    for i, stack in enumerate(eval_batches):
-        if max_batches and i >= max_batches:
-            break
-        batch = _to_global(_pad_stack(stack, local_shards), trainer.batch_sharding)
-        p = trainer.predict(params, batch)
-        probabilities.append(np.asarray(multihost_utils.process_allgather(p, tiled=True)))
-        labels.append(np.asarray(multihost_utils.process_allgather(batch.labels, tiled=True)))
-        masks.append(np.asarray(multihost_utils.process_allgather(batch.num_targets > 0, tiled=True)))
-    p = np.concatenate([x.reshape(-1, *x.shape[-2:]) for x in probabilities])  # [N, C, K]
-    y = np.concatenate([x.reshape(-1, *x.shape[-2:]) for x in labels])
-    mask = np.concatenate([x.reshape(-1) for x in masks])
-    p, y = p[mask], y[mask]
-    results = {}
-    for k, task in enumerate(trainer.config.model.tasks):
-        results[task] = {
-            "auc": auc(y[..., k], p[..., k]),
-            "ne": normalized_entropy(y[..., k], p[..., k]),
-            "positive_rate": float(y[..., k].mean()),
-            "examples": int(y[..., k].size),
-        }
-    return results
+@dataclasses.dataclass
+class Progress:
+    """The loop's own state, saved in every checkpoint beside the train state."""
+
+    best_step: int | None = None
+    best_value: float | None = None
+    best_position: dict[str, Any] = dataclasses.field(default_factory=dict)
+    bad_evals: int = 0  # evaluations since the best one
+    stopped: str | None = None  # "patience" | "time": the run ended before its last step
+    train_time_s: float = 0.0  # wall time of training so far, over every invocation (the time budget)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> Progress:
+        return cls(**d) if d else cls()
+
+    def improves(self, value: float, metric: str) -> bool:
+        """Strictly better than the best so far (ties keep the earlier checkpoint)."""
+        if self.best_value is None:
+            return True
+        return value > self.best_value if higher_is_better(metric) else value < self.best_value
 
 
 # ----------------------------------------------------------------------------- training
@@ -198,139 +146,274 @@ def _check_finite(metrics: dict[str, Any], step: int, checkpointer: Checkpointer
     return values
 
 
-def train(config: Config, workdir: str | Path, *, stop_after: int | None = None) -> dict[str, Any]:
-    """Trains (or resumes) in `workdir` until `config.train.steps`; returns the final summary.
+class _Throughput:
+    """Examples, tokens and FLOPs since the last log line (all processes)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.counts: dict[str, float] = {}
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def add(self, counts: dict[str, float]) -> None:
+        for k, v in counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + v * jax.process_count()
+        self.steps += 1
+
+    def record(self, peak: float | None) -> dict[str, float | None]:
+        elapsed = time.perf_counter() - self.t0
+        out: dict[str, float | None] = {
+            f"{k}_per_s": v / elapsed for k, v in self.counts.items() if k != "flops"
+        }
+        out["step_time_s"] = elapsed / max(self.steps, 1)
+        if "flops" in self.counts:
+            tflops = self.counts["flops"] / elapsed / jax.device_count() / 1e12
+            out["tflops_per_device"] = tflops
+            out["mfu"] = tflops * 1e12 / peak if peak else None
+        return out
+
+
+def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Trains (or resumes) `task` in `workdir` until its last step or an early stop; returns a summary.
 
     `stop_after` ends this invocation (with a checkpoint) after that global step, as a preemption
     would; re-running resumes.
     """
-    if config.data.kind == "interactions":
-        return retrieval.train(config, workdir, stop_after=stop_after)
+    t_start = time.perf_counter()
+    config, tc = task.config, task.config.train
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    tc = config.train
     if jax.process_index() == 0:
         (workdir / "config.toml").write_text(config_to_toml(config))
-    mesh = make_mesh(config.parallel)
-    trainer = Trainer(config, mesh)
-    shards = num_batch_shards(mesh, config.parallel)
-    if shards % jax.process_count():
-        raise ValueError(f"{shards} batch shards do not split over {jax.process_count()} processes")
-    local_shards = shards // jax.process_count()
-    train_data, eval_data = _datasets(config, local_shards)
-    train_iter = iter(train_data)
-    checkpointer = Checkpointer(workdir / "checkpoints", tc)
-    latest = checkpointer.latest_step()
+    if task.describe():
+        print(task.describe(), file=sys.stderr)
+    trainer = Trainer(task, task.mesh)
+    evaluate = task.evaluator(trainer)
+    data_iter = iter(task.train_data(jax.process_index(), jax.process_count()))
+    checkpoints = Checkpointer(workdir / "checkpoints", tc)
+    best = Checkpointer(workdir / "best", tc, keep=1) if task.select_metric else None
+    latest = checkpoints.latest_step()
     if latest is not None:
-        state = checkpointer.restore(latest, trainer.abstract_state, trainer.state_shardings, train_iter)
-        print(f"resumed from step {latest} in {workdir}", file=sys.stderr)
+        state, saved = checkpoints.restore(latest, trainer.abstract_state, trainer.state_shardings, data_iter)
+        progress = Progress.from_dict(saved)
+        print(f"resumed from step {latest} {_where(task, latest)}in {workdir}", file=sys.stderr)
     else:
-        state = trainer.init_state()
-    start = int(state.step)
+        state, progress = trainer.init_state(), Progress()
+    step = start = int(state.step)
+    total = task.total_steps()
     writer = MetricsWriter(workdir)
     peak = device_peak_flops(jax.devices()[0].device_kind)
-    last_step = min(tc.steps, stop_after) if stop_after else tc.steps
-    interval = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "steps": 0}
-    previous: tuple[int, dict] | None = None
-    t_interval = time.perf_counter()
-    t_start = time.perf_counter()
+    throughput = _Throughput()
+    t_train = time.perf_counter() - progress.train_time_s  # the time budget spans resumptions
     last_values: dict[str, float] = {}
-    eval_results = None
-    progress = None
+    last_eval: dict[str, Any] | None = None
+    saved_step = latest
+    bar = None
     if tc.progress and jax.process_index() == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def save() -> None:
+        nonlocal saved_step
+        progress.train_time_s = time.perf_counter() - t_train
+        checkpoints.save(step, state, data_iter, dataclasses.asdict(progress))
+        saved_step = step
+
     try:
         with _StopRequest() as stop:
-            step = start
-            while step < last_step and stop.signal is None:
-                stack = next(train_iter)
-                interval["examples"] += float((stack.num_targets > 0).sum()) * jax.process_count()
-                interval["tokens"] += float(stack.offsets[:, -1].sum()) * jax.process_count()
-                interval["flops"] += (
-                    train_step_flops(config, stack.offsets, stack.num_targets) * jax.process_count()
-                )
-                interval["steps"] += 1
-                state, metrics = trainer.train_step(state, _to_global(stack, trainer.batch_sharding))
+            previous: tuple[int, dict] | None = None  # metrics checked one step late (overlap)
+            while step < total and progress.stopped is None and stop.signal is None:
+                if stop_after is not None and step >= stop_after:
+                    break
+                stack = next(data_iter)
+                throughput.add(task.batch_counts(stack))
+                state, metrics = trainer.train_step(state, trainer.to_device(stack))
                 step += 1
-                # Check the previous step's metrics while this one runs (one step of overlap).
                 if previous is not None:
-                    last_values = _check_finite(previous[1], previous[0], checkpointer)
+                    last_values = _check_finite(previous[1], previous[0], checkpoints)
                 previous = (step, metrics)
-                log_now = step % tc.log_every == 0 or step == last_step
-                save_now = tc.checkpoint_every and step % tc.checkpoint_every == 0
+                log_now = step % tc.log_every == 0 or step == total
+                out_of_time = (
+                    bool(tc.max_minutes)
+                    and task.is_boundary(step)
+                    and time.perf_counter() - t_train >= 60 * tc.max_minutes
+                )
+                eval_now = task.eval_due(step) or out_of_time
+                save_now = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or eval_now
                 if log_now or save_now:
-                    last_values = _check_finite(metrics, step, checkpointer)
+                    last_values = _check_finite(metrics, step, checkpoints)
                     previous = None
                 if log_now:
-                    elapsed = time.perf_counter() - t_interval
-                    record = {
-                        "step": step,
-                        **last_values,
-                        "examples_per_s": interval["examples"] / elapsed,
-                        "tokens_per_s": interval["tokens"] / elapsed,
-                        "step_time_s": elapsed / interval["steps"],
-                        "tflops_per_device": interval["flops"] / elapsed / jax.device_count() / 1e12,
-                    }
-                    record["mfu"] = (record["tflops_per_device"] * 1e12 / peak) if peak else None
+                    record = {"step": step, **task.position(step), **last_values, **throughput.record(peak)}
                     writer.write(record)
-                    if progress is not None:
-                        progress.set_postfix(
+                    if bar is not None:
+                        bar.set_postfix(
                             loss=f"{last_values['loss']:.4f}",
-                            ex_s=f"{record['examples_per_s']:.0f}",
+                            ex_s=f"{record.get('examples_per_s', 0):.0f}",
                             refresh=False,
                         )
-                    interval = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "steps": 0}
-                    t_interval = time.perf_counter()
+                    throughput.reset()
+                if eval_now:
+                    last_eval = _evaluate(
+                        task, evaluate, state, step, progress, best, writer, last_values, t_start
+                    )
+                    if out_of_time and progress.stopped is None:
+                        progress.stopped = "time"
+                        print(
+                            f"stopping: train.max_minutes={tc.max_minutes} spent at step {step}",
+                            file=sys.stderr,
+                        )
                 if save_now:
-                    checkpointer.save(step, state, train_iter)
-                if tc.eval_every and step % tc.eval_every == 0 and step < tc.steps:
-                    results = evaluate(trainer, state.params, iter(eval_data), local_shards, tc.eval_batches)
-                    writer.write({"step": step, "eval": results})
-                if progress is not None:
-                    progress.update(1)
+                    save()
+                if bar is not None:
+                    bar.update(1)
             if previous is not None:
-                last_values = _check_finite(previous[1], previous[0], checkpointer)
-            if checkpointer.latest_step() != step and step > start:
-                checkpointer.save(step, state, train_iter)
-            interrupted = stop.signal is not None
-        if step >= tc.steps and not interrupted:
-            eval_results = evaluate(trainer, state.params, iter(eval_data), local_shards, tc.eval_batches)
-            writer.write({"step": step, "eval": eval_results})
+                last_values = _check_finite(previous[1], previous[0], checkpoints)
+            if saved_step != step and step > start:
+                save()
+            signalled = stop.signal is not None
+        finished = progress.stopped is not None or step >= total
+        test = (
+            _score_test(task, evaluate, trainer, best, checkpoints, progress, workdir, writer)
+            if finished
+            else None
+        )
     finally:
-        if progress is not None:
-            progress.close()
-        checkpointer.wait()
-        checkpointer.close()
+        if bar is not None:
+            bar.close()
+        checkpoints.wait()
+        checkpoints.close()
+        if best is not None:
+            best.wait()
+            best.close()
         writer.close()
     return {
         "workdir": str(workdir),
         "step": step,
-        "steps": tc.steps,
-        "interrupted": interrupted,
-        "wall_time_s": time.perf_counter() - t_start,
+        "steps": total,
+        **task.position(step),
+        "interrupted": not finished,
+        "signalled": signalled,
+        "stopped_early": progress.stopped == "patience",
+        "out_of_time": progress.stopped == "time",
+        "best": _best(task, progress),
+        "best_step": progress.best_step,
+        "best_epoch": progress.best_position.get("epoch"),
+        "eval": last_eval,
+        "test": test,
         "final": last_values,
-        "eval": eval_results,
+        "wall_time_s": time.perf_counter() - t_start,
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
     }
 
 
-def evaluate_checkpoint(config: Config, workdir: str | Path) -> dict[str, Any]:
-    """Evaluates the latest checkpoint in `workdir` (used by `python -m experiments eval`)."""
-    if config.data.kind == "interactions":
-        return retrieval.evaluate_checkpoint(config, workdir)
+def _where(task: Task, step: int) -> str:
+    position = task.position(step)
+    return "".join(f"({k} {v}) " for k, v in position.items())
+
+
+def _best(task: Task, progress: Progress) -> dict[str, Any] | None:
+    if progress.best_step is None:
+        return None
+    return {
+        "step": progress.best_step,
+        "metric": task.select_metric,
+        "value": progress.best_value,
+        **progress.best_position,
+    }
+
+
+def _evaluate(task, evaluate, state, step, progress, best, writer, last_values, t_start) -> dict[str, Any]:
+    """Validation metrics after `step`; keeps the best checkpoint and counts towards patience."""
+    t_eval = time.perf_counter()
+    valid = evaluate(state.params, "valid")
+    improved = False
+    if task.select_metric is not None:
+        value = flatten(valid)[task.select_metric]
+        improved = progress.improves(value, task.select_metric)
+        if improved:
+            if step not in best.all_steps():  # a replay after a crash may reach a saved best step again
+                best.save(step, state)
+            progress.best_step, progress.best_value = step, value
+            progress.best_position = task.position(step)
+            progress.bad_evals = 0
+        else:
+            progress.bad_evals += 1
+            patience = task.config.train.patience
+            if patience and progress.bad_evals >= patience:
+                progress.stopped = "patience"
+    writer.write(
+        {
+            "step": step,
+            **task.position(step),
+            "split": "valid",
+            "valid": valid,
+            "best_step": progress.best_step,
+            "eval_time_s": time.perf_counter() - t_eval,
+            "elapsed_s": time.perf_counter() - t_start,
+        }
+    )
+    shown = "  ".join(f"{k} {v:.4f}" for k, v in flatten(valid).items() if isinstance(v, float))
+    loss = f"loss {last_values['loss']:.4f} " if "loss" in last_values else ""
+    print(f"step {step} {_where(task, step)}{loss}valid {shown}{' *' if improved else ''}", file=sys.stderr)
+    if progress.stopped == "patience":
+        print(
+            f"stopping: {progress.bad_evals} evaluations without a better {task.select_metric}",
+            file=sys.stderr,
+        )
+    return valid
+
+
+def _score_test(
+    task, evaluate, trainer, best, checkpoints, progress, workdir, writer
+) -> dict[str, Any] | None:
+    """The test split, scored once per run for the chosen checkpoint; later calls read test.json."""
+    if "test" not in evaluate.splits:
+        return None
+    path = workdir / "test.json"
+    recorded = read_json(path)
+    if recorded is None:
+        source = best if best is not None and progress.best_step is not None else checkpoints
+        step = progress.best_step if source is best else source.latest_step()
+        source.wait()
+        state, _ = source.restore(step, trainer.abstract_state, trainer.state_shardings)
+        recorded = {
+            "step": step,
+            **task.position(step),
+            "valid": evaluate(state.params, "valid"),
+            "test": evaluate(state.params, "test"),
+        }
+        if jax.process_index() == 0:
+            write_json(path, recorded)
+        writer.write({"split": "test", **recorded})
+    return recorded["test"]
+
+
+def evaluate_run(task: Task, workdir: str | Path) -> dict[str, Any]:
+    """Validation metrics of a run's chosen checkpoint (else its latest), and the recorded test
+    metrics (`python -m experiments eval`; the test split is never scored again here)."""
     workdir = Path(workdir)
-    mesh = make_mesh(config.parallel)
-    trainer = Trainer(config, mesh)
-    local_shards = num_batch_shards(mesh, config.parallel) // jax.process_count()
-    checkpointer = Checkpointer(workdir / "checkpoints", config.train)
-    step = checkpointer.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir / 'checkpoints'}")
-    state = checkpointer.restore(step, trainer.abstract_state, trainer.state_shardings, None)
-    checkpointer.close()
-    _, eval_data = _datasets(config, local_shards)
-    results = evaluate(trainer, state.params, iter(eval_data), local_shards, config.train.eval_batches)
-    return {"workdir": str(workdir), "step": step, "eval": results}
+    trainer = Trainer(task, task.mesh)
+    for sub in ("best", "checkpoints"):
+        checkpoints = Checkpointer(workdir / sub, task.config.train)
+        step = checkpoints.latest_step()
+        if step is not None:
+            break
+        checkpoints.close()
+    else:
+        raise FileNotFoundError(f"no checkpoint in {workdir / 'best'} or {workdir / 'checkpoints'}")
+    state, _ = checkpoints.restore(step, trainer.abstract_state, trainer.state_shardings)
+    checkpoints.close()
+    recorded = read_json(workdir / "test.json")
+    return {
+        "workdir": str(workdir),
+        "step": step,
+        **task.position(step),
+        "checkpoint": sub,
+        "eval": task.evaluator(trainer)(state.params, "valid"),
+        "test": None if recorded is None else recorded["test"],
+    }

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx, struct
+from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from gem_jax.config import Config
@@ -23,25 +23,6 @@ from gem_jax.embeddings import HashedEmbedding, segment_ids
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.layers import Dense, dropout, param
 from gem_jax.precision import PrecisionPolicy
-
-
-@struct.dataclass
-class NextItemPack:
-    """One jagged pack of users (the layout of `data.batch.JaggedBatch`, next-item fields only).
-
-    Example b owns tokens `offsets[b]:offsets[b+1]`; the tail past `offsets[B]` is padding.
-    For training, `targets[t]` is the item that follows token t (0: no target) and `negatives[t]`
-    one sampled negative for the BCE loss (0 when unused). Evaluation packs carry zeros there.
-    """
-
-    item_ids: Int[Array, "... T"]
-    targets: Int[Array, "... T"]
-    negatives: Int[Array, "... T"]
-    offsets: Int[Array, "... B1"]
-
-    @property
-    def num_examples_capacity(self) -> int:
-        return self.offsets.shape[-1] - 1
 
 
 class NextItemModel(nnx.Module):

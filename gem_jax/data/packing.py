@@ -1,0 +1,155 @@
+"""The one packer: examples -> fixed-capacity jagged packs -> one stack of packs per step.
+
+Both tasks pack the same way. A pack has a token capacity and an example capacity (static shapes
+under jit); examples are taken in order and an example that does not fit opens the next pack
+(sequential first-fit, order preserving, so resumption is exact and a pack's contents depend only on
+where it starts). `fits` is that rule; `PackIterDataset` applies it to a stream (the synthetic ads
+task) and `greedy_groups` to a list of known lengths (an epoch of next-item users).
+
+grain's own packers (`FirstFitPackIterDataset`, ...) pack into fixed-length *rows* with segment ids,
+the LM layout; our batch is one flat jagged buffer with offsets per pack, so the packer is ours.
+A step's batch is a stack of `shards` packs (one per data-parallel shard of this process); a short
+last stack (end of a finite dataset or of an epoch) is padded with empty packs (all zeros: offsets
+0, no targets), which every task treats as padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+
+
+def fits(
+    num_examples: int, num_tokens: int, length: int, *, examples_capacity: int, tokens_capacity: int
+) -> bool:
+    """Whether one more example of `length` tokens fits a pack holding `num_examples` / `num_tokens`."""
+    return num_examples + 1 <= examples_capacity and num_tokens + length <= tokens_capacity
+
+
+def _too_long(length: int, tokens_capacity: int) -> ValueError:
+    return ValueError(f"an example of {length} tokens does not fit an empty pack of {tokens_capacity} tokens")
+
+
+def greedy_groups(
+    lengths: Sequence[int], *, examples_capacity: int, tokens_capacity: int
+) -> list[tuple[int, int]]:
+    """The packs `fits` makes of examples with these token lengths, in order: [(start, stop)) runs."""
+    groups: list[tuple[int, int]] = []
+    start = count = tokens = 0
+    for i, n in enumerate(lengths):
+        n = int(n)
+        if n > tokens_capacity:
+            raise _too_long(n, tokens_capacity)
+        if not fits(count, tokens, n, examples_capacity=examples_capacity, tokens_capacity=tokens_capacity):
+            groups.append((start, i))
+            start, count, tokens = i, 0, 0
+        count += 1
+        tokens += n
+    if count:
+        groups.append((start, len(lengths)))
+    return groups
+
+
+def pad_stack(stack: Any, shards: int) -> Any:
+    """Pads a stack of fewer than `shards` packs (leading axis) with empty (all-zero) packs."""
+    have = jax.tree.leaves(stack)[0].shape[0]
+    if have == shards:
+        return stack
+    return jax.tree.map(
+        lambda x: np.concatenate([x, np.zeros((shards - have, *x.shape[1:]), x.dtype)]), stack
+    )
+
+
+def stack_packs(packs: Sequence[Any], shards: int | None = None) -> Any:
+    """Stacks packs on a new leading shard axis, padded to `shards` packs when given."""
+    stack = jax.tree.map(lambda *xs: np.stack(xs), *packs)
+    return stack if shards is None else pad_stack(stack, shards)
+
+
+class _PackIterator(grain.DatasetIterator):
+    """Greedily fills packs in order; an example that does not fit opens the next pack."""
+
+    def __init__(self, parent: grain.DatasetIterator, dataset: PackIterDataset):
+        super().__init__(parent)
+        self._ds = dataset
+        self._pending: Any = None
+        # Parent state from before `_pending` was read: restoring it re-reads that example, so the
+        # checkpointed state stays a small dict instead of holding arrays.
+        self._state_before_pending: dict[str, Any] | None = None
+
+    def __next__(self) -> Any:
+        ds = self._ds
+        examples: list[Any] = []
+        tokens = 0
+        while True:
+            if self._pending is None:
+                state = self._parent.get_state()
+                try:
+                    self._pending = next(self._parent)
+                except StopIteration:
+                    break
+                self._state_before_pending = state
+            n = ds.length(self._pending)
+            if not fits(
+                len(examples),
+                tokens,
+                n,
+                examples_capacity=ds.examples_capacity,
+                tokens_capacity=ds.tokens_capacity,
+            ):
+                if not examples:
+                    raise _too_long(n, ds.tokens_capacity)
+                break
+            examples.append(self._pending)
+            tokens += n
+            self._pending = None
+        if not examples:
+            raise StopIteration
+        return ds.pack(examples)
+
+    def get_state(self) -> dict[str, Any]:
+        if self._pending is not None:
+            return {"parent": self._state_before_pending}
+        return {"parent": self._parent.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(state["parent"])
+        self._pending = None
+        self._state_before_pending = None
+
+
+class PackIterDataset(grain.IterDataset):
+    """Packs a stream of examples into packs of fixed capacity (`fits`, in order).
+
+    Args:
+      parent: the examples.
+      length: an example's token count in the pack (including any prefix slots).
+      pack: builds one pack from a list of examples that fit.
+    """
+
+    def __init__(
+        self,
+        parent: grain.IterDataset,
+        *,
+        examples_capacity: int,
+        tokens_capacity: int,
+        length: Callable[[Any], int],
+        pack: Callable[[list[Any]], Any],
+    ):
+        super().__init__(parent)
+        self.examples_capacity = examples_capacity
+        self.tokens_capacity = tokens_capacity
+        self.length = length
+        self.pack = pack
+
+    def __iter__(self) -> _PackIterator:
+        return _PackIterator(self._parent.__iter__(), self)
+
+
+def stacked(packs: grain.IterDataset, shards: int) -> grain.IterDataset:
+    """Stacks of `shards` packs; a short last stack is padded with empty packs."""
+    return packs.batch(shards, drop_remainder=False).map(lambda stack: pad_stack(stack, shards))

@@ -1,0 +1,225 @@
+"""The next-item (retrieval) task on an interactions file (`data.kind = "interactions"`).
+
+* Data: leave-one-out users (gem_jax/data/next_item.py); one epoch visits every training user
+  once; a run is `retrieval.epochs` epochs.
+* Losses (`retrieval.loss`): SASRec's BCE with one negative per position (drawn on the host,
+  uniformly from items the user never had in training) or HSTU's sampled softmax (uniform
+  negatives drawn on device, one set per pack shared by its positions, or the pack's own targets).
+* Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
+  time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
+  and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
+  checkpoint chosen on validation (`train.select_metric`, default "sampled/NDCG@10").
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from gem_jax.config import Config
+from gem_jax.data.next_item import NextItemEpochs, NextItemPack, eval_stacks, load_next_item_data
+from gem_jax.model.next_item import NextItemModel, bce_loss, sampled_softmax_loss
+from gem_jax.parallel import num_batch_shards
+from gem_jax.train.retrieval_metrics import (
+    RetrievalAccumulator,
+    full_ranking_ranks,
+    sampled_ranks_from_vectors,
+)
+from gem_jax.train.task import Metrics
+
+SAMPLED_KS = (10,)
+FULL_KS = (5, 10, 20)
+EVAL_CHUNK = 2048  # users per jitted sampled-protocol call (padded, so one compilation)
+DEFAULT_SELECT_METRIC = "sampled/NDCG@10"
+
+
+class NextItemTask:
+    loss_needs_rng = True  # dropout and the sampled-softmax negatives
+
+    def __init__(self, config: Config, mesh: Mesh):
+        self.config = config
+        self.mesh = mesh
+        self.shards = num_batch_shards(mesh, config.parallel)
+        self.select_metric = config.train.select_metric or DEFAULT_SELECT_METRIC
+        self.data = load_next_item_data(config)
+        self.num_items = self.data.num_items
+        # Epoch structure (same on every process): global steps per epoch, cumulative, grown lazily.
+        self._epochs = NextItemEpochs(self.data, config, shards=self.shards)
+        self._epoch_ends: list[int] = []
+
+    def describe(self) -> str:
+        return (
+            f"{self.data.interactions.summary()}\n{self.data.split.summary()}\n{len(self.data.inputs)} training "
+            f"sequences, {self._epochs.steps_in_epoch(0)} steps per epoch on {self.shards} shard(s)"
+        )
+
+    # ------------------------------------------------------------------------- model and data
+
+    def build_model(self) -> NextItemModel:
+        return NextItemModel(self.config, self.num_items, rngs=nnx.Rngs(self.config.train.seed))
+
+    def train_data(self, process_index: int, process_count: int) -> grain.IterDataset:
+        return NextItemEpochs(
+            self.data,
+            self.config,
+            shards=self.shards,
+            process_index=process_index,
+            process_count=process_count,
+        )
+
+    def batch_counts(self, stack: NextItemPack) -> dict[str, float]:
+        return {
+            "examples": float((np.diff(stack.offsets, axis=-1) > 0).sum()),
+            "tokens": float(stack.offsets[:, -1].sum()),
+        }
+
+    # ------------------------------------------------------------------------- loss
+
+    def pack_loss(
+        self, model: NextItemModel, pack: NextItemPack, rng: jax.Array | None
+    ) -> dict[str, jax.Array]:
+        r = self.config.retrieval
+        dropout_key, negative_key = jax.random.split(rng)
+        user = model(pack.item_ids, pack.offsets, rng=dropout_key)
+        table = model.item_table()
+        if r.loss == "bce":
+            total, count = bce_loss(user, table, pack.targets, pack.negatives)
+        else:
+            if r.negatives == "in_batch":
+                negatives = pack.targets
+            else:
+                # One draw per pack, shared by its positions: a [T, d] x [d, K] matmul instead of a
+                # [T, K, d] gather, so K can be large (HSTU draws per position; same estimator family).
+                negatives = jax.random.randint(negative_key, (r.num_negatives,), 1, self.num_items + 1)
+            total, count = sampled_softmax_loss(user, table, pack.targets, negatives, r.temperature)
+        return {"loss_sum": total, "count": count}
+
+    def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        return sums["loss_sum"] / jnp.maximum(sums["count"], 1.0), {"positions": sums["count"]}
+
+    # ------------------------------------------------------------------------- schedule
+
+    def _ends_through(self, step: int) -> None:
+        while (not self._epoch_ends or self._epoch_ends[-1] < step) and len(self._epoch_ends) < self.epochs:
+            previous = self._epoch_ends[-1] if self._epoch_ends else 0
+            self._epoch_ends.append(previous + self._epochs.steps_in_epoch(len(self._epoch_ends)))
+
+    @property
+    def epochs(self) -> int:
+        return self.config.retrieval.epochs
+
+    def epoch_end(self, step: int) -> int | None:
+        """The epoch (1-based count of epochs done) that `step` completes, or None mid-epoch."""
+        self._ends_through(step)
+        i = bisect.bisect_left(self._epoch_ends, step)
+        return i + 1 if i < len(self._epoch_ends) and self._epoch_ends[i] == step else None
+
+    def total_steps(self) -> int:
+        self._ends_through(2**62)
+        return self._epoch_ends[-1]
+
+    def schedule_steps(self) -> int:
+        # Steps of the first epoch x epochs (epochs differ by a step or so as their orders differ).
+        return self._epochs.steps_in_epoch(0) * self.epochs
+
+    def is_boundary(self, step: int) -> bool:
+        return self.epoch_end(step) is not None
+
+    def eval_due(self, step: int) -> bool:
+        epoch = self.epoch_end(step)
+        return epoch is not None and (
+            epoch % self.config.retrieval.eval_every_epochs == 0 or epoch == self.epochs
+        )
+
+    def position(self, step: int) -> dict[str, Any]:
+        self._ends_through(step)
+        return {"epoch": bisect.bisect_right(self._epoch_ends, step)}
+
+    # ------------------------------------------------------------------------- evaluation
+
+    def evaluator(self, trainer) -> NextItemEvaluator:
+        return NextItemEvaluator(self, trainer)
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        lines = []
+        best = summary.get("best") or {}
+        if best:
+            lines.append(
+                f"   chosen checkpoint: step {best['step']} (epoch {best.get('epoch')}), {best['metric']} "
+                f"{best['value']:.4f} on validation"
+            )
+        for split in ("test",):
+            metrics = summary.get(split) or {}
+            if metrics:
+                shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "users")
+                lines.append(f"   {split}: {shown}")
+        return lines
+
+
+class NextItemEvaluator:
+    """HR/NDCG of one split under the configured protocols, keys like "sampled/NDCG@10"."""
+
+    splits = ("valid", "test")
+
+    def __init__(self, task: NextItemTask, trainer):
+        self.task = task
+        self.trainer = trainer
+        self.user_vectors = trainer.per_pack(
+            lambda model, pack: model.last_vectors(pack.item_ids, pack.offsets)
+        )
+        self.item_table = trainer.model_fn(lambda model: model.item_table())
+
+    def __call__(self, params: Any, split: str) -> Metrics:
+        task, r = self.task, self.task.config.retrieval
+        eval_set = task.data.eval_sets[split]
+        vectors = []
+        for stack, chunk in eval_stacks(
+            eval_set,
+            task.config,
+            shards=task.shards,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        ):
+            out = np.asarray(self.user_vectors(params, self.trainer.to_device(stack)))  # [shards, B, d]
+            vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
+        users = np.concatenate(vectors)
+        table = self.item_table(params)
+        results: dict[str, float] = {}
+        if r.eval_protocol in ("sampled", "both"):
+            acc = RetrievalAccumulator(SAMPLED_KS)
+            n = len(users)
+            for a in range(0, n, EVAL_CHUNK):
+                b = min(a + EVAL_CHUNK, n)
+                pad = EVAL_CHUNK - (b - a)
+                ranks = sampled_ranks_from_vectors(
+                    jnp.asarray(np.pad(users[a:b], ((0, pad), (0, 0)))),
+                    table,
+                    jnp.asarray(np.pad(eval_set.targets[a:b], (0, pad), constant_values=1)),
+                    jnp.asarray(np.pad(eval_set.negatives[a:b], ((0, pad), (0, 0)), constant_values=1)),
+                )
+                acc.update(ranks, np.arange(EVAL_CHUNK) < b - a)
+            results.update({f"sampled/{k}": v for k, v in acc.compute().items()})
+        if r.eval_protocol in ("full", "both"):
+            # "full/": as configured; with exclude_history, "full_incl_history/" also keeps the user's items.
+            variants = {"full": eval_set.exclude}
+            if eval_set.exclude is not None:
+                variants["full_incl_history"] = None
+            for prefix, exclude in variants.items():
+                ranks = full_ranking_ranks(
+                    jnp.asarray(users),
+                    table,
+                    jnp.asarray(eval_set.targets),
+                    None if exclude is None else jnp.asarray(exclude),
+                )
+                acc = RetrievalAccumulator(FULL_KS)
+                acc.update(ranks)
+                results.update({f"{prefix}/{k}": v for k, v in acc.compute().items()})
+        results["users"] = len(users)
+        return results

@@ -1,0 +1,117 @@
+"""The Task protocol: what the one training loop needs to know about a task, and nothing more.
+
+A task (gem_jax/tasks/) owns its model, its data, its loss and its evaluation. The loop
+(gem_jax/train/loop.py) owns everything that is the same for every task: the sharded train state
+and step (gem_jax/train/step.py), checkpoints and resumption, the NaN stop, signals, the time
+budget, evaluation points, best-checkpoint selection and early stopping, metrics and progress.
+
+Batches flow one way: `train_data` (a checkpointable grain dataset of numpy stacks, one pack per
+local data-parallel shard) -> `Trainer.to_device` -> the step, which sums `pack_loss` over every
+pack of the global batch and hands the sums to `loss`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grain
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from gem_jax.config import Config
+
+if TYPE_CHECKING:
+    from gem_jax.train.step import Trainer
+
+Metrics = dict[str, Any]  # nested dicts of floats, e.g. {"click": {"auc": 0.7}} or {"full/HR@10": 0.1}
+
+
+class Task(Protocol):
+    """One kind of training run. Implementations: RankingTask, NextItemTask (gem_jax/tasks/)."""
+
+    config: Config
+    mesh: Mesh  # the device mesh the task's batches are laid out for
+    shards: int  # packs per global batch (the product of the shard mesh axes)
+    # The validation metric that picks the best checkpoint (flattened name, e.g. "full/NDCG@10" or
+    # "click/auc"); None keeps no best checkpoint and never stops early.
+    select_metric: str | None
+    # Whether the dropout/sampling key is passed to `pack_loss` (None otherwise: no randomness).
+    loss_needs_rng: bool
+
+    def build_model(self) -> nnx.Module:
+        """The NNX model, initialised from `config.train.seed`."""
+        ...
+
+    def describe(self) -> str:
+        """A few lines about the data for the log ("" for nothing)."""
+        ...
+
+    def train_data(self, process_index: int, process_count: int) -> grain.IterDataset:
+        """This process's training stacks: `shards // process_count` packs each, numpy leaves."""
+        ...
+
+    def pack_loss(self, model: nnx.Module, pack: Any, rng: jax.Array | None) -> dict[str, jax.Array]:
+        """Sums over one pack (so packs and shards add up exactly), e.g. loss sum and count."""
+        ...
+
+    def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(scalar loss, logged auxiliaries) from the sums over the whole global batch."""
+        ...
+
+    def total_steps(self) -> int:
+        """How many global steps a complete run trains."""
+        ...
+
+    def schedule_steps(self) -> int:
+        """Length of the learning-rate schedule."""
+        ...
+
+    def is_boundary(self, step: int) -> bool:
+        """Whether the time budget may end the run after this step (e.g. epoch ends only)."""
+        ...
+
+    def eval_due(self, step: int) -> bool:
+        """Whether to evaluate on the validation split after this step."""
+        ...
+
+    def position(self, step: int) -> dict[str, Any]:
+        """Task-specific position after `step` for records and summaries, e.g. {"epoch": 3}."""
+        ...
+
+    def batch_counts(self, stack: Any) -> dict[str, float]:
+        """This process's "examples", "tokens" and (if the task has a FLOP model) "flops" in a stack."""
+        ...
+
+    def evaluator(self, trainer: Trainer) -> Evaluator:
+        """Builds (and compiles lazily) the evaluation functions on the trainer's mesh."""
+        ...
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        """What the CLI prints about a finished or interrupted run, beyond the common lines."""
+        ...
+
+
+class Evaluator(Protocol):
+    splits: tuple[str, ...]  # e.g. ("valid",) or ("valid", "test"); "test" is scored once, at the end
+
+    def __call__(self, params: Any, split: str) -> Metrics: ...
+
+
+def flatten(metrics: Metrics, prefix: str = "") -> dict[str, Any]:
+    """{"click": {"auc": x}} -> {"click/auc": x}."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Metric names (last part of a flattened name) where lower is better; every other one is better higher.
+LOWER_IS_BETTER = ("ne", "loss")
+
+
+def higher_is_better(metric: str) -> bool:
+    return metric.rsplit("/", 1)[-1] not in LOWER_IS_BETTER
