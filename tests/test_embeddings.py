@@ -5,6 +5,7 @@ of a lookup + update moves no table-sized operand through an all-gather or all-r
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -20,7 +21,8 @@ from gem_jax.embeddings import reference as ref
 
 TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise", "two_d")
 MESHES = {"1d": ((8,), ("data",)), "2d": ((2, 4), ("dcn", "data"))}
-PACKS, BAGS, CAP, SEQ = 2, 5, 16, 6  # per device: packs, bags per pack, id capacity, sequence capacity
+PACKS, BAGS, CAP, SEQ = 2, 5, 16, 6
+LR = 0.3  # per device: packs, bags per pack, id capacity, sequence capacity
 
 
 def _mesh(kind):
@@ -105,6 +107,21 @@ def _close(a, b, tol, what):
     )
 
 
+@functools.cache
+def _reference(dtype: str, optimizer: str):
+    """The jitted dense reference (lookup, activation gradient, update, touched rows); it does not
+    depend on the sharding type, so one compilation serves every case."""
+    tables, features = _specs("auto", dtype)
+    return (
+        jax.jit(lambda t, b: ref.lookup(t, tables, features, b)),
+        jax.jit(jax.grad(_loss)),
+        jax.jit(
+            lambda t, a, b, g: ref.update(t, a, tables, features, b, g, LR, optimizer=optimizer, eps=1e-6)
+        ),
+        jax.jit(lambda b: ref.touched_rows(tables, features, b)),
+    )
+
+
 # Row-wise Adagrad on every type and mesh; SGD shares all routing, so two cases cover its update.
 CASES = [(s, m, "row_wise_adagrad") for s in TYPES for m in sorted(MESHES)]
 CASES += [("row_wise", "2d", "sgd"), ("column_wise", "1d", "sgd"), ("two_d", "2d", "bfloat16")]
@@ -130,22 +147,18 @@ def test_matches_dense_reference(sharding, mesh_kind, optimizer):
     if opt.has_accumulator:
         for a in accs0.values():
             np.testing.assert_array_equal(a, np.float32(0.1))
-    ref_lookup = jax.jit(lambda t, b: ref.lookup(t, tables, features, b))
+    ref_lookup, ref_grad, ref_update, ref_touched = _reference(dtype, optimizer)
     acts_ref = ref_lookup(tables0, batch)
     weights = {k: rng.normal(size=x.shape).astype(np.float32) for k, x in acts_ref.items()}
-    lr = 0.3
 
-    new_state, acts, grads = _step(coll, batch, weights, lr)(state, batch, weights)
-    grads_ref = jax.jit(jax.grad(_loss))(acts_ref, weights)
+    new_state, acts, grads = _step(coll, batch, weights, LR)(state, batch, weights)
+    grads_ref = ref_grad(acts_ref, weights)
     for k in features:
         _close(acts[k], acts_ref[k], 1e-5, f"activations of {k}")
         _close(grads[k], grads_ref[k], 1e-5, f"activation gradients of {k}")
-    ref_update = jax.jit(
-        lambda t, a, b, g: ref.update(t, a, tables, features, b, g, lr, optimizer=optimizer, eps=1e-6)
-    )
     new_tables_ref, new_accs_ref = ref_update(tables0, accs0, batch, grads_ref)
     logical = jax.device_get(coll.to_logical(new_state))
-    touched = jax.jit(lambda b: ref.touched_rows(tables, features, b))(batch)
+    touched = ref_touched(batch)
     for k in tables:
         # bf16 rows: the same fp32 update may round to a neighbouring bf16 value (one ulp, 2^-8 relative)
         _close(

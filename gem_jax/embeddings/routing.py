@@ -57,6 +57,16 @@ def axis_size(axes: tuple[str, ...]) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
 
 
+def _sorted_segments(keys: Int[Array, " K"], fill: int):
+    """One sort of `keys`: (unique keys padded with `fill`, segment of each sorted position, order)."""
+    k = keys.shape[0]
+    sorted_keys, order = jax.lax.sort((keys, jnp.arange(k, dtype=jnp.int32)), num_keys=1)
+    new = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
+    segment = jnp.cumsum(new.astype(jnp.int32)) - 1
+    unique = jnp.full((k,), fill, keys.dtype).at[segment].set(sorted_keys)
+    return unique, segment, order
+
+
 def combine_duplicates(
     keys: Int[Array, " K"], values: Float[Array, "K D"], fill: int
 ) -> tuple[Int[Array, " K"], Float[Array, "K D"]]:
@@ -65,13 +75,22 @@ def combine_duplicates(
     `fill` must exceed every real key (padding keys equal it); one sort, one gather, one sorted
     segment_sum. Every device given the same inputs gets the same order.
     """
-    k = keys.shape[0]
-    sorted_keys, order = jax.lax.sort((keys, jnp.arange(k, dtype=jnp.int32)), num_keys=1)
-    new = jnp.concatenate([jnp.ones((1,), bool), sorted_keys[1:] != sorted_keys[:-1]])
-    segment = jnp.cumsum(new.astype(jnp.int32)) - 1
-    unique = jnp.full((k,), fill, keys.dtype).at[segment].set(sorted_keys)
-    sums = jax.ops.segment_sum(values[order], segment, num_segments=k, indices_are_sorted=True)
+    unique, segment, order = _sorted_segments(keys, fill)
+    sums = jax.ops.segment_sum(values[order], segment, num_segments=keys.shape[0], indices_are_sorted=True)
     return unique, sums
+
+
+def _combine_routed(
+    routed: Routed, per_source: Float[Array, "G N D"], block: int
+) -> tuple[Int[Array, " K"], Float[Array, "K D"]]:
+    """`combine_duplicates` of the routed ids, each id's gradient being its (source, bag)'s: read
+    straight in sorted order (one [G S, D] gather, not two); padding ids get zeros."""
+    keys = routed.rows.reshape(-1)
+    unique, segment, order = _sorted_segments(keys, block)
+    source = order // routed.rows.shape[1]
+    grads = per_source[source, routed.bags.reshape(-1)[order]]
+    grads = jnp.where((keys[order] < block)[:, None], grads, 0.0)
+    return unique, jax.ops.segment_sum(grads, segment, num_segments=keys.shape[0], indices_are_sorted=True)
 
 
 def _my_index(axes: tuple[str, ...]) -> Array:
@@ -124,13 +143,6 @@ def _pool_per_source(table: Float[Array, "R D"], routed: Routed, num_bags: int) 
     return partial.reshape(g, num_bags, -1)
 
 
-def _grads_per_id(routed: Routed, per_source: Float[Array, "G N D"], block: int) -> Float[Array, "GS D"]:
-    """Each routed id's gradient: its (source, bag)'s; zero for padding."""
-    source = jnp.broadcast_to(jnp.arange(routed.rows.shape[0])[:, None], routed.rows.shape)
-    grads = per_source[source, routed.bags]
-    return jnp.where((routed.rows < block)[..., None], grads, 0.0).reshape(-1, per_source.shape[-1])
-
-
 def row_sharded_gradients(
     routed: Routed,
     bag_grads: Float[Array, "N D"],
@@ -145,8 +157,7 @@ def row_sharded_gradients(
         per_source = jax.lax.all_gather(bag_grads, row_axes, axis=0, tiled=False)  # [G, N, D]
     else:
         per_source = bag_grads[None]
-    grads = _grads_per_id(routed, per_source, block)
-    keys, sums = combine_duplicates(routed.rows.reshape(-1), grads, block)
+    keys, sums = _combine_routed(routed, per_source, block)
     if replica_axes:
         keys = jax.lax.all_gather(keys, replica_axes, axis=0, tiled=True)
         sums = jax.lax.all_gather(sums, replica_axes, axis=0, tiled=True)
@@ -179,7 +190,6 @@ def column_sharded_gradients(
     dim = bag_grads.shape[-1]
     by_owner = bag_grads.reshape(n, g, dim // g).transpose(1, 0, 2)  # [G(column owner), N, Dl]
     per_source = jax.lax.all_to_all(by_owner, column_axes, 0, 0, tiled=True)  # [G(source), N, Dl]
-    grads = _grads_per_id(routed, per_source, block)
-    keys, sums = combine_duplicates(routed.rows.reshape(-1), grads, block)
+    keys, sums = _combine_routed(routed, per_source, block)
     sq_mean = jax.lax.psum(jnp.sum(sums * sums, -1), column_axes) / dim
     return keys, sums, sq_mean
