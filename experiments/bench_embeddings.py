@@ -13,8 +13,9 @@ The batch is split over all local devices (one shard_map shard each); tables fol
    update. Run before ours so that torch's memory is freed (torch.cuda.empty_cache) before JAX
    allocates (XLA_PYTHON_CLIENT_PREALLOCATE=false).
 3. Ours: forward (lookup) and the full step (lookup -> activation gradients -> sparse row-wise
-   Adagrad), median of `--reps`; plus, on one device, XLA's forward on bags padded to the longest
-   length (gather + masked sum, a diagnostic of what plain XLA reaches without segment_sum).
+   Adagrad), median of `--reps`, with the features' `max_bag_size = --max-bag` (bounded-bag pooling
+   where a device owns the rows: a fused gather + masked sum); the forward again without the bound
+   (gather + segment_sum scatter-add); on one device, a hand-written padded-bag forward in plain XLA.
 
 Bytes moved, the floor the issue quotes: forward reads every looked-up row (ids x dim x 4 B) and
 writes the pooled bags; the step adds reading the bags' gradients and reading + writing every
@@ -82,12 +83,15 @@ def make_ids(rng, num_tables, rows, batch, max_bag, zipf, devices):
     return out
 
 
-def _collection(num_tables, rows, dim, sharding, mesh):
+def _collection(num_tables, rows, dim, sharding, mesh, max_bag=0):
     tables = {
         f"t{i:02d}": TableConfig(rows=rows, dim=dim, hashed=False, sharding=sharding)
         for i in range(num_tables)
     }
-    features = {f"f{i:02d}": FeatureConfig(table=f"t{i:02d}", pooling="sum") for i in range(num_tables)}
+    features = {
+        f"f{i:02d}": FeatureConfig(table=f"t{i:02d}", pooling="sum", max_bag_size=max_bag)
+        for i in range(num_tables)
+    }
     budget = None if jax.default_backend() != "cpu" else 8 << 30
     coll = EmbeddingCollection(
         tables, features, mesh, mesh.axis_names, optimizer=RowWiseAdagrad(eps=EPS), budget_bytes=budget
@@ -138,7 +142,7 @@ def _batch_dict(ids):
 def check(a, mesh) -> bool:
     """Two benchmark-sized tables, fresh ids: ours against the dense reference."""
     rng = np.random.default_rng(a.seed + 1000)
-    coll, tables, features = _collection(2, a.rows, a.dim, a.sharding, mesh)
+    coll, tables, features = _collection(2, a.rows, a.dim, a.sharding, mesh, a.max_bag)
     ids = make_ids(rng, 2, a.rows, a.check_batch, a.max_bag, a.zipf, mesh.size)
     batch = _batch_dict(ids)
     forward, step = _jitted(coll, a.lr)
@@ -231,14 +235,21 @@ def bench_torch(a, ids) -> dict[str, float] | None:
 
 
 def bench_ours(a, mesh, ids) -> tuple[dict[str, float], str]:
-    coll, _, _ = _collection(a.tables, a.rows, a.dim, a.sharding, mesh)
+    coll, _, _ = _collection(a.tables, a.rows, a.dim, a.sharding, mesh, a.max_bag)
     forward, step = _jitted(coll, a.lr)
+    plain, _, _ = _collection(a.tables, a.rows, a.dim, a.sharding, mesh)  # same state, no bag bound
+    forward_plain, _ = _jitted(plain, a.lr)
     batch = _batch_dict(ids)
     state = coll.init(jax.random.key(a.seed))
     rng = np.random.default_rng(a.seed + 7)
     per = a.batch // mesh.size
     cot = {f: jnp.asarray(rng.normal(size=(mesh.size, per, a.dim)).astype(np.float32)) for f in coll.features}
-    times = {"forward": _median(lambda: forward(state, batch), a.reps)}
+    times = {
+        "forward": _median(lambda: forward(state, batch), a.reps),
+        "forward, scatter-add pooling (no max_bag_size)": _median(
+            lambda: forward_plain(state, batch), a.reps
+        ),
+    }
     samples = []
     for i in range(a.reps + 2):
         t0 = time.perf_counter()

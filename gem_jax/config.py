@@ -69,6 +69,9 @@ class FeatureConfig:
 
     table: str = ""
     pooling: str = "sum"  # "sum" | "mean" | "none" (sequences: one row per id, unpooled)
+    # Longest bag the data should have (0: unknown). Where a device owns every row it looks up, bags
+    # are then pooled by a fused gather + masked sum; a longer bag falls back to scatter-add (exact).
+    max_bag_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -486,6 +489,7 @@ def _validate_embeddings(config: Config, source: str) -> None:
         positive[f"embeddings.tables.{name}.dim"] = t.dim
     _check_positive(positive, source)
     for key, value in {
+        **{f"embeddings.features.{n}.max_bag_size": f.max_bag_size for n, f in e.features.items()},
         "embeddings.adagrad_initial_accumulator": e.adagrad_initial_accumulator,
         "embeddings.device_memory_gib": e.device_memory_gib,
     }.items():

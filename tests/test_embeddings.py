@@ -37,10 +37,12 @@ def _specs(sharding: str, dtype: str = "float32"):
         "other": TableConfig(rows=24, dim=16, sharding=sharding, initializer="uniform"),
     }
     features = {
-        "bag_sum": FeatureConfig(table="big", pooling="sum"),
-        "bag_mean": FeatureConfig(table="big", pooling="mean"),  # shares "big" with bag_sum
+        # Bags hold <= 3 ids: "big" pools by the bounded path where a device owns the rows (and
+        # "other", whose bound is too small, falls back to scatter-add).
+        "bag_sum": FeatureConfig(table="big", pooling="sum", max_bag_size=4),
+        "bag_mean": FeatureConfig(table="big", pooling="mean", max_bag_size=4),  # shares "big"
         "seq": FeatureConfig(table="dense", pooling="none"),
-        "other": FeatureConfig(table="other", pooling="sum"),
+        "other": FeatureConfig(table="other", pooling="sum", max_bag_size=2),
     }
     return tables, features
 
@@ -173,6 +175,32 @@ def test_matches_dense_reference(sharding, mesh_kind, optimizer):
         assert untouched.any() and np.asarray(touched[k]).any(), k
         np.testing.assert_array_equal(logical[k]["table"][untouched], tables0[k][untouched])
         assert not np.allclose(logical[k]["table"][~untouched], tables0[k][~untouched]), k
+
+
+def test_bounded_bag_pooling_equals_scatter_add_and_falls_back_when_a_bag_is_longer():
+    from gem_jax.embeddings import routing
+
+    rng = np.random.default_rng(5)
+    table = jnp.asarray(rng.normal(size=(50, 4)).astype(np.float32))
+    lengths = np.array([0, 3, 1, 6, 0, 2])
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    cap = int(offsets[-1]) + 4  # unused tail
+    rows = rng.integers(0, 60, size=cap)  # >= 50: no row
+    rows[offsets[-1] :] = 50
+    bags = np.minimum(np.searchsorted(offsets, np.arange(cap), side="right") - 1, len(lengths) - 1)
+    spans = (jnp.asarray(offsets[:-1]), jnp.asarray(offsets[1:]))
+    expected = np.zeros((len(lengths), 4), np.float32)
+    for b in range(len(lengths)):
+        for i in range(offsets[b], offsets[b + 1]):
+            if rows[i] < 50:
+                expected[b] += np.asarray(table[rows[i]])
+    for max_bag in (0, 6, 8, 3):  # none, exact fit, loose, too small (falls back)
+        pooled, _ = routing.row_sharded_lookup(
+            table, jnp.asarray(rows), jnp.asarray(bags), len(lengths), (), True, spans, max_bag
+        )
+        np.testing.assert_allclose(pooled, expected, rtol=1e-6, atol=1e-6, err_msg=f"max_bag={max_bag}")
+    bounded = routing._pool_bounded(table, jnp.asarray(np.minimum(rows, 50)), *spans, 3)
+    assert not np.allclose(bounded[3], expected[3]), "the bounded path alone truncates a longer bag"
 
 
 # ----------------------------------------------------------------------------- training

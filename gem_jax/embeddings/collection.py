@@ -68,6 +68,19 @@ class _Entry:
     bases: dict[str, int]  # table -> its first row in the array
 
 
+class _Flat(NamedTuple):
+    """One feature's ids flattened over its packs (see `EmbeddingCollection._flatten`)."""
+
+    rows: Array  # [S] global row of each position; the entry's row count for none
+    bags: Array  # [S] bag of each position, sorted
+    num_bags: int
+    shape: tuple[int, ...]  # leading dims + bags of the activations
+    scale: Array | None  # [packs, N] mean pooling's 1 / length
+    starts: Array  # [N] first position of each bag
+    ends: Array  # [N] one past its last position
+    max_bag: int  # the feature's declared longest bag (1 unpooled; 0 unknown)
+
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -261,8 +274,8 @@ class EmbeddingCollection:
     # ------------------------------------------------------------------------- lookup / update
     # Both run INSIDE a `jax.shard_map` over `batch_axes`, on local state blocks and local ids.
 
-    def _flatten(self, name: str, ids: FeatureIds, entry: _Entry):
-        """Raw ids of one feature -> (global rows, bag per position, bags, lead shape, scale)."""
+    def _flatten(self, name: str, ids: FeatureIds, entry: _Entry) -> _Flat:
+        """Raw ids of one feature (any leading pack dims) -> one flat list of rows and bags."""
         f, t = self.features[name], self.tables[self.features[name].table]
         values = ids.values
         lead, s = values.shape[:-1], values.shape[-1]
@@ -276,6 +289,7 @@ class EmbeddingCollection:
                 valid = jnp.ones((packs, s), bool)
             else:
                 valid = positions < ids.offsets.reshape(packs, -1)[:, -1:]
+            starts, ends = positions, positions + valid
         else:
             if ids.offsets is None:
                 raise ValueError(f"feature {name!r} pools bags ({f.pooling}); its FeatureIds need offsets")
@@ -284,6 +298,7 @@ class EmbeddingCollection:
             seg = jax.vmap(segment_ids, in_axes=(0, None))(offsets, s)
             valid = seg < n
             bags = jnp.minimum(seg, n - 1)  # unused capacity pools a zero row into the last bag (keeps order)
+            starts, ends = offsets[:, :-1], offsets[:, 1:]
             if f.pooling == "mean":
                 scale = 1.0 / jnp.maximum(jnp.diff(offsets, axis=-1), 1).astype(jnp.float32)
         if t.hashed:
@@ -292,8 +307,17 @@ class EmbeddingCollection:
             valid = valid & (values >= 0) & (values < t.rows)
             rows = values
         rows = jnp.where(valid, entry.bases[f.table] + rows, entry.rows)  # entry.rows: no row
-        bags = bags + jnp.arange(packs, dtype=jnp.int32)[:, None] * n
-        return rows.reshape(-1), bags.reshape(-1), packs * n, (*lead, n), scale
+        pack = jnp.arange(packs, dtype=jnp.int32)[:, None]
+        return _Flat(
+            rows.reshape(-1),
+            (bags + pack * n).reshape(-1),
+            packs * n,
+            (*lead, n),
+            scale,
+            (starts + pack * s).reshape(-1),
+            (ends + pack * s).reshape(-1),
+            1 if f.pooling == "none" else f.max_bag_size,
+        )
 
     def lookup(
         self, state, batch: Mapping[str, FeatureIds]
@@ -312,24 +336,34 @@ class EmbeddingCollection:
             names = [n for n in self.features if n in batch and self.features[n].table in entry.bases]
             if not names:
                 continue
-            rows, bags, shapes, start = [], [], {}, 0
-            for name in names:
-                r, b, n, shape, scale = self._flatten(name, batch[name], entry)
-                rows.append(r)
-                bags.append(b + start)
-                shapes[name] = (start, n, shape)
-                start += n
-                if scale is not None:
-                    scales[name] = scale
+            flats = {name: self._flatten(name, batch[name], entry) for name in names}
+            shapes, first, position = {}, 0, 0
+            rows, bags, starts, ends = [], [], [], []
+            for name, fl in flats.items():
+                rows.append(fl.rows)
+                bags.append(fl.bags + first)
+                starts.append(fl.starts + position)
+                ends.append(fl.ends + position)
+                shapes[name] = (first, fl.num_bags, fl.shape)
+                first += fl.num_bags
+                position += fl.rows.shape[0]
+                if fl.scale is not None:
+                    scales[name] = fl.scale
             rows, bags = jnp.concatenate(rows), jnp.concatenate(bags)
             table = state[key]["table"]
             if entry.columns:
                 pooled, routed[key] = routing.column_sharded_lookup(
-                    table, rows, bags, start, entry.column_axes
+                    table, rows, bags, first, entry.column_axes
                 )
             else:
+                bound = (
+                    0
+                    if any(fl.max_bag == 0 for fl in flats.values())
+                    else max(fl.max_bag for fl in flats.values())
+                )
+                spans = (jnp.concatenate(starts), jnp.concatenate(ends)) if bound else None
                 pooled, routed[key] = routing.row_sharded_lookup(
-                    table, rows, bags, start, entry.row_axes, sorted_bags=True
+                    table, rows, bags, first, entry.row_axes, sorted_bags=True, spans=spans, max_bag=bound
                 )
             for name, (first, n, shape) in shapes.items():
                 x = pooled[first : first + n].reshape(*shape, entry.dim)

@@ -104,15 +104,30 @@ def row_sharded_lookup(
     num_bags: int,
     row_axes: tuple[str, ...],
     sorted_bags: bool = False,
+    spans: tuple[Int[Array, " N"], Int[Array, " N"]] | None = None,
+    max_bag: int = 0,
 ) -> tuple[Float[Array, "N D"], Routed]:
     """Pooled sums of rows per bag. `rows` are global row ids (>= G * R: padding, pooled as zeros),
-    `bags` in [0, num_bags); `table` is this device's block of R rows."""
+    `bags` in [0, num_bags); `table` is this device's block of R rows. With `spans` (each bag's
+    [start, end) positions) and `max_bag` > 0, a device that owns every row pools by `_pool_bounded`."""
     block = table.shape[0]
     g = axis_size(row_axes)
     if g == 1:
-        gathered = jnp.take(table, rows, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
-        pooled = jax.ops.segment_sum(gathered, bags, num_segments=num_bags, indices_are_sorted=sorted_bags)
         local = jnp.where(rows < block, rows, block)
+
+        def scatter_add():
+            gathered = jnp.take(table, rows, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
+            return jax.ops.segment_sum(gathered, bags, num_segments=num_bags, indices_are_sorted=sorted_bags)
+
+        if spans is None or max_bag <= 0:
+            return scatter_add(), Routed(local[None], bags[None])
+        starts, ends = spans
+        # Exact either way: a bag longer than max_bag takes the scatter-add path for the whole call.
+        pooled = jax.lax.cond(
+            jnp.any(ends - starts > max_bag),
+            scatter_add,
+            lambda: _pool_bounded(table, local, starts, ends, max_bag),
+        )
         return pooled, Routed(local[None], bags[None])
     s = rows.shape[0]
     owner = jnp.where(rows < g * block, rows // block, g)  # g: padding, dropped below
@@ -130,6 +145,24 @@ def row_sharded_lookup(
     routed = Routed(local, recv_bags)
     back = jax.lax.all_to_all(_pool_per_source(table, routed, num_bags), row_axes, 0, 0, tiled=True)
     return back.sum(0), routed
+
+
+def _pool_bounded(
+    table: Float[Array, "R D"],
+    rows: Int[Array, " S"],
+    starts: Int[Array, " N"],
+    ends: Int[Array, " N"],
+    max_bag: int,
+) -> Float[Array, "N D"]:
+    """Bags of at most `max_bag` ids as a [N, max_bag, D] gather under a masked sum: XLA fuses the
+    gather into the reduction (no [S, D] intermediate, no scatter-add atomics); the padding slots
+    read row 0, which stays in cache. `rows` >= R look up zeros."""
+    index = starts[:, None] + jnp.arange(max_bag, dtype=starts.dtype)[None, :]
+    valid = index < ends[:, None]
+    r = rows[jnp.minimum(index, rows.shape[0] - 1)]
+    valid = valid & (r < table.shape[0])
+    x = jnp.take(table, jnp.where(valid, r, 0), axis=0).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid[..., None], x, 0.0), axis=1)
 
 
 def _pool_per_source(table: Float[Array, "R D"], routed: Routed, num_bags: int) -> Float[Array, "G N D"]:
