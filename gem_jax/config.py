@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,15 @@ class PrecisionConfig:
     compute_dtype: str = "bfloat16"
     sensitive_dtype: str = "float32"  # heads, losses, LayerNorm statistics
     overrides: dict[str, str] = field(default_factory=dict)
+    # FP8 GEMMs (gem_jax/model/fp8.py, docs/fp8.md): e4m3 inputs and weights, e5m2 output gradients, one
+    # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on
+    # sensitive layers: task heads, logit layers; LayerNorms and embeddings are not Dense). Their output
+    # dtype stays the layer's compute dtype.
+    fp8: bool = False
+    fp8_layers: tuple[str, ...] = ("hstu/", "wukong/")  # HSTU U/V/Q/K and output projections, Wukong MLPs
+    fp8_recipe: str = "delayed"  # "delayed" (amax history) | "current" (this step's amax)
+    fp8_amax_history: int = 1024  # steps of amax history (delayed recipe)
+    fp8_margin: int = 0  # binades of headroom: scale = amax * 2^margin / fp8_max
 
 
 @dataclass(frozen=True)
@@ -394,6 +404,7 @@ def validate(config: Config, source: str) -> Config:
     _validate_long_history(config, source)
     _validate_embeddings(config, source)
     _validate_selection(config, source)
+    _validate_precision(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
     return config
@@ -514,6 +525,24 @@ def _validate_embeddings(config: Config, source: str) -> None:
             )
 
 
+def _validate_precision(config: Config, source: str) -> None:
+    """Checks of the FP8 options in `[precision]` (dtype names are checked by `PrecisionPolicy`)."""
+    p = config.precision
+    if p.fp8_recipe not in ("delayed", "current"):
+        raise ConfigError(
+            f"{source}: `precision.fp8_recipe` must be one of ('delayed', 'current'), got {p.fp8_recipe!r}"
+        )
+    if p.fp8_amax_history < 1:
+        raise ConfigError(
+            f"{source}: `precision.fp8_amax_history` must be positive, got {p.fp8_amax_history}"
+        )
+    if p.fp8_margin < 0:
+        raise ConfigError(f"{source}: `precision.fp8_margin` must be >= 0, got {p.fp8_margin}")
+    for i, prefix in enumerate(p.fp8_layers):
+        if not prefix:
+            raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
+
+
 SELECT_METRICS = tuple(
     f"{protocol}/{name}@{k}"
     for protocol, ks in (("sampled", (10,)), ("full", (5, 10, 20)))
@@ -554,7 +583,7 @@ def _validate_retrieval(config: Config, source: str) -> None:
         )
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Loads a TOML file (or the defaults when `path` is None) and applies `key.sub=value` overrides."""
     values: dict[str, Any] = {}
     source = "defaults"

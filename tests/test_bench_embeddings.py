@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from experiments import bench_embeddings
+from experiments.benchmarks import embeddings as bench_embeddings
 
 
 @pytest.mark.slow

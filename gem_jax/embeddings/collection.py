@@ -39,8 +39,8 @@ class FeatureIds(NamedTuple):
     given, marks positions past offsets[-1] unused (they look up zeros).
     """
 
-    values: Int[Array, "*P S"]
-    offsets: Int[Array, "*P N1"] | None = None
+    values: Int[Array, "... S"]
+    offsets: Int[Array, "... N1"] | None = None
 
 
 @struct.dataclass
@@ -321,7 +321,7 @@ class EmbeddingCollection:
 
     def lookup(
         self, state, batch: Mapping[str, FeatureIds]
-    ) -> tuple[dict[str, Float[Array, "*P N D"]], Residuals]:
+    ) -> tuple[dict[str, Float[Array, "... N E"]], Residuals]:
         """Pooled (or, for `pooling = "none"`, per-id) fp32 activations of every feature in `batch`.
 
         Call inside `jax.shard_map` over `batch_axes` with `state_specs()`; every device passes its
@@ -376,7 +376,7 @@ class EmbeddingCollection:
         self,
         state,
         residuals: Residuals,
-        activation_grads: Mapping[str, Float[Array, "*P N D"]],
+        activation_grads: Mapping[str, Float[Array, "... N E"]],
         learning_rate: Float[Array, ""] | float,
     ):
         """One sparse optimizer step from d(loss)/d(activations) of this device's lookup.

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.embeddings.hashing import hash_ids
 from gem_jax.model.layers import param
@@ -29,14 +29,19 @@ class HashedEmbedding(nnx.Module):
             rngs, nnx.initializers.normal(0.05), (rows, dim), ("rows", "embed"), policy.param_dtype
         )
 
-    def lookup(self, ids: Int[Array, ...]) -> Float[Array, "... d"]:
+    def lookup(self, ids: Int[ArrayLike, ...]) -> Float[ArrayLike, "... d"]:
         """Unpooled lookup (sequence tokens); dense ids (`hashed=False`) must lie in [0, rows)."""
         rows = hash_ids(ids, self.rows) if self.hashed else ids
         return jnp.take(self.table[...], rows, axis=0)
 
     def pooled(
-        self, values: Int[Array, " S"], bag_ids: Int[Array, " S"], bag_sizes: Int[Array, " N"], *, mode: str
-    ) -> Float[Array, "N d"]:
+        self,
+        values: Int[ArrayLike, " S"],
+        bag_ids: Int[ArrayLike, " S"],
+        bag_sizes: Int[ArrayLike, " N"],
+        *,
+        mode: str,
+    ) -> Float[ArrayLike, "N d"]:
         """Pools jagged bags: value s belongs to bag `bag_ids[s]` (== N for unused capacity).
 
         Sum or mean; an empty bag pools to zeros.

@@ -30,16 +30,16 @@ class RowWiseAdagrad:
 
     has_accumulator = True
 
-    def init_accumulator(self, rows: int) -> Float[Array, " R"]:
+    def init_accumulator(self, rows: int) -> Float[Array, " V"]:
         return jnp.full((rows,), self.initial_accumulator, jnp.float32)
 
     def update(
         self,
-        table: Float[Array, "R D"],
-        accumulator: Float[Array, " R"] | None,
-        rows: Int[Array, " K"],
-        grads: Float[Array, "K D"],
-        grad_sq_mean: Float[Array, " K"],
+        table: Float[Array, "V E"],
+        accumulator: Float[Array, " V"] | None,
+        rows: Int[Array, " U"],
+        grads: Float[Array, "U E"],
+        grad_sq_mean: Float[Array, " U"],
         learning_rate: Float[Array, ""] | float,
     ) -> tuple[Array, Array | None]:
         acc = accumulator.at[rows].get(mode="fill", fill_value=0.0) + grad_sq_mean

@@ -49,15 +49,15 @@ class Routed(NamedTuple):
     """What the backward needs from a lookup (int32, batch-sized): the ids and bags a device
     served as owner, `[G, S]`, with local row indices (== rows_per_shard: nothing)."""
 
-    rows: Int[Array, "G S"]
-    bags: Int[Array, "G S"]
+    rows: Int[Array, "Gr S"]
+    bags: Int[Array, "Gr S"]
 
 
 def axis_size(axes: tuple[str, ...]) -> int:
     return math.prod(jax.lax.axis_size(a) for a in axes) if axes else 1
 
 
-def _sorted_segments(keys: Int[Array, " K"], fill: int):
+def _sorted_segments(keys: Int[Array, " U"], fill: int):
     """One sort of `keys`: (unique keys padded with `fill`, segment of each sorted position, order)."""
     k = keys.shape[0]
     sorted_keys, order = jax.lax.sort((keys, jnp.arange(k, dtype=jnp.int32)), num_keys=1)
@@ -68,8 +68,8 @@ def _sorted_segments(keys: Int[Array, " K"], fill: int):
 
 
 def combine_duplicates(
-    keys: Int[Array, " K"], values: Float[Array, "K D"], fill: int
-) -> tuple[Int[Array, " K"], Float[Array, "K D"]]:
+    keys: Int[Array, " U"], values: Float[Array, "U E"], fill: int
+) -> tuple[Int[Array, " U"], Float[Array, "U E"]]:
     """Sums `values` of equal `keys`: returns (unique keys padded with `fill`, their sums).
 
     `fill` must exceed every real key (padding keys equal it); one sort, one gather, one sorted
@@ -81,8 +81,8 @@ def combine_duplicates(
 
 
 def _combine_routed(
-    routed: Routed, per_source: Float[Array, "G N D"], block: int
-) -> tuple[Int[Array, " K"], Float[Array, "K D"]]:
+    routed: Routed, per_source: Float[Array, "Gr N E"], block: int
+) -> tuple[Int[Array, " U"], Float[Array, "U E"]]:
     """`combine_duplicates` of the routed ids, each id's gradient being its (source, bag)'s: read
     straight in sorted order (one [G S, D] gather, not two); padding ids get zeros."""
     keys = routed.rows.reshape(-1)
@@ -98,7 +98,7 @@ def _my_index(axes: tuple[str, ...]) -> Array:
 
 
 def row_sharded_lookup(
-    table: Float[Array, "R D"],
+    table: Float[Array, "V E"],
     rows: Int[Array, " S"],
     bags: Int[Array, " S"],
     num_bags: int,
@@ -106,7 +106,7 @@ def row_sharded_lookup(
     sorted_bags: bool = False,
     spans: tuple[Int[Array, " N"], Int[Array, " N"]] | None = None,
     max_bag: int = 0,
-) -> tuple[Float[Array, "N D"], Routed]:
+) -> tuple[Float[Array, "N E"], Routed]:
     """Pooled sums of rows per bag. `rows` are global row ids (>= G * R: padding, pooled as zeros),
     `bags` in [0, num_bags); `table` is this device's block of R rows. With `spans` (each bag's
     [start, end) positions) and `max_bag` > 0, a device that owns every row pools by `_pool_bounded`."""
@@ -148,12 +148,12 @@ def row_sharded_lookup(
 
 
 def _pool_bounded(
-    table: Float[Array, "R D"],
+    table: Float[Array, "V E"],
     rows: Int[Array, " S"],
     starts: Int[Array, " N"],
     ends: Int[Array, " N"],
     max_bag: int,
-) -> Float[Array, "N D"]:
+) -> Float[Array, "N E"]:
     """Bags of at most `max_bag` ids as a [N, max_bag, D] gather under a masked sum: XLA fuses the
     gather into the reduction (no [S, D] intermediate, no scatter-add atomics); the padding slots
     read row 0, which stays in cache. `rows` >= R look up zeros."""
@@ -165,7 +165,7 @@ def _pool_bounded(
     return jnp.sum(jnp.where(valid[..., None], x, 0.0), axis=1)
 
 
-def _pool_per_source(table: Float[Array, "R D"], routed: Routed, num_bags: int) -> Float[Array, "G N D"]:
+def _pool_per_source(table: Float[Array, "V E"], routed: Routed, num_bags: int) -> Float[Array, "Gr N E"]:
     """The owner's side of a lookup: its rows of every source's bags, pooled per (source, bag)."""
     g, block = routed.rows.shape[0], table.shape[0]
     gathered = jnp.take(table, routed.rows, axis=0, mode="fill", fill_value=0).astype(jnp.float32)
@@ -178,11 +178,11 @@ def _pool_per_source(table: Float[Array, "R D"], routed: Routed, num_bags: int) 
 
 def row_sharded_gradients(
     routed: Routed,
-    bag_grads: Float[Array, "N D"],
+    bag_grads: Float[Array, "N E"],
     block: int,
     row_axes: tuple[str, ...],
     replica_axes: tuple[str, ...],
-) -> tuple[Int[Array, " K"], Float[Array, "K D"]]:
+) -> tuple[Int[Array, " U"], Float[Array, "U E"]]:
     """(local rows, summed gradient) of every row this device owns that any device's batch
     touched; padding rows are == block. Replicas get identical results."""
     g = routed.rows.shape[0]
@@ -199,12 +199,12 @@ def row_sharded_gradients(
 
 
 def column_sharded_lookup(
-    table: Float[Array, "R Dl"],
+    table: Float[Array, "V El"],
     rows: Int[Array, " S"],
     bags: Int[Array, " S"],
     num_bags: int,
     column_axes: tuple[str, ...],
-) -> tuple[Float[Array, "N D"], Routed]:
+) -> tuple[Float[Array, "N E"], Routed]:
     """Pooled sums per bag from a table whose columns are split over `column_axes`."""
     all_rows = jax.lax.all_gather(rows, column_axes, axis=0, tiled=False)  # [G, S]
     all_bags = jax.lax.all_gather(bags, column_axes, axis=0, tiled=False)
@@ -216,8 +216,8 @@ def column_sharded_lookup(
 
 
 def column_sharded_gradients(
-    routed: Routed, bag_grads: Float[Array, "N D"], block: int, column_axes: tuple[str, ...]
-) -> tuple[Int[Array, " K"], Float[Array, "K Dl"], Float[Array, " K"]]:
+    routed: Routed, bag_grads: Float[Array, "N E"], block: int, column_axes: tuple[str, ...]
+) -> tuple[Int[Array, " U"], Float[Array, "U El"], Float[Array, " U"]]:
     """(rows, this device's columns of their summed gradients, mean over the whole row of g^2)."""
     g, n = routed.rows.shape[0], bag_grads.shape[0]
     dim = bag_grads.shape[-1]
