@@ -349,7 +349,7 @@ def _check_choices(choices: dict[str, tuple[Any, tuple]], source: str) -> None:
             raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
 
 
-def _check_positive(values: dict[str, float], source: str) -> None:
+def _check_positive(values: dict[str, int | float], source: str) -> None:
     for key, value in values.items():
         if value <= 0:
             raise ConfigError(f"{source}: `{key}` must be positive, got {value}")

@@ -37,6 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from experiments.benchmarks.timing import median_seconds  # noqa: E402
 from gem_jax.config import FeatureConfig, TableConfig  # noqa: E402
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds, RowWiseAdagrad  # noqa: E402
 from gem_jax.embeddings import reference as ref  # noqa: E402
@@ -245,9 +246,9 @@ def bench_ours(a, mesh, ids) -> tuple[dict[str, float], str]:
     per = a.batch // mesh.size
     cot = {f: jnp.asarray(rng.normal(size=(mesh.size, per, a.dim)).astype(np.float32)) for f in coll.features}
     times = {
-        "forward": _median(lambda: forward(state, batch), a.reps),
-        "forward, scatter-add pooling (no max_bag_size)": _median(
-            lambda: forward_plain(state, batch), a.reps
+        "forward": median_seconds(lambda: forward(state, batch), reps=a.reps, warmup=2),
+        "forward, scatter-add pooling (no max_bag_size)": median_seconds(
+            lambda: forward_plain(state, batch), reps=a.reps, warmup=2
         ),
     }
     samples = []
@@ -260,17 +261,6 @@ def bench_ours(a, mesh, ids) -> tuple[dict[str, float], str]:
     if mesh.size == 1:
         times["forward, XLA padded bags"] = _padded_forward(state, coll, ids, a)
     return times, coll.plan.format()
-
-
-def _median(fn, reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        samples.append(time.perf_counter() - t0)
-    return float(np.median(samples))
 
 
 def _padded_forward(state, coll, ids, a) -> float:
@@ -291,7 +281,7 @@ def _padded_forward(state, coll, ids, a) -> float:
             for t, (i, m) in zip(tables, padded)
         ]
 
-    return _median(lambda: fwd(tables, padded), a.reps)
+    return median_seconds(lambda: fwd(tables, padded), reps=a.reps, warmup=2)
 
 
 # ----------------------------------------------------------------------------- report
