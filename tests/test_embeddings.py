@@ -109,6 +109,19 @@ def _close(a, b, tol, what):
     )
 
 
+def _assert_copies_identical(state):
+    """Every device holding the same piece of an array (replicas: data_parallel everywhere, two_d
+    across the slow axis, column_wise accumulators) holds identical values after the update."""
+    for path, x in jax.tree_util.tree_leaves_with_path(state):
+        pieces = {}
+        for shard in x.addressable_shards:
+            key = tuple((i.start, i.stop) for i in shard.index)
+            data = np.asarray(shard.data)
+            if key in pieces:
+                np.testing.assert_array_equal(data, pieces[key], err_msg=jax.tree_util.keystr(path))
+            pieces[key] = data
+
+
 @functools.cache
 def _reference(dtype: str, optimizer: str):
     """The jitted dense reference (lookup, activation gradient, update, touched rows); it does not
@@ -159,6 +172,7 @@ def test_matches_dense_reference(sharding, mesh_kind, optimizer):
         _close(acts[k], acts_ref[k], 1e-5, f"activations of {k}")
         _close(grads[k], grads_ref[k], 1e-5, f"activation gradients of {k}")
     new_tables_ref, new_accs_ref = ref_update(tables0, accs0, batch, grads_ref)
+    _assert_copies_identical(new_state)
     logical = jax.device_get(coll.to_logical(new_state))
     touched = ref_touched(batch)
     for k in tables:
