@@ -28,6 +28,7 @@ BENCHMARKS = {
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.benchmarks.train_step",
     "fp8": "experiments.benchmarks.fp8",
+    "embeddings": "experiments.benchmarks.embeddings",
 }
 
 

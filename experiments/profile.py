@@ -22,6 +22,7 @@ import argparse
 import csv
 import dataclasses
 import json
+import os
 import re
 import statistics
 import sys
@@ -240,6 +241,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output directory (default runs/profile/<config>)")
     parser.add_argument("--top", type=int, default=15, help="print the N most expensive ops")
     args = parser.parse_args(argv)
+    # XLA:GPU replays most of a step as CUDA graphs (command buffers): a trace then shows one event per
+    # graph (seen on the H200: one 120 ms event holding ~800 fusions) and nothing can be grouped by op.
+    # Profile with command buffers off, so every kernel is its own event; the untraced step time is
+    # measured the same way (without graphs the host launches each kernel: compare with `bench train_step`).
+    if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer="
+        ).strip()
     result = run_profile(
         args.config,
         args.overrides,

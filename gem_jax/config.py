@@ -48,15 +48,81 @@ class DataConfig:
     num_workers: int = 0  # grain worker processes generating train examples (0: in the main process)
 
 
+SHARDING_TYPES = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d")
+POOLING_TYPES = ("sum", "mean", "none")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table (`[embeddings.tables.NAME]`); the name is its key."""
+
+    rows: int = 4096
+    dim: int = 32
+    dtype: str = "float32"  # storage: "float32" | "bfloat16" (updates are computed in fp32)
+    initializer: str = "normal"  # "normal" (std = init_scale) | "uniform" (+-init_scale) | "zeros"
+    init_scale: float = 0.05
+    hashed: bool = True  # raw ids are hashed into [0, rows); false: ids outside [0, rows) look up nothing
+    sharding: str = "auto"  # one of SHARDING_TYPES; "auto" lets the planner choose
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """One sparse feature (`[embeddings.features.NAME]`): which table it reads and how bags pool."""
+
+    table: str = ""
+    pooling: str = "sum"  # "sum" | "mean" | "none" (sequences: one row per id, unpooled)
+    # Longest bag the data should have (0: unknown). Where a device owns every row it looks up, bags
+    # are then pooled by a fused gather + masked sum; a longer bag falls back to scatter-add (exact).
+    max_bag_size: int = 0
+
+
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """Embedding tables: raw ids are hashed into `rows` rows."""
+    """Embedding tables, features, their sharding and the sparse optimizer (gem_jax/embeddings/).
+
+    With `tables` empty, the five keys below describe today's three tables (`items`, `actions`,
+    `sparse`, all `dim` wide) and their features; naming `tables` (and `features`) replaces them.
+    """
 
     dim: int = 32
     item_rows: int = 8192
     action_rows: int = 16
     sparse_rows: int = 4096
     pooling: str = "mean"  # "mean" | "sum" for non-sequence bags
+    tables: dict[str, TableConfig] = field(default_factory=dict)
+    features: dict[str, FeatureConfig] = field(default_factory=dict)
+    optimizer: str = "row_wise_adagrad"  # "row_wise_adagrad" | "sgd" (sparse: only touched rows change)
+    learning_rate: float = 0.05
+    adagrad_eps: float = 1e-8
+    adagrad_initial_accumulator: float = 0.0
+    # Planner: the fast mesh axes (inside a host); empty = the last data-parallel axis. two_d tables are
+    # row-sharded over them and replicated over the others (the slow axes).
+    fast_axes: tuple[str, ...] = ()
+    device_memory_gib: float = 0.0  # per-device budget; 0: the device's own limit (16 GiB where unknown)
+    memory_fraction: float = 0.5  # share of that budget the tables and accumulators may use
+
+    def resolved_tables(self) -> dict[str, TableConfig]:
+        """`tables`, or today's three tables when it is empty."""
+        if self.tables:
+            return dict(self.tables)
+        return {
+            "items": TableConfig(rows=self.item_rows, dim=self.dim),
+            "actions": TableConfig(rows=self.action_rows, dim=self.dim),
+            "sparse": TableConfig(rows=self.sparse_rows, dim=self.dim),
+        }
+
+    def resolved_features(self) -> dict[str, FeatureConfig]:
+        """`features`; else one feature per table, named after it (today's: `items` and `actions`
+        unpooled sequences, `sparse` the salted bags of every sparse feature, pooled by `pooling`)."""
+        if self.features:
+            return dict(self.features)
+        if self.tables:
+            return {name: FeatureConfig(table=name, pooling=self.pooling) for name in self.tables}
+        return {
+            "items": FeatureConfig(table="items", pooling="none"),
+            "actions": FeatureConfig(table="actions", pooling="none"),
+            "sparse": FeatureConfig(table="sparse", pooling=self.pooling),
+        }
 
 
 @dataclass(frozen=True)
@@ -223,6 +289,10 @@ def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise fail("a table")
         return {str(k): _check_value(v, value_type, f"{key}.{k}", source) for k, v in value.items()}
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise fail("a table")
+        return _build(annotation, value, f"{key}.", source)
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
 
@@ -235,13 +305,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
         if name not in fields:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{source}: unknown key `{key}` (known: {known})")
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: `{key}` must be a table, got {value!r}")
-            kwargs[name] = _build(hint, value, f"{key}.", source)
-        else:
-            kwargs[name] = _check_value(value, hint, key, source)
+        kwargs[name] = _check_value(value, hints[name], key, source)
     return cls(**kwargs)
 
 
@@ -279,6 +343,19 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def _check_choices(choices: dict[str, tuple[Any, tuple]], source: str) -> None:
+    """`{key: (value, allowed values)}`: a ConfigError naming the first key whose value is not allowed."""
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+
+
+def _check_positive(values: dict[str, int | float], source: str) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+
+
 def validate(config: Config, source: str) -> Config:
     """Cross-field checks that types alone cannot express."""
     m, d = config.model, config.data
@@ -292,9 +369,7 @@ def validate(config: Config, source: str) -> Config:
         "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
         "data.kind": (d.kind, ("synthetic", "interactions")),
     }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+    _check_choices(choices, source)
     _validate_ranges(config, source)
     longest = d.max_history_len + d.num_candidates + m.num_context_tokens
     if d.tokens_per_shard < longest:
@@ -317,6 +392,7 @@ def validate(config: Config, source: str) -> Config:
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
+    _validate_embeddings(config, source)
     _validate_selection(config, source)
     _validate_precision(config, source)
     if d.kind == "interactions":
@@ -377,6 +453,46 @@ def _validate_long_history(config: Config, source: str) -> None:
             )
 
 
+def _validate_embeddings(config: Config, source: str) -> None:
+    """Checks of the `[embeddings]` section: tables, features, optimizer and planner keys."""
+    e = config.embeddings
+    choices = {
+        "embeddings.optimizer": (e.optimizer, ("row_wise_adagrad", "sgd")),
+    }
+    for name, t in e.tables.items():
+        choices[f"embeddings.tables.{name}.dtype"] = (t.dtype, ("float32", "bfloat16"))
+        choices[f"embeddings.tables.{name}.initializer"] = (t.initializer, ("normal", "uniform", "zeros"))
+        choices[f"embeddings.tables.{name}.sharding"] = (t.sharding, SHARDING_TYPES)
+    for name, f in e.features.items():
+        choices[f"embeddings.features.{name}.pooling"] = (f.pooling, POOLING_TYPES)
+    _check_choices(choices, source)
+    positive = {}  # the top-level numeric keys are in RANGES; the per-table ones are checked here
+    for name, t in e.tables.items():
+        positive[f"embeddings.tables.{name}.rows"] = t.rows
+        positive[f"embeddings.tables.{name}.dim"] = t.dim
+    _check_positive(positive, source)
+    for n, f in e.features.items():
+        if f.max_bag_size < 0:
+            raise ConfigError(
+                f"{source}: `embeddings.features.{n}.max_bag_size` must be >= 0, got {f.max_bag_size}"
+            )
+    if e.features and not e.tables:
+        raise ConfigError(f"{source}: `embeddings.features` needs `embeddings.tables` to name their tables")
+    tables = e.resolved_tables()
+    for name, f in e.features.items():
+        if f.table not in tables:
+            raise ConfigError(
+                f"{source}: `embeddings.features.{name}.table` is {f.table!r}, not one of the tables "
+                f"{tuple(tables)}"
+            )
+    for axis in e.fast_axes:
+        if axis not in config.parallel.mesh_axes:
+            raise ConfigError(
+                f"{source}: `embeddings.fast_axes` names {axis!r}, not in `parallel.mesh_axes` "
+                f"{config.parallel.mesh_axes}"
+            )
+
+
 def _validate_precision(config: Config, source: str) -> None:
     """Checks of the FP8 options in `[precision]` (dtype names are checked by `PrecisionPolicy`)."""
     p = config.precision
@@ -406,9 +522,7 @@ def _validate_retrieval(config: Config, source: str) -> None:
         "retrieval.negatives": (r.negatives, ("uniform", "in_batch")),
         "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
     }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+    _check_choices(choices, source)
     if not d.path:
         raise ConfigError(
             f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'
@@ -476,6 +590,11 @@ RANGES: dict[str, Range] = {
     "embeddings.item_rows": AT_LEAST_1,
     "embeddings.action_rows": AT_LEAST_1,
     "embeddings.sparse_rows": AT_LEAST_1,
+    "embeddings.learning_rate": POSITIVE,
+    "embeddings.adagrad_eps": POSITIVE,
+    "embeddings.adagrad_initial_accumulator": AT_LEAST_0,
+    "embeddings.device_memory_gib": AT_LEAST_0,  # 0: the device's own limit
+    "embeddings.memory_fraction": Range(0.0, 1.0, low_open=True),
     "model.model_dim": AT_LEAST_1,
     "model.num_heads": AT_LEAST_1,
     "model.attention_dim": AT_LEAST_1,
@@ -577,6 +696,10 @@ def config_to_toml(config: Config) -> str:
             return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
         if isinstance(v, (list, tuple)):
             return "[" + ", ".join(fmt(x) for x in v) + "]"
+        if isinstance(v, dict):
+            if not v:
+                return "{}"
+            return "{ " + ", ".join(f"{fmt(k)} = {fmt(x)}" for k, x in v.items()) + " }"
         if isinstance(v, float):
             return repr(v)
         return str(v)
@@ -591,7 +714,6 @@ def config_to_toml(config: Config) -> str:
             else:
                 lines.append(f"{k} = {fmt(v)}")
         for k, table in tables.items():
-            inner = ", ".join(f"{fmt(kk)} = {fmt(vv)}" for kk, vv in table.items())
-            lines.append(f"{k} = {{ {inner} }}")
+            lines.append(f"{k} = {fmt(table)}")
         lines.append("")
     return "\n".join(lines)

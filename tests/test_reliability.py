@@ -132,9 +132,9 @@ def _params(workdir: Path, config, step: int):
     task = make_task(config)
     trainer = Trainer(task, task.mesh)
     ck = Checkpointer(workdir / "checkpoints", config.train, read_only=True)
-    state, _ = ck.restore(step, trainer.abstract_state, trainer.state_shardings)
+    state, _ = ck.restore(step, *trainer.saved_target)
     ck.close()
-    return [np.asarray(x) for x in jax.tree.leaves(state.params)]
+    return [np.asarray(x) for x in jax.tree.leaves((state.params, state.opt_state, state.embeddings))]
 
 
 def _one_line_error(stderr: str) -> str:

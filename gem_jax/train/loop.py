@@ -228,9 +228,8 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
     with interrupt.blocked():  # grain worker processes start in here: Ctrl-C must not reach them
         data_iter = iter(task.train_data(jax.process_index(), jax.process_count()))
         if latest is not None:
-            state, saved = checkpoints.restore(
-                latest, trainer.abstract_state, trainer.state_shardings, data_iter
-            )
+            state, saved = checkpoints.restore(latest, *trainer.saved_target, data_iter)
+            state = trainer.from_saved_form(state)
             progress = Progress.from_dict(saved)
             print(f"resumed from step {latest} {_where(task, latest)}in {workdir}", file=sys.stderr)
         else:
@@ -255,7 +254,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
     def save() -> None:
         nonlocal saved_step
         progress.train_time_s = time.perf_counter() - t_train
-        checkpoints.save(step, state, data_iter, dataclasses.asdict(progress))
+        checkpoints.save(step, trainer.saved_form(state), data_iter, dataclasses.asdict(progress))
         saved_step = step
 
     try:
@@ -307,7 +306,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 if eval_now:
                     with jax.profiler.TraceAnnotation("evaluation"):
                         last_eval = _evaluate(
-                            task, evaluate, state, step, progress, best, writer, last_values, t_start
+                            task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start
                         )
                     if out_of_time and progress.stopped is None:
                         progress.stopped = "time"
@@ -375,17 +374,19 @@ def _best(task: Task, progress: Progress) -> dict[str, Any] | None:
     }
 
 
-def _evaluate(task, evaluate, state, step, progress, best, writer, last_values, t_start) -> dict[str, Any]:
+def _evaluate(
+    task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start
+) -> dict[str, Any]:
     """Validation metrics after `step`; keeps the best checkpoint and counts towards patience."""
     t_eval = time.perf_counter()
-    valid = evaluate(state.params, "valid")
+    valid = evaluate(state, "valid")
     improved = False
     if task.select_metric is not None:
         value = flatten(valid)[task.select_metric]
         improved = progress.improves(value, task.select_metric)
         if improved:
             if step not in best.all_steps():  # a replay after a crash may reach a saved best step again
-                best.save(step, state)
+                best.save(step, trainer.saved_form(state))
             progress.best_step, progress.best_value = step, value
             progress.best_position = task.position(step)
             progress.bad_evals = 0
@@ -438,13 +439,14 @@ def _score_test(
                 )
         if step is None:
             step = checkpoints.newest_intact(move_aside=False)
-        state, _ = source.restore(step, trainer.abstract_state, trainer.state_shardings)
+        state, _ = source.restore(step, *trainer.saved_target)
+        state = trainer.from_saved_form(state)
         recorded = {
             "step": step,
             **task.position(step),
             "checkpoint": "best" if source is best else "checkpoints",
-            "valid": evaluate(state.params, "valid"),
-            "test": evaluate(state.params, "test"),
+            "valid": evaluate(state, "valid"),
+            "test": evaluate(state, "test"),
         }
         if jax.process_index() == 0:
             files.write_json(path, recorded)
@@ -474,7 +476,8 @@ def evaluate_run(task: Task, workdir: str | Path) -> dict[str, Any]:
     else:
         raise WorkdirError(f"no intact checkpoint in {workdir / 'best'} or {workdir / 'checkpoints'}")
     trainer = Trainer(task, task.mesh)
-    state, _ = checkpoints.restore(step, trainer.abstract_state, trainer.state_shardings)
+    state, _ = checkpoints.restore(step, *trainer.saved_target)
+    state = trainer.from_saved_form(state)
     checkpoints.close()
     recorded = files.read_json(workdir / "test.json")
     return {
@@ -482,6 +485,6 @@ def evaluate_run(task: Task, workdir: str | Path) -> dict[str, Any]:
         "step": step,
         **task.position(step),
         "checkpoint": sub,
-        "eval": task.evaluator(trainer)(state.params, "valid"),
+        "eval": task.evaluator(trainer)(state, "valid"),
         "test": None if recorded is None else recorded["test"],
     }
