@@ -114,7 +114,11 @@ def roll_history(history: Float[Array, "... hist"], new: Float[Array, "..."]) ->
 def quantize(t: Array, scale: Float[Array, ""], dtype) -> Array:
     """t / scale, clipped to the format's range (saturation: never NaN/Inf from an overflow)."""
     m = fp8_max(dtype)
-    return jnp.clip(t.astype(jnp.float32) / scale, -m, m).astype(dtype)
+    q = jnp.clip(t.astype(jnp.float32) / scale, -m, m).astype(dtype)
+    # XLA may drop a f32 -> f8 -> f32 round trip as excess precision (`xla_allow_excess_precision`,
+    # on by default): the quantisation vanished and no FP8 GEMM was emitted (H200, jax 0.11.2). The
+    # barrier keeps the f8 tensor, so the GEMM rewriter sees dot(convert(f8) * scale, ...).
+    return jax.lax.optimization_barrier(q)
 
 
 def _dequantize(q: Array, scale: Float[Array, ""]) -> Float[Array, "..."]:
