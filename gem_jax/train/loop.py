@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from gem_jax.config import config_to_toml
+from gem_jax.parallel import describe_mesh
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.step import Trainer
@@ -187,6 +188,7 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
     workdir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (workdir / "config.toml").write_text(config_to_toml(config))
+        print(describe_mesh(task.mesh, config.parallel), file=sys.stderr)
     if task.describe():
         print(task.describe(), file=sys.stderr)
     trainer = Trainer(task, task.mesh)
