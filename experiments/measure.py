@@ -31,6 +31,7 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
 
     from experiments.hlo import collective_bytes
     from gem_jax.config import load_config
+    from gem_jax.parallel import describe_mesh
     from gem_jax.tasks import make_task
     from gem_jax.train.flops import device_peak_flops
     from gem_jax.train.step import Trainer
@@ -38,6 +39,7 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
     config = load_config(config_path, overrides)
     task = make_task(config)
     mesh = task.mesh
+    print(describe_mesh(mesh, config.parallel), file=sys.stderr)
     trainer = Trainer(task, mesh)
     data = iter(task.train_data(jax.process_index(), jax.process_count()))
     host = [next(data) for _ in range(max(1, min(batches or steps, steps)))]

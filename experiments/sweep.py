@@ -27,7 +27,8 @@ the out folder (default runs/sweeps/<grid name>): `results.jsonl` (one record pe
 `results.csv`, `results.md` (a markdown table) and `plot.png` (step time and memory per point),
 rewritten after every point; `points/<id>/` holds each point's log and record. Re-running the same
 command skips the points already recorded (`--retry` re-runs those that crashed, timed out or
-failed with an error; "invalid" and "oom" points stay recorded as such).
+failed with an error; "invalid" and "oom" points stay recorded as such); `--budget-s` stops starting
+points after a while, so a long sweep can run as several bounded commands.
 """
 
 from __future__ import annotations
@@ -149,8 +150,12 @@ def load_grid(path: str | Path) -> list[Point]:
                 choice_overrides, choice_settings = _split_settings(choice, f"{path} grid.{key}")
                 overrides.update(choice_overrides)
                 point_settings.update(choice_settings)
-                value = next(iter(choice.values())) if len(choice) == 1 else choice
-                parts.append(f"{key.rsplit('.', 1)[-1]}={json.dumps(value, separators=(',', ':'))}")
+                parts.append(
+                    ",".join(
+                        f"{k.rsplit('.', 1)[-1]}={json.dumps(v, separators=(',', ':'))}"
+                        for k, v in choice.items()
+                    )
+                )
             points.append(Point(" ".join(parts) or "base", overrides, point_settings))
     return points
 
@@ -351,6 +356,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output folder (default runs/sweeps/<grid name>)")
     parser.add_argument("--retry", action="store_true", help=f"re-run recorded points with status {RETRIED}")
     parser.add_argument("--list", action="store_true", help="print the points and exit")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=0,
+        help="start no new point after this many seconds (0: none); re-run the command to go on",
+    )
 
 
 def read_records(path: Path) -> dict[str, dict[str, Any]]:
@@ -385,11 +396,22 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "results.jsonl"
     records = read_records(log)
+    if log.exists() and not log.read_text().endswith("\n"):  # a torn last line: start a new one
+        with open(log, "a") as f:
+            f.write("\n")
     print(f"sweep: {len(points)} points of {args.grid} on {config} -> {out}", file=sys.stderr)
+    # SIGTERM (a scheduler, `timeout`) ends the sweep like Ctrl-C: the running point's processes are
+    # killed with it and the point stays unrecorded, so the next run starts it again.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    t_start = time.perf_counter()
+    left = 0
     for n, (pid, point) in enumerate(zip(ids, points, strict=True), 1):
         old = records.get(pid)
         if old is not None and not (args.retry and old["status"] in RETRIED):
             print(f"[{n}/{len(points)}] {point.name}: recorded ({old['status']}), skipped", file=sys.stderr)
+            continue
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            left += 1
             continue
         print(f"[{n}/{len(points)}] {point.name} ...", file=sys.stderr, flush=True)
         record = {"id": pid, **run_point(point, config, out / "points" / pid)}
@@ -407,6 +429,8 @@ def run(args: argparse.Namespace) -> int:
     if table.exists():
         print(table.read_text())
     print(f"sweep: {out / 'results.csv'}, {table}, {out / 'plot.png'}", file=sys.stderr)
+    if left:
+        print(f"sweep: --budget-s spent, {left} point(s) left: run the same command again", file=sys.stderr)
     return 0
 
 

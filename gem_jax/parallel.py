@@ -124,7 +124,7 @@ def make_mesh(config: ParallelConfig, devices: list | None = None) -> Mesh:
     array = device_array(config, list(devices if devices is not None else jax.devices()))
     auto = (jax.sharding.AxisType.Auto,) * array.ndim
     mesh = Mesh(array, tuple(config.mesh_axes), axis_types=auto)
-    check_process_shards(mesh, config)
+    check_process_shards(array, config)
     return mesh
 
 
@@ -196,28 +196,34 @@ def batch_sharding(mesh: Mesh, config: ParallelConfig) -> NamedSharding:
     return NamedSharding(mesh, P(axes if axes else None))
 
 
-def check_process_shards(mesh: Mesh, config: ParallelConfig) -> None:
+def check_process_shards(devices: np.ndarray, config: ParallelConfig) -> None:
     """Process p must hold the packs [p * L, (p + 1) * L) of a batch (the tasks' data split, L packs
-    per process); a rules table that interleaves processes along the shard axis is a ConfigError."""
-    shards = num_batch_shards(mesh, config)
-    processes = sorted({d.process_index for d in mesh.devices.flat})
+    per process); a rules table that interleaves processes along the shard axis is a ConfigError.
+
+    Args:
+      devices: the mesh's devices in mesh order (`Mesh.devices`).
+    """
+    processes = sorted({d.process_index for d in devices.flat})
     if len(processes) == 1:
         return
+    axes = shard_axes(config)
+    position = {a: i for i, a in enumerate(config.mesh_axes)}
+    sizes = [devices.shape[position[a]] for a in axes]
+    shards = math.prod(sizes)
     if shards % len(processes):
         raise ConfigError(
-            f"`parallel.rules.shard` {shard_axes(config)}: {shards} batch shards do not split over "
-            f"{len(processes)} processes"
+            f"`parallel.rules.shard` {axes}: {shards} batch shards do not split over {len(processes)} processes"
         )
     local = shards // len(processes)
     owned: dict[int, set[int]] = collections.defaultdict(set)
-    for device, index in batch_sharding(mesh, config).devices_indices_map((shards,)).items():
-        owned[device.process_index].update(range(*index[0].indices(shards)))
+    for index in np.ndindex(devices.shape):
+        shard = int(np.ravel_multi_index([index[position[a]] for a in axes], sizes)) if axes else 0
+        owned[devices[index].process_index].add(shard)
     for p in processes:
         if owned[p] != set(range(p * local, (p + 1) * local)):
             raise ConfigError(
-                f"`parallel.rules.shard` {shard_axes(config)}: process {p} holds batch shards "
-                f"{sorted(owned[p])}, not the block {p * local}..{(p + 1) * local - 1}; list the slow "
-                "axes first in the rule"
+                f"`parallel.rules.shard` {axes}: process {p} holds batch shards {sorted(owned[p])}, not "
+                f"the block {p * local}..{(p + 1) * local - 1}; list the slow axes first in the rule"
             )
 
 
