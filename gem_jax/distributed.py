@@ -17,6 +17,7 @@ import os
 import sys
 
 import jax
+import numpy as np
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
@@ -93,3 +94,14 @@ def initialize(
         file=sys.stderr,
     )
     return True
+
+
+def process_zero_says(flag: bool) -> bool:
+    """Process 0's `flag`, on every process: for decisions all processes must take at the same step
+    (stopping at a wall-clock budget: each process's own clock could stop them a step apart, and the
+    one still training would wait forever in its collectives). With one process, `flag` itself."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))

@@ -118,6 +118,7 @@ def _flat(metrics: dict, prefix: str = "") -> dict[str, float]:
 def test_ranking_two_processes_match_one_and_resume_in_one(tmp_path):
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     overrides = [*SMALL, *MESH, *LEAN, "train.steps=6", "train.eval_every=4", "train.checkpoint_every=0"]
+    overrides.append("train.max_minutes=1000")  # every step asks process 0 whether time is up (no)
     config = load_config(None, overrides)
     loop.train(make_task(config), tmp_path / "one")
     _train_two_processes(tmp_path / "two", config, stop_after=4)

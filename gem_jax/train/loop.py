@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from gem_jax.config import config_to_toml
+from gem_jax.distributed import process_zero_says
 from gem_jax.parallel import describe_mesh
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.flops import device_peak_flops
@@ -241,7 +242,7 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
                 out_of_time = (
                     bool(tc.max_minutes)
                     and task.is_boundary(step)
-                    and time.perf_counter() - t_train >= 60 * tc.max_minutes
+                    and process_zero_says(time.perf_counter() - t_train >= 60 * tc.max_minutes)
                 )
                 eval_now = task.eval_due(step) or out_of_time
                 save_now = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or eval_now
