@@ -73,8 +73,8 @@ def initialize(
         )
     if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
         raise DistributedError(f"--process-id {process_id} is not in [0, --num-processes {num_processes})")
-    # gloo is the CPU collectives implementation (jax's default since 0.4.3x; named so that older
-    # defaults or a site-wide setting cannot leave CPU processes without cross-process collectives).
+    # gloo carries CPU processes' collectives (already jax 0.10's default; named so that a site-wide
+    # setting cannot leave CPU processes without cross-process collectives).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
         jax.distributed.initialize(
