@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -448,7 +449,7 @@ def _validate_retrieval(config: Config, source: str) -> None:
         )
 
 
-def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Loads a TOML file (or the defaults when `path` is None) and applies `key.sub=value` overrides."""
     values: dict[str, Any] = {}
     source = "defaults"

@@ -11,13 +11,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.model.layers import param
 from gem_jax.precision import PrecisionPolicy
 
 
-def hash_ids(ids: Int[Array, ...], rows: int) -> Int[Array, ...]:
+def hash_ids(ids: Int[ArrayLike, ...], rows: int) -> Int[ArrayLike, ...]:
     """Multiplicative (Knuth) hash of raw ids into [0, rows); mixes nearby ids across rows."""
     h = ids.astype(jnp.uint32) * jnp.uint32(2654435761)
     h = h ^ (h >> 16)
@@ -32,14 +32,19 @@ class HashedEmbedding(nnx.Module):
             rngs, nnx.initializers.normal(0.05), (rows, dim), ("rows", "embed"), policy.param_dtype
         )
 
-    def lookup(self, ids: Int[Array, ...]) -> Float[Array, "... d"]:
+    def lookup(self, ids: Int[ArrayLike, ...]) -> Float[ArrayLike, "... d"]:
         """Unpooled lookup (sequence tokens); dense ids (`hashed=False`) must lie in [0, rows)."""
         rows = hash_ids(ids, self.rows) if self.hashed else ids
         return jnp.take(self.table[...], rows, axis=0)
 
     def pooled(
-        self, values: Int[Array, " S"], bag_ids: Int[Array, " S"], bag_sizes: Int[Array, " N"], *, mode: str
-    ) -> Float[Array, "N d"]:
+        self,
+        values: Int[ArrayLike, " S"],
+        bag_ids: Int[ArrayLike, " S"],
+        bag_sizes: Int[ArrayLike, " N"],
+        *,
+        mode: str,
+    ) -> Float[ArrayLike, "N d"]:
         """Pools jagged bags: value s belongs to bag `bag_ids[s]` (== N for unused capacity).
 
         Sum or mean; an empty bag pools to zeros.
@@ -51,7 +56,7 @@ class HashedEmbedding(nnx.Module):
         return sums / jnp.maximum(bag_sizes, 1).astype(sums.dtype)[:, None]
 
 
-def segment_ids(offsets: Int[Array, " B1"], capacity: int) -> Int[Array, " S"]:
+def segment_ids(offsets: Int[ArrayLike, " B1"], capacity: int) -> Int[ArrayLike, " S"]:
     """Segment of each flat position under jagged `offsets`; N for positions past offsets[N]."""
     positions = jnp.arange(capacity)
     seg = jnp.searchsorted(offsets, positions, side="right") - 1

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from gem_jax.config import ConfigError, PrecisionConfig
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def _dtype(name: str, key: str) -> jnp.dtype:
+def _dtype(name: str, key: str) -> DTypeLike:
     if name not in _DTYPES:
         raise ConfigError(f"`precision.{key}` must be one of {tuple(_DTYPES)}, got {name!r}")
     return _DTYPES[name]
@@ -24,10 +25,10 @@ def _dtype(name: str, key: str) -> jnp.dtype:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    param_dtype: jnp.dtype
-    default_compute: jnp.dtype
-    sensitive: jnp.dtype
-    overrides: tuple[tuple[str, jnp.dtype], ...]
+    param_dtype: DTypeLike
+    default_compute: DTypeLike
+    sensitive: DTypeLike
+    overrides: tuple[tuple[str, DTypeLike], ...]
 
     @classmethod
     def from_config(cls, config: PrecisionConfig) -> PrecisionPolicy:
@@ -44,7 +45,7 @@ class PrecisionPolicy:
             overrides=overrides,
         )
 
-    def compute_dtype(self, layer: str, *, sensitive: bool = False) -> jnp.dtype:
+    def compute_dtype(self, layer: str, *, sensitive: bool = False) -> DTypeLike:
         """The compute dtype of `layer`; sensitive layers (heads, norms) default to `sensitive`."""
         for prefix, dtype in self.overrides:
             if layer.startswith(prefix):

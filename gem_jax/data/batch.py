@@ -11,29 +11,31 @@ summaries), then the history events oldest first, then `num_targets` candidate t
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import ArrayLike, Bool, Float, Int
 
 
+@typing.no_type_check  # pytrees are rebuilt with non-array leaves (see gem_jax/typing.py)
 @struct.dataclass
 class JaggedBatch:
     """One pack (or, with a leading shard axis on every field, a stack of packs)."""
 
-    item_ids: Int[Array, "... T"]  # raw item ids; 0 on context slots and padding
-    action_ids: Int[Array, "... T"]  # action type of history events; 0 elsewhere
-    timestamps: Int[Array, "... T"]  # seconds; candidates carry the request time
-    offsets: Int[Array, "... B1"]  # int32[B+1], offsets[0] = 0
-    num_targets: Int[Array, "... B"]  # candidate tokens at the end of each sequence; 0 = padding
-    sparse_values: Int[Array, "... S"]  # all non-sequence bags, flattened
-    sparse_offsets: Int[Array, "... BF1"]  # bag (b, f) is values[o[b*F+f]:o[b*F+f+1]]
-    dense: Float[Array, "... B Fd"]
-    labels: Float[Array, "... B C K"]  # per candidate, per task
+    item_ids: Int[ArrayLike, "... T"]  # raw item ids; 0 on context slots and padding
+    action_ids: Int[ArrayLike, "... T"]  # action type of history events; 0 elsewhere
+    timestamps: Int[ArrayLike, "... T"]  # seconds; candidates carry the request time
+    offsets: Int[ArrayLike, "... B1"]  # int32[B+1], offsets[0] = 0
+    num_targets: Int[ArrayLike, "... B"]  # candidate tokens at the end of each sequence; 0 = padding
+    sparse_values: Int[ArrayLike, "... S"]  # all non-sequence bags, flattened
+    sparse_offsets: Int[ArrayLike, "... BF1"]  # bag (b, f) is values[o[b*F+f]:o[b*F+f+1]]
+    dense: Float[ArrayLike, "... B Fd"]
+    labels: Float[ArrayLike, "... B C K"]  # per candidate, per task
 
     @property
-    def example_mask(self) -> Bool[Array, "... B"]:
+    def example_mask(self) -> Bool[ArrayLike, "... B"]:
         return self.num_targets > 0
 
     @property

@@ -14,13 +14,14 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any
 
 import grain
 import numpy as np
 from flax import struct
-from jaxtyping import Array, Int
+from jaxtyping import ArrayLike, Int
 
 from gem_jax.config import Config, ConfigError
 from gem_jax.data.interactions import (
@@ -37,6 +38,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_LEN = 3  # leave-one-out: 1 training + validation + test item
 
 
+@typing.no_type_check  # pytrees are rebuilt with non-array leaves (see gem_jax/typing.py)
 @struct.dataclass
 class NextItemPack:
     """One jagged pack of users (the layout of `data.batch.JaggedBatch`, next-item fields only).
@@ -46,10 +48,10 @@ class NextItemPack:
     one sampled negative for the BCE loss (0 when unused). Evaluation packs carry zeros there.
     """
 
-    item_ids: Int[Array, "... T"]
-    targets: Int[Array, "... T"]
-    negatives: Int[Array, "... T"]
-    offsets: Int[Array, "... B1"]
+    item_ids: Int[ArrayLike, "... T"]
+    targets: Int[ArrayLike, "... T"]
+    negatives: Int[ArrayLike, "... T"]
+    offsets: Int[ArrayLike, "... B1"]
 
     @property
     def num_examples_capacity(self) -> int:

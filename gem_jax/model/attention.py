@@ -6,26 +6,26 @@ picks the Pallas kernel on GPU/TPU and the jnp reference on CPU.
 
 from __future__ import annotations
 
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.jagged_attention import jagged_attention
 
 
 def attention(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     max_seq_len: int,
     activation: str,
     implementation: str,
-    num_targets: Int[Array, " B"] | None = None,
+    num_targets: Int[ArrayLike, " B"] | None = None,
     max_attn_len: int = 0,
-    timestamps: Int[Array, " T"] | None = None,
-    pos_bias: Float[Array, "H P"] | None = None,
-    time_bias: Float[Array, "H NT"] | None = None,
-) -> Float[Array, "T H Dv"]:
+    timestamps: Int[ArrayLike, " T"] | None = None,
+    pos_bias: Float[ArrayLike, "H P"] | None = None,
+    time_bias: Float[ArrayLike, "H NT"] | None = None,
+) -> Float[ArrayLike, "T H Dv"]:
     return jagged_attention(
         q,
         k,

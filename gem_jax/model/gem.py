@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import ArrayLike, Float
 
 from gem_jax.config import Config
 from gem_jax.data.batch import JaggedBatch
@@ -71,7 +71,7 @@ class GEMModel(nnx.Module):
         d, m = self.config.data, self.config.model
         return d.max_history_len + d.num_candidates + m.num_context_tokens
 
-    def __call__(self, batch: JaggedBatch, *, rng: jax.Array | None = None) -> Float[Array, "B C K"]:
+    def __call__(self, batch: JaggedBatch, *, rng: jax.Array | None = None) -> Float[ArrayLike, "B C K"]:
         """Logits of one pack: [example capacity, candidates, tasks] (padding examples included)."""
         cfg, m = self.config, self.config.model
         e_dim, n_ctx = cfg.embeddings.dim, m.num_context_tokens

@@ -15,7 +15,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import attention
@@ -51,10 +51,10 @@ class HSTULayer(nnx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "T D"],
-        offsets: Int[Array, " B1"],
-        num_targets: Int[Array, " B"],
-        timestamps: Int[Array, " T"],
+        x: Float[ArrayLike, "T D"],
+        offsets: Int[ArrayLike, " B1"],
+        num_targets: Int[ArrayLike, " B"],
+        timestamps: Int[ArrayLike, " T"],
         *,
         max_seq_len: int,
         rng: jax.Array | None,
@@ -145,10 +145,10 @@ class HSTUTower(nnx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "T D"],
-        offsets: Int[Array, " B1"],
-        num_targets: Int[Array, " B"],
-        timestamps: Int[Array, " T"],
+        x: Float[ArrayLike, "T D"],
+        offsets: Int[ArrayLike, " B1"],
+        num_targets: Int[ArrayLike, " B"],
+        timestamps: Int[ArrayLike, " T"],
         *,
         max_seq_len: int,
         rng: jax.Array | None = None,

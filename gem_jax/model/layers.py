@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import Array, ArrayLike, Float
 
 from gem_jax.precision import PrecisionPolicy
 
@@ -44,7 +44,7 @@ class Dense(nnx.Module):
             else None
         )
 
-    def __call__(self, x: Float[Array, "... din"]) -> Float[Array, "... dout"]:
+    def __call__(self, x: Float[ArrayLike, "... din"]) -> Float[ArrayLike, "... dout"]:
         y = jnp.dot(
             x.astype(self.compute_dtype),
             self.kernel[...].astype(self.compute_dtype),
@@ -64,7 +64,7 @@ class LayerNorm(nnx.Module):
         )
         self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",), policy.param_dtype)
 
-    def __call__(self, x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    def __call__(self, x: Float[ArrayLike, "... d"]) -> Float[ArrayLike, "... d"]:
         x32 = x.astype(jnp.float32)
         mean = x32.mean(-1, keepdims=True)
         var = jnp.square(x32 - mean).mean(-1, keepdims=True)

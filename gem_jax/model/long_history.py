@@ -44,15 +44,15 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from gem_jax.model.attention import attention
 from pallas_kernels.block_attention import block_attention
 
 
 def sequence_parts(
-    offsets: Int[Array, " B1"], num_targets: Int[Array, " B"], num_context: int
-) -> tuple[Int[Array, " B"], Int[Array, " B"]]:
+    offsets: Int[ArrayLike, " B1"], num_targets: Int[ArrayLike, " B"], num_context: int
+) -> tuple[Int[ArrayLike, " B"], Int[ArrayLike, " B"]]:
     """Per sequence: (context slots, history events); padding examples give (0, 0)."""
     rest = jnp.maximum(jnp.diff(offsets) - num_targets, 0)
     ctx = jnp.minimum(rest, num_context)
@@ -60,13 +60,13 @@ def sequence_parts(
 
 
 def suffix_layout(
-    offsets: Int[Array, " B1"],
-    num_targets: Int[Array, " B"],
-    keep: Int[Array, " B"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"],
+    keep: Int[ArrayLike, " B"],
     *,
     num_context: int,
     capacity: int,
-) -> tuple[Int[Array, " B1"], Int[Array, " R"]]:
+) -> tuple[Int[ArrayLike, " B1"], Int[ArrayLike, " R"]]:
     """A compact jagged layout of: context slots + the `keep[b]` most recent events + targets.
 
     Because the kept events and the targets form a contiguous suffix of each sequence, a row of the
@@ -90,12 +90,12 @@ def suffix_layout(
     return new_offsets, jnp.where(r < new_offsets[-1], old, -1).astype(jnp.int32)
 
 
-def gather_rows(x: Array, rows: Int[Array, " R"]) -> Array:
+def gather_rows(x: Array, rows: Int[ArrayLike, " R"]) -> Array:
     """x[rows] for a compact layout's row map (rows < 0, the unused tail, read row 0)."""
     return jnp.take(x, jnp.maximum(rows, 0), axis=0, mode="clip")
 
 
-def scatter_rows(full: Array, rows: Int[Array, " R"], values: Array) -> Array:
+def scatter_rows(full: Array, rows: Int[ArrayLike, " R"], values: Array) -> Array:
     """full[rows] = values, dropping rows < 0 (the unused tail of a compact layout)."""
     return full.at[jnp.where(rows < 0, full.shape[0], rows)].set(values, mode="drop")
 
@@ -119,14 +119,14 @@ def pyramid_capacity(
 
 
 def pyramid_layout(
-    offsets: Int[Array, " B1"],
-    num_targets: Int[Array, " B"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"],
     fraction: float,
     *,
     num_context: int,
     max_targets: int,
     num_tokens: int,
-) -> tuple[Int[Array, " B1"], Int[Array, " R"]]:
+) -> tuple[Int[ArrayLike, " B1"], Int[ArrayLike, " R"]]:
     """The layout of a pyramid layer: ceil(fraction * L) most recent events of each history kept."""
     _, hist = sequence_parts(offsets, num_targets, num_context)
     keep = jnp.ceil(fraction * hist.astype(jnp.float32)).astype(jnp.int32)
@@ -137,12 +137,12 @@ def pyramid_layout(
 
 
 def long_history_attention(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
-    num_targets: Int[Array, " B"],
-    timestamps: Int[Array, " T"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"],
+    timestamps: Int[ArrayLike, " T"],
     *,
     num_context: int,
     recent_len: int,
@@ -152,9 +152,9 @@ def long_history_attention(
     activation: str,
     implementation: str,
     max_attn_len: int = 0,
-    pos_bias: Float[Array, "H P"] | None = None,
-    time_bias: Float[Array, "H NT"] | None = None,
-) -> Float[Array, "T H Dv"]:
+    pos_bias: Float[ArrayLike, "H P"] | None = None,
+    time_bias: Float[ArrayLike, "H NT"] | None = None,
+) -> Float[ArrayLike, "T H Dv"]:
     """Block attention on the older prefix, full jagged attention on the recent part (module doc).
 
     Args:

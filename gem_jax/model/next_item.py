@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from gem_jax.config import Config
 from gem_jax.embeddings import HashedEmbedding, segment_ids
@@ -47,14 +47,14 @@ class NextItemModel(nnx.Module):
         )
         self.tower = HSTUTower(m, policy, rngs=rngs)
 
-    def item_table(self) -> Float[Array, "B1 d"]:
+    def item_table(self) -> Float[ArrayLike, "N1 d"]:
         """The scoring table (row 0 = padding), normalised when the config says so."""
         table = self.items.table[...].astype(jnp.float32)
         return _l2_normalize(table) if self.config.retrieval.normalize else table
 
     def __call__(
-        self, item_ids: Int[Array, " T"], offsets: Int[Array, " B1"], *, rng: jax.Array | None = None
-    ) -> Float[Array, "T d"]:
+        self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"], *, rng: jax.Array | None = None
+    ) -> Float[ArrayLike, "T d"]:
         """Per-position user vectors of one pack (zeros past offsets[B])."""
         cfg = self.config
         t_cap = item_ids.shape[0]
@@ -78,7 +78,9 @@ class NextItemModel(nnx.Module):
         x = _l2_normalize(x) if cfg.retrieval.normalize else x
         return jnp.where(valid[:, None], x, 0.0)
 
-    def last_vectors(self, item_ids: Int[Array, " T"], offsets: Int[Array, " B1"]) -> Float[Array, "B d"]:
+    def last_vectors(
+        self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"]
+    ) -> Float[ArrayLike, "B d"]:
         """Each example's user vector at its newest item (evaluation); padding examples -> token 0."""
         x = self(item_ids, offsets)
         last = jnp.clip(offsets[1:] - 1, 0, item_ids.shape[0] - 1)
@@ -94,10 +96,10 @@ def _l2_normalize(x: Array) -> Array:
 
 
 def bce_loss(
-    user: Float[Array, "T d"],
-    table: Float[Array, "B1 d"],
-    targets: Int[Array, " T"],
-    negatives: Int[Array, " T"],
+    user: Float[ArrayLike, "T d"],
+    table: Float[ArrayLike, "N1 d"],
+    targets: Int[ArrayLike, " T"],
+    negatives: Int[ArrayLike, " T"],
 ) -> tuple[Array, Array]:
     """SASRec: -log sigmoid(u.e_pos) - log(1 - sigmoid(u.e_neg)) per position with a target."""
     mask = (targets > 0).astype(jnp.float32)
@@ -110,10 +112,10 @@ def bce_loss(
 
 
 def sampled_softmax_loss(
-    user: Float[Array, "T d"],
-    table: Float[Array, "B1 d"],
-    targets: Int[Array, " T"],
-    negatives: Int[Array, "T K"] | Int[Array, " K"],
+    user: Float[ArrayLike, "T d"],
+    table: Float[ArrayLike, "N1 d"],
+    targets: Int[ArrayLike, " T"],
+    negatives: Int[ArrayLike, "T K"] | Int[ArrayLike, " K"],
     temperature: float,
 ) -> tuple[Array, Array]:
     """HSTU: cross-entropy of the target against sampled negatives, logits = score / temperature.

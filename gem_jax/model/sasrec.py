@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import attention
@@ -48,10 +48,10 @@ class SASRecLayer(nnx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "T D"],
-        offsets: Int[Array, " B1"],
-        num_targets: Int[Array, " B"],
-        timestamps: Int[Array, " T"],
+        x: Float[ArrayLike, "T D"],
+        offsets: Int[ArrayLike, " B1"],
+        num_targets: Int[ArrayLike, " B"],
+        timestamps: Int[ArrayLike, " T"],
         *,
         max_seq_len: int,
         rng: jax.Array | None,

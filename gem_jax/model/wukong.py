@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float
+from jaxtyping import ArrayLike, Float
 
 from gem_jax.model.layers import Dense, LayerNorm, param
 from gem_jax.precision import PrecisionPolicy
@@ -41,7 +41,7 @@ class WukongLayer(nnx.Module):
         )
         self.norm = LayerNorm(dim, policy, rngs=rngs)
 
-    def __call__(self, x: Float[Array, "N n d"]) -> Float[Array, "N m d"]:
+    def __call__(self, x: Float[ArrayLike, "N n d"]) -> Float[ArrayLike, "N m d"]:
         x32 = x.astype(jnp.float32)
         # FMB: X X^T Y without forming the n x n matrix: Z = Y^T X is [k, d], then X Z^T is [n, k].
         z = jnp.einsum("bnd,nk->bkd", x32, self.fm_projection[...])
@@ -73,7 +73,7 @@ class WukongStack(nnx.Module):
             ]
         )
 
-    def __call__(self, x: Float[Array, "N n d"]) -> Float[Array, "N m d"]:
+    def __call__(self, x: Float[ArrayLike, "N n d"]) -> Float[ArrayLike, "N m d"]:
         for layer in self.layers:
             x = layer(x)
         return x

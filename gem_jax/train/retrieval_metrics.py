@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 DEFAULT_KS = (5, 10, 20)
 # Users per chunk in the full-ranking helper: chunk x (N + 1) fp32 scores live at once
@@ -37,7 +37,7 @@ DEFAULT_CHUNK = 1024
 
 
 @jax.jit
-def target_rank(scores: Float[Array, "B N"], target_index: Int[Array, " B"]) -> Int[Array, " B"]:
+def target_rank(scores: Float[ArrayLike, "B N"], target_index: Int[ArrayLike, " B"]) -> Int[ArrayLike, " B"]:
     """0-based rank of ``scores[b, target_index[b]]`` in row b, ties and NaN pessimistic.
 
     Args:
@@ -57,7 +57,7 @@ def target_rank(scores: Float[Array, "B N"], target_index: Int[Array, " B"]) -> 
     return jnp.sum(candidates >= target, axis=1, dtype=jnp.int32) - 1
 
 
-def _per_example(ranks: Int[Array, " B"], ks: Sequence[int]) -> dict[str, Array]:
+def _per_example(ranks: Int[ArrayLike, " B"], ks: Sequence[int]) -> dict[str, Array]:
     """Per-example HR@K and NDCG@K (float32[B] each)."""
     ranks = ranks.astype(jnp.float32)
     gain = 1.0 / jnp.log2(ranks + 2.0)
@@ -86,9 +86,9 @@ def _batch_sums(ranks, valid, ks):
 
 
 def hr_ndcg(
-    ranks: Int[Array, " B"],
+    ranks: Int[ArrayLike, " B"],
     ks: Sequence[int] = DEFAULT_KS,
-    valid: Bool[Array, " B"] | None = None,
+    valid: Bool[ArrayLike, " B"] | None = None,
 ) -> dict[str, Array]:
     """Batch means of HR@K and NDCG@K, keys ``"HR@10"``, ``"NDCG@10"``, ...
 
@@ -137,12 +137,12 @@ def _full_ranking(user_vecs, item_table, targets, exclude, chunk_size):
 
 
 def full_ranking_ranks(
-    user_vecs: Float[Array, "B D"],
-    item_table: Float[Array, "B1 D"],
-    targets: Int[Array, " B"],
-    exclude: Int[Array, "B L"] | None = None,
+    user_vecs: Float[ArrayLike, "B D"],
+    item_table: Float[ArrayLike, "N1 D"],
+    targets: Int[ArrayLike, " B"],
+    exclude: Int[ArrayLike, "B L"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
-) -> Int[Array, " B"]:
+) -> Int[ArrayLike, " B"]:
     """Rank of each target among all items 1..N by dot-product score (ICLRec protocol).
 
     Args:
@@ -182,8 +182,8 @@ def full_ranking_ranks(
 
 @jax.jit
 def sampled_ranks(
-    target_scores: Float[Array, " B"], negative_scores: Float[Array, "B M"]
-) -> Int[Array, " B"]:
+    target_scores: Float[ArrayLike, " B"], negative_scores: Float[ArrayLike, "B M"]
+) -> Int[ArrayLike, " B"]:
     """Rank of the target among itself and its M sampled negatives (SASRec protocol, M = 100)."""
     if target_scores.shape != negative_scores.shape[:1] or negative_scores.ndim != 2:
         raise ValueError(
@@ -196,11 +196,11 @@ def sampled_ranks(
 
 @jax.jit
 def sampled_ranks_from_vectors(
-    user_vecs: Float[Array, "B D"],
-    item_table: Float[Array, "B1 D"],
-    targets: Int[Array, " B"],
-    negatives: Int[Array, "B M"],
-) -> Int[Array, " B"]:
+    user_vecs: Float[ArrayLike, "B D"],
+    item_table: Float[ArrayLike, "N1 D"],
+    targets: Int[ArrayLike, " B"],
+    negatives: Int[ArrayLike, "B M"],
+) -> Int[ArrayLike, " B"]:
     """:func:`sampled_ranks` with dot-product scores of user vectors against item rows."""
     u = user_vecs.astype(jnp.float32)
     table = item_table.astype(jnp.float32)
@@ -226,7 +226,7 @@ class RetrievalAccumulator:
         self.count = 0
         self.sums = {name: 0.0 for k in self.ks for name in (f"HR@{k}", f"NDCG@{k}")}
 
-    def update(self, ranks: Int[Array, " B"], valid: Bool[Array, " B"] | None = None) -> None:
+    def update(self, ranks: Int[ArrayLike, " B"], valid: Bool[ArrayLike, " B"] | None = None) -> None:
         ranks = jnp.asarray(ranks)
         valid = jnp.ones(ranks.shape, bool) if valid is None else jnp.asarray(valid, bool)
         if valid.shape != ranks.shape:

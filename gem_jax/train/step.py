@@ -9,6 +9,7 @@ chosen when the step is built, not inside it.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from gem_jax.train.task import Task
 
 
+@typing.no_type_check  # pytrees are rebuilt with non-array leaves (see gem_jax/typing.py)
 @struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar

@@ -12,7 +12,7 @@ pack of the global batch and hands the sums to `loss`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import grain
 import jax
@@ -21,12 +21,10 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config
 
-if TYPE_CHECKING:
-    from gem_jax.train.step import Trainer
-
 Metrics = dict[str, Any]  # nested dicts of floats, e.g. {"click": {"auc": 0.7}} or {"full/HR@10": 0.1}
 
 
+@runtime_checkable
 class Task(Protocol):
     """One kind of training run. Implementations: RankingTask, NextItemTask (gem_jax/tasks/)."""
 
@@ -83,8 +81,10 @@ class Task(Protocol):
         """This process's "examples", "tokens" and (if the task has a FLOP model) "flops" in a stack."""
         ...
 
-    def evaluator(self, trainer: Trainer) -> Evaluator:
-        """Builds (and compiles lazily) the evaluation functions on the trainer's mesh."""
+    def evaluator(self, trainer: Any) -> Evaluator:
+        """Builds (and compiles lazily) the evaluation functions with the trainer's helpers
+        (`per_pack`, `model_fn`, `to_device`; a gem_jax.train.step.Trainer, which imports this
+        module, hence `Any`)."""
         ...
 
     def summary_lines(self, summary: dict[str, Any]) -> list[str]:
@@ -92,6 +92,7 @@ class Task(Protocol):
         ...
 
 
+@runtime_checkable
 class Evaluator(Protocol):
     splits: tuple[str, ...]  # e.g. ("valid",) or ("valid", "test"); "test" is scored once, at the end
 
