@@ -139,3 +139,10 @@ def test_cpu_grid_runs_records_and_resumes(tmp_path):
     assert again.stderr.count("skipped") == 5 and "[6/6] misfit16 examples_per_shard=8 ..." in again.stderr
     records = [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
     assert len({r["id"] for r in records}) == 6
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.toml")), ids=lambda p: p.name)
+def test_every_grid_file_loads_and_names_its_command(path):
+    points = load_grid(path)
+    assert points and len({p.name for p in points}) == len(points)
+    assert path.read_text().startswith("#") and f"--grid configs/sweeps/{path.name}" in path.read_text()
