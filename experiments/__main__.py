@@ -1,8 +1,9 @@
-"""`python -m experiments {train,eval,bench}`: the user-facing entry point.
+"""`python -m experiments {train,eval,bench,profile,sweep}`: the user-facing entry point.
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
   python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
+  python -m experiments profile [--config C] [--set ...] [--steps N] [--out DIR]   (docs/profiling.md)
   python -m experiments sweep --config C --grid GRID.toml [--out DIR]   (see experiments/sweep.py)
 
 Multi-process runs (several hosts, or CPU processes with gloo): give train/eval `--coordinator
@@ -23,9 +24,12 @@ from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
 BENCHMARKS = {
-    "attention": "experiments.bench_attention",
-    "block_attention": "experiments.bench_block_attention",
-    "train_step": "experiments.bench_train_step",
+    "attention": "experiments.benchmarks.attention",
+    "block_attention": "experiments.benchmarks.block_attention",
+    "mosaic_attention": "experiments.benchmarks.mosaic_attention",
+    "train_step": "experiments.benchmarks.train_step",
+    "fp8": "experiments.benchmarks.fp8",
+    "embeddings": "experiments.benchmarks.embeddings",
 }
 
 
@@ -53,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="stop (with a checkpoint) after this step, as a preemption would",
     )
+    train.add_argument(
+        "--profile-steps",
+        type=_step_window,
+        default=None,
+        metavar="A:B",
+        help="trace global steps A..B-1 with jax.profiler into <workdir>/profile (docs/profiling.md)",
+    )
     ev = sub.add_parser("eval", help="evaluate the latest checkpoint of a run")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -69,10 +80,26 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="kernel benchmarks (GPU)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER)
+    profile = sub.add_parser("profile", help="where a train step's time goes (jax.profiler)", add_help=False)
+    profile.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
+def _step_window(text: str) -> tuple[int, int]:
+    """ "A:B" -> (A, B) with 0 <= A < B: the global steps A..B-1."""
+    try:
+        start, stop = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (two step numbers), got {text!r}") from None
+    if not 0 <= start < stop:
+        raise argparse.ArgumentTypeError(f"need 0 <= A < B, got {text!r}")
+    return start, stop
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:  # its options are experiments/profile.py's own (argparse's REMAINDER
+        return _profile(argv[1:])  # does not take leading options)
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
@@ -105,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(config_path, args.overrides)
             workdir = Path(args.workdir) if args.workdir else Path("runs") / config_path.stem
             task = make_task(config)
-            summary = train(task, workdir, stop_after=args.stop_after)
+            summary = train(task, workdir, stop_after=args.stop_after, profile_steps=args.profile_steps)
         else:
             config_path = Path(args.workdir) / "config.toml"
             if not config_path.exists():
@@ -121,6 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     print(_format_summary(summary, task.summary_lines(summary)))
     return 0
+
+
+def _profile(argv: list[str]) -> int:
+    from experiments.profile import main as profile_main
+    from gem_jax.config import ConfigError
+
+    try:
+        return profile_main(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
 
 
 def _format_summary(summary: dict, task_lines: list[str]) -> str:

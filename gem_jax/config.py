@@ -47,15 +47,82 @@ class DataConfig:
     num_workers: int = 0  # grain worker processes generating train examples (0: in the main process)
 
 
+SHARDING_TYPES = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d")
+POOLING_TYPES = ("sum", "mean", "none")
+
+
+@dataclass(frozen=True)
+class TableConfig:
+    """One embedding table (`[embeddings.tables.NAME]`); the name is its key."""
+
+    rows: int = 4096
+    dim: int = 32
+    dtype: str = "float32"  # storage: "float32" | "bfloat16" (updates are computed in fp32)
+    initializer: str = "normal"  # "normal" (std = init_scale) | "uniform" (+-init_scale) | "zeros"
+    init_scale: float = 0.05
+    hashed: bool = True  # raw ids are hashed into [0, rows); false: ids outside [0, rows) look up nothing
+    sharding: str = "auto"  # one of SHARDING_TYPES; "auto" lets the planner choose
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """One sparse feature (`[embeddings.features.NAME]`): which table it reads and how bags pool."""
+
+    table: str = ""
+    pooling: str = "sum"  # "sum" | "mean" | "none" (sequences: one row per id, unpooled)
+    # Longest bag the data should have (0: unknown). Where a device owns every row it looks up, bags
+    # are then pooled by a fused gather + masked sum; a longer bag falls back to scatter-add (exact).
+    max_bag_size: int = 0
+
+
 @dataclass(frozen=True)
 class EmbeddingConfig:
-    """Embedding tables: raw ids are hashed into `rows` rows."""
+    """Embedding tables, features, their sharding and the sparse optimizer (gem_jax/embeddings/).
+
+    With `tables` empty, the five keys below describe today's three tables (`items`, `actions`,
+    `sparse`, all `dim` wide) and their features; naming `tables` (and `features`) replaces them.
+    """
 
     dim: int = 32
     item_rows: int = 8192
     action_rows: int = 16
     sparse_rows: int = 4096
     pooling: str = "mean"  # "mean" | "sum" for non-sequence bags
+    tables: dict[str, TableConfig] = field(default_factory=dict)
+    features: dict[str, FeatureConfig] = field(default_factory=dict)
+    optimizer: str = "row_wise_adagrad"  # "row_wise_adagrad" | "sgd" (sparse: only touched rows change)
+    learning_rate: float = 0.05
+    adagrad_eps: float = 1e-8
+    adagrad_initial_accumulator: float = 0.0
+    # Planner: the fast mesh axes (inside a host); empty = the data-parallel axes that `parallel` does
+    # not list in `slow_axes` (when it lists some), else the last data-parallel axis. two_d tables are
+    # row-sharded over them and replicated over the others (the slow axes).
+    fast_axes: tuple[str, ...] = ()
+    device_memory_gib: float = 0.0  # per-device budget; 0: the device's own limit (16 GiB where unknown)
+    memory_fraction: float = 0.5  # share of that budget the tables and accumulators may use
+
+    def resolved_tables(self) -> dict[str, TableConfig]:
+        """`tables`, or today's three tables when it is empty."""
+        if self.tables:
+            return dict(self.tables)
+        return {
+            "items": TableConfig(rows=self.item_rows, dim=self.dim),
+            "actions": TableConfig(rows=self.action_rows, dim=self.dim),
+            "sparse": TableConfig(rows=self.sparse_rows, dim=self.dim),
+        }
+
+    def resolved_features(self) -> dict[str, FeatureConfig]:
+        """`features`; else one feature per table, named after it (today's: `items` and `actions`
+        unpooled sequences, `sparse` the salted bags of every sparse feature, pooled by `pooling`)."""
+        if self.features:
+            return dict(self.features)
+        if self.tables:
+            return {name: FeatureConfig(table=name, pooling=self.pooling) for name in self.tables}
+        return {
+            "items": FeatureConfig(table="items", pooling="none"),
+            "actions": FeatureConfig(table="actions", pooling="none"),
+            "sparse": FeatureConfig(table="sparse", pooling=self.pooling),
+        }
 
 
 @dataclass(frozen=True)
@@ -117,6 +184,15 @@ class PrecisionConfig:
     compute_dtype: str = "bfloat16"
     sensitive_dtype: str = "float32"  # heads, losses, LayerNorm statistics
     overrides: dict[str, str] = field(default_factory=dict)
+    # FP8 GEMMs (gem_jax/model/fp8.py, docs/fp8.md): e4m3 inputs and weights, e5m2 output gradients, one
+    # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on
+    # sensitive layers: task heads, logit layers; LayerNorms and embeddings are not Dense). Their output
+    # dtype stays the layer's compute dtype.
+    fp8: bool = False
+    fp8_layers: tuple[str, ...] = ("hstu/", "wukong/")  # HSTU U/V/Q/K and output projections, Wukong MLPs
+    fp8_recipe: str = "delayed"  # "delayed" (amax history) | "current" (this step's amax)
+    fp8_amax_history: int = 1024  # steps of amax history (delayed recipe)
+    fp8_margin: int = 0  # binades of headroom: scale = amax * 2^margin / fp8_max
 
 
 @dataclass(frozen=True)
@@ -220,6 +296,10 @@ def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         if not isinstance(value, dict):
             raise fail("a table")
         return {str(k): _check_value(v, value_type, f"{key}.{k}", source) for k, v in value.items()}
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise fail("a table")
+        return _build(annotation, value, f"{key}.", source)
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
 
@@ -232,13 +312,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
         if name not in fields:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{source}: unknown key `{key}` (known: {known})")
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{source}: `{key}` must be a table, got {value!r}")
-            kwargs[name] = _build(hint, value, f"{key}.", source)
-        else:
-            kwargs[name] = _check_value(value, hint, key, source)
+        kwargs[name] = _check_value(value, hints[name], key, source)
     return cls(**kwargs)
 
 
@@ -276,6 +350,19 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
+def _check_choices(choices: dict[str, tuple[Any, tuple]], source: str) -> None:
+    """`{key: (value, allowed values)}`: a ConfigError naming the first key whose value is not allowed."""
+    for key, (value, allowed) in choices.items():
+        if value not in allowed:
+            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+
+
+def _check_positive(values: dict[str, int | float], source: str) -> None:
+    for key, value in values.items():
+        if value <= 0:
+            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+
+
 def validate(config: Config, source: str) -> Config:
     """Cross-field checks that types alone cannot express."""
     m, d = config.model, config.data
@@ -289,9 +376,7 @@ def validate(config: Config, source: str) -> Config:
         "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
         "data.kind": (d.kind, ("synthetic", "interactions")),
     }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+    _check_choices(choices, source)
     positive = {
         "data.examples_per_shard": d.examples_per_shard,
         "data.tokens_per_shard": d.tokens_per_shard,
@@ -301,9 +386,7 @@ def validate(config: Config, source: str) -> Config:
         "model.num_heads": m.num_heads,
         "train.steps": config.train.steps,
     }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+    _check_positive(positive, source)
     if not 0.0 <= config.train.adam_b2 < 1.0:
         raise ConfigError(f"{source}: `train.adam_b2` must be in [0, 1), got {config.train.adam_b2}")
     longest = d.max_history_len + d.num_candidates + m.num_context_tokens
@@ -336,7 +419,9 @@ def validate(config: Config, source: str) -> Config:
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
+    _validate_embeddings(config, source)
     _validate_selection(config, source)
+    _validate_precision(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
     return config
@@ -405,6 +490,76 @@ def _validate_long_history(config: Config, source: str) -> None:
             )
 
 
+def _validate_embeddings(config: Config, source: str) -> None:
+    """Checks of the `[embeddings]` section: tables, features, optimizer and planner keys."""
+    e = config.embeddings
+    choices = {
+        "embeddings.optimizer": (e.optimizer, ("row_wise_adagrad", "sgd")),
+    }
+    for name, t in e.tables.items():
+        choices[f"embeddings.tables.{name}.dtype"] = (t.dtype, ("float32", "bfloat16"))
+        choices[f"embeddings.tables.{name}.initializer"] = (t.initializer, ("normal", "uniform", "zeros"))
+        choices[f"embeddings.tables.{name}.sharding"] = (t.sharding, SHARDING_TYPES)
+    for name, f in e.features.items():
+        choices[f"embeddings.features.{name}.pooling"] = (f.pooling, POOLING_TYPES)
+    _check_choices(choices, source)
+    positive = {
+        "embeddings.dim": e.dim,
+        "embeddings.item_rows": e.item_rows,
+        "embeddings.action_rows": e.action_rows,
+        "embeddings.sparse_rows": e.sparse_rows,
+        "embeddings.learning_rate": e.learning_rate,
+        "embeddings.adagrad_eps": e.adagrad_eps,
+        "embeddings.memory_fraction": e.memory_fraction,
+    }
+    for name, t in e.tables.items():
+        positive[f"embeddings.tables.{name}.rows"] = t.rows
+        positive[f"embeddings.tables.{name}.dim"] = t.dim
+    _check_positive(positive, source)
+    for key, value in {
+        **{f"embeddings.features.{n}.max_bag_size": f.max_bag_size for n, f in e.features.items()},
+        "embeddings.adagrad_initial_accumulator": e.adagrad_initial_accumulator,
+        "embeddings.device_memory_gib": e.device_memory_gib,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
+    if e.memory_fraction > 1:
+        raise ConfigError(f"{source}: `embeddings.memory_fraction` must be <= 1, got {e.memory_fraction}")
+    if e.features and not e.tables:
+        raise ConfigError(f"{source}: `embeddings.features` needs `embeddings.tables` to name their tables")
+    tables = e.resolved_tables()
+    for name, f in e.features.items():
+        if f.table not in tables:
+            raise ConfigError(
+                f"{source}: `embeddings.features.{name}.table` is {f.table!r}, not one of the tables "
+                f"{tuple(tables)}"
+            )
+    for axis in e.fast_axes:
+        if axis not in config.parallel.mesh_axes:
+            raise ConfigError(
+                f"{source}: `embeddings.fast_axes` names {axis!r}, not in `parallel.mesh_axes` "
+                f"{config.parallel.mesh_axes}"
+            )
+
+
+def _validate_precision(config: Config, source: str) -> None:
+    """Checks of the FP8 options in `[precision]` (dtype names are checked by `PrecisionPolicy`)."""
+    p = config.precision
+    if p.fp8_recipe not in ("delayed", "current"):
+        raise ConfigError(
+            f"{source}: `precision.fp8_recipe` must be one of ('delayed', 'current'), got {p.fp8_recipe!r}"
+        )
+    if p.fp8_amax_history < 1:
+        raise ConfigError(
+            f"{source}: `precision.fp8_amax_history` must be positive, got {p.fp8_amax_history}"
+        )
+    if p.fp8_margin < 0:
+        raise ConfigError(f"{source}: `precision.fp8_margin` must be >= 0, got {p.fp8_margin}")
+    for i, prefix in enumerate(p.fp8_layers):
+        if not prefix:
+            raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
+
+
 SELECT_METRICS = tuple(
     f"{protocol}/{name}@{k}"
     for protocol, ks in (("sampled", (10,)), ("full", (5, 10, 20)))
@@ -422,9 +577,7 @@ def _validate_retrieval(config: Config, source: str) -> None:
         "retrieval.negatives": (r.negatives, ("uniform", "in_batch")),
         "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
     }
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+    _check_choices(choices, source)
     positive = {
         "retrieval.max_len": r.max_len,
         "retrieval.num_negatives": r.num_negatives,
@@ -433,9 +586,7 @@ def _validate_retrieval(config: Config, source: str) -> None:
         "retrieval.eval_negatives": r.eval_negatives,
         "retrieval.temperature": r.temperature,
     }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+    _check_positive(positive, source)
     if r.eval_users < 0:
         raise ConfigError(f"{source}: `retrieval.eval_users` must be >= 0, got {r.eval_users}")
     if not d.path:

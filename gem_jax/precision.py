@@ -2,7 +2,8 @@
 
 Model code asks the policy by layer name (`policy.compute_dtype("hstu/0/uvqk")`); the config's
 `precision.overrides` maps name prefixes to dtypes, so a layer's precision changes without touching
-model code. FP8 GEMMs (the precision issue) plug in here as a new override value.
+model code. With `precision.fp8`, the Dense layers named by `precision.fp8_layers` run their GEMMs in
+FP8 (`policy.fp8_recipe(name)`, gem_jax/model/fp8.py); their output keeps the layer's compute dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from gem_jax.config import ConfigError, PrecisionConfig
+from gem_jax.model.fp8 import FP8Recipe
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -29,6 +31,8 @@ class PrecisionPolicy:
     default_compute: DTypeLike
     sensitive: DTypeLike
     overrides: tuple[tuple[str, DTypeLike], ...]
+    fp8: FP8Recipe | None = None  # None: no FP8 layers
+    fp8_layers: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, config: PrecisionConfig) -> PrecisionPolicy:
@@ -38,11 +42,14 @@ class PrecisionPolicy:
                 key=lambda kv: -len(kv[0]),
             )
         )  # longest prefix wins
+        fp8 = FP8Recipe(config.fp8_recipe, config.fp8_amax_history, config.fp8_margin) if config.fp8 else None
         return cls(
             param_dtype=_dtype(config.param_dtype, "param_dtype"),
             default_compute=_dtype(config.compute_dtype, "compute_dtype"),
             sensitive=_dtype(config.sensitive_dtype, "sensitive_dtype"),
             overrides=overrides,
+            fp8=fp8,
+            fp8_layers=tuple(config.fp8_layers),
         )
 
     def compute_dtype(self, layer: str, *, sensitive: bool = False) -> DTypeLike:
@@ -51,3 +58,21 @@ class PrecisionPolicy:
             if layer.startswith(prefix):
                 return dtype
         return self.sensitive if sensitive else self.default_compute
+
+    def fp8_recipe(self, layer: str, *, sensitive: bool = False) -> FP8Recipe | None:
+        """The FP8 recipe of Dense layer `layer`, or None when its GEMM runs in its compute dtype.
+
+        A sensitive layer (task head, logit layer) named by `precision.fp8_layers` is a config error:
+        those stay out of FP8 whatever the prefixes say.
+        """
+        if self.fp8 is None:
+            return None
+        prefix = next((p for p in self.fp8_layers if layer.startswith(p)), None)
+        if prefix is None:
+            return None
+        if sensitive:
+            raise ConfigError(
+                f"`precision.fp8_layers` entry {prefix!r} names the sensitive layer {layer!r}; "
+                "task heads and logit layers never run in FP8"
+            )
+        return self.fp8

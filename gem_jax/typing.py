@@ -16,7 +16,11 @@ Array arguments at module boundaries carry jaxtyping annotations such as
 | N, N1 | rows of a batch of vectors (users, items); N1 = number of items + 1 (row 0 = padding) |
 | P, NT | relative position buckets, relative time buckets |
 | R, G | rows of a gathered sub-layout (long history), blocks of a block table |
+| V, U | rows of an embedding table (or of one device's block of it); capacity of its touched (unique) rows |
+| Gr, El | devices a table's rows (or columns) are split over; one device's columns of a column-wise table |
 | M, L | sampled negatives per user, history length of an exclusion list |
+| din, dout, rows | a Dense layer's input and output widths; rows of its flattened input (FP8 GEMM) |
+| hist | steps kept in an FP8 amax history |
 | ... | leading batch axes (a stack of packs has one: the shard axis) |
 
 Why "B1" and not "B+1": jaxtyping evaluates "B+1" only once B is bound by an earlier argument,
@@ -35,7 +39,7 @@ from __future__ import annotations
 
 import os
 
-PACKAGES = ("gem_jax",)  # pallas_kernels joins once its public APIs take ArrayLike (numpy from eager callers)
+PACKAGES = ("gem_jax", "pallas_kernels")
 ENV_VAR = "GEM_JAX_TYPECHECK"
 
 

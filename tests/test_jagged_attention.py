@@ -11,12 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from experiments.benchmarks import shapes
 from pallas_kernels.jagged_attention import jagged_attention
+from pallas_kernels.jagged_attention.options import KernelOptions
 
-H, D = 2, 16
-N = 64  # max_seq_len: 4 tiles of 16 rows, so interior (mask-free) tiles are exercised
-CAPACITY = 160  # token capacity; > offsets[B] in every case below
-LENGTHS = [0, 1, 17, 64, 33, 2]  # empty, length 1, not multiples of the tile, full
+H, D = shapes.SMALL.heads, shapes.SMALL.head_dim
+N = shapes.SMALL.max_seq_len  # 4 tiles of 16 rows, so interior (mask-free) tiles are exercised
+CAPACITY = shapes.SMALL_CAPACITY  # token capacity; > offsets[B] in every case below
+LENGTHS = list(shapes.SMALL_LENGTHS)  # empty, length 1, not multiples of the tile, full
 
 
 def _offsets(lengths):
@@ -45,11 +47,12 @@ class _Base:
         grads=True,
         num_pos=24,
         sorted_ts=True,
+        options=None,
     ):
         rng = np.random.default_rng(seed)
         offsets = jnp.asarray(_offsets(lengths))
         q, k, v, do = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), dtype) for _ in range(4))
-        kw = dict(max_seq_len=N, activation=activation, max_attn_len=window)
+        kw = dict(max_seq_len=N, activation=activation, max_attn_len=window, options=options)
         if targets:
             kw["num_targets"] = jnp.asarray(rng.integers(0, 4, size=len(lengths)), jnp.int32)
         tables = ()
@@ -136,11 +139,24 @@ class _Base:
 
 
 class TestInterpretGPU(_Base):
-    IMPLEMENTATION = "interpret_gpu"
+    IMPLEMENTATION = "gpu_interpret"
+
+    def test_position_gather_variant(self):
+        # KernelOptions(pos_expanded=False), a benchmark variant: a per-cell gather of the position table
+        # instead of block loads of the expanded one, forward and gradients still match the reference
+        self._case(
+            8,
+            "silu",
+            jnp.float32,
+            targets=True,
+            window=0,
+            bias=True,
+            options=KernelOptions(pos_expanded=False),
+        )
 
 
 class TestInterpretTPU(_Base):
-    IMPLEMENTATION = "interpret_tpu"
+    IMPLEMENTATION = "tpu_interpret"
 
     def test_single_bias_table(self):
         # each table alone (the kernels' ref lists change with it); one position bucket (every cell clipped).
@@ -181,7 +197,7 @@ class TestInterpretTPU(_Base):
         q = jnp.zeros((512, H, 128), jnp.bfloat16)
         kw = dict(
             max_seq_len=256,
-            implementation="pallas_tpu",
+            implementation="tpu",
             timestamps=jnp.zeros((512,), jnp.int32),
             num_targets=jnp.array([1, 2], jnp.int32),
             max_attn_len=100,

@@ -1,40 +1,25 @@
-"""The Mosaic GPU jagged attention forward: lowering for several configs, and GPU interpret mode vs reference.
+"""The experimental Mosaic GPU jagged attention forward (pallas_kernels/experimental/): lowering for several
+configs, and GPU interpret mode vs reference.
 
 Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
 primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
-(experiments/bench_mosaic_attention.py checks numbers there). The interpret-mode test runs the same kernel
+(`python -m experiments bench mosaic_attention` checks numbers there). The interpret-mode test runs the same kernel
 (producer/consumer warpgroups, barriers, TMA copies, jagged stores) on CPU with the two wgmma calls swapped for
 plain dots (the interpreter has neither transposed wgmma operands nor run_state).
 """
-
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.jagged_attention import mosaic_gpu, tiling
-from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+from experiments.benchmarks import shapes
+from pallas_kernels.experimental import mosaic_gpu_jagged_attention as mosaic_gpu
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 
 
 def _static(n, activation, d=128, **kw):
-    fields = dict(
-        max_seq_len=n,
-        activation=activation,
-        alpha=1.0 / math.sqrt(d),
-        max_attn_len=0,
-        has_targets=False,
-        has_pos=False,
-        has_time=False,
-        num_pos=1,
-        num_time=1,
-        interpret=False,
-        blocks=BlockSizes(),
-    )
-    fields.update(kw)
-    return tiling.Static(**fields)
+    return mosaic_gpu.static(n, activation, d, **kw)
 
 
 def _unused(b, h):
@@ -103,7 +88,8 @@ def test_interpret_matches_reference(activation, block_k, num_ctas, pingpong, ha
     # softmax: a 2-tile sequence whose second consumer holds 2 rows, an empty one, length 1, one ending mid-tile;
     # silu (64-key tiles, slower to interpret): shorter, still both consumers, window edges and unaligned starts
     lengths = [130, 0, 1, 70] if activation == "softmax" else [100, 0, 1, 37]
-    n, h, d = 256, 1, 128
+    n, d = shapes.MOSAIC_SMALL.max_seq_len, shapes.MOSAIC_SMALL.head_dim
+    h = 1  # the interpreter runs one head at a time
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     t = (int(offsets[-1]) + 20 + 7) // 8 * 8  # capacity past offsets[B], a multiple of mosaic_gpu.ALIGN
     rng = np.random.default_rng(0)

@@ -1,11 +1,13 @@
 """Retrieval metrics against hand-computed examples and a numpy brute force."""
 
+import inspect
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxtyping import TypeCheckError
 
 from gem_jax.train import retrieval_metrics as rm
 
@@ -32,7 +34,12 @@ def test_target_rank_by_hand():
 
 
 def test_target_rank_shape_error():
+    # The function's own check (what a caller without shape checking gets) ...
+    unchecked = inspect.unwrap(rm.target_rank)  # under jax.jit and the shape checker
     with pytest.raises(ValueError, match=r"expected \[B, N\], \[B\]"):
+        unchecked(jnp.zeros((2, 3)), jnp.zeros((3,), jnp.int32))
+    # ... and the annotation's, which the suite's runtime shape checking applies first.
+    with pytest.raises(TypeCheckError, match="target_index"):
         rm.target_rank(jnp.zeros((2, 3)), jnp.zeros((3,), jnp.int32))
 
 

@@ -240,9 +240,7 @@ def load_user_lines(path: str | os.PathLike) -> Interactions:
     return _load_user_lines(path, lines)
 
 
-def load_interactions(
-    path: str | os.PathLike, format: Literal["auto", "pairs", "user_lines"] = "auto"
-) -> Interactions:
+def load_interactions(path: str | os.PathLike, format: str = "auto") -> Interactions:
     """Loads either format; ``"auto"`` picks ``user_lines`` iff one of the first 100 non-empty
     lines has more than two fields (a file of one-item users is ambiguous: pass ``format``)."""
     if format not in ("auto", *FORMATS):

@@ -3,6 +3,9 @@
 Cross (InterFormer-style, both directions): non-sequence summaries fill the context slots at the
 start of every sequence, and sequence summaries (each candidate's output token and the mean of the
 history) join the Wukong stack's input tokens.
+
+Named scopes ("embeddings", "input", "hstu/<i>/...", "cross", "wukong/<i>", "heads") label every op
+for `python -m experiments profile`, which groups kernel time by them (docs/profiling.md).
 """
 
 from __future__ import annotations
@@ -31,7 +34,8 @@ class TaskHead(nnx.Module):
         self.out = Dense(f"{name}/out", hidden, 1, policy, rngs=rngs, sensitive=True, axes=("mlp", "embed"))
 
     def __call__(self, x):
-        return self.out(jax.nn.silu(self.hidden(x)))[..., 0]
+        with jax.named_scope("heads"):
+            return self.out(jax.nn.silu(self.hidden(x)))[..., 0]
 
 
 class GEMModel(nnx.Module):
@@ -85,12 +89,12 @@ class GEMModel(nnx.Module):
         bag = segment_ids(batch.sparse_offsets, batch.sparse_values.shape[0])
         salted = batch.sparse_values + (bag % f) * _FEATURE_SALT
         bag_sizes = jnp.diff(batch.sparse_offsets)
-        pooled = self.sparse.pooled(salted, bag, bag_sizes, mode=cfg.embeddings.pooling)
+        with jax.named_scope("embeddings"):
+            pooled = self.sparse.pooled(salted, bag, bag_sizes, mode=cfg.embeddings.pooling)
+        with jax.named_scope("input"):
+            dense = self.dense_proj(batch.dense)
         feature_tokens = jnp.concatenate(
-            [
-                pooled.reshape(b_cap, f, e_dim).astype(jnp.float32),
-                self.dense_proj(batch.dense)[:, None].astype(jnp.float32),
-            ],
+            [pooled.reshape(b_cap, f, e_dim).astype(jnp.float32), dense[:, None].astype(jnp.float32)],
             axis=1,
         )  # [B, F+1, E]
 
@@ -101,14 +105,17 @@ class GEMModel(nnx.Module):
         pos = jnp.arange(t_cap) - offsets[seg_c]
         lengths = jnp.diff(offsets)
         is_target = pos >= (lengths - batch.num_targets)[seg_c]
-        tokens = self.token_proj(self.items.lookup(batch.item_ids) + self.actions.lookup(batch.action_ids))
-        tokens = tokens.astype(jnp.float32) + jnp.where(is_target[:, None], self.candidate_marker[...], 0)
-        if self.context is not None:
-            ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap, n_ctx, m.model_dim)
-            is_ctx = pos < n_ctx
-            ctx_tok = ctx[seg_c, jnp.clip(pos, 0, n_ctx - 1)].astype(jnp.float32)
-            tokens = jnp.where(is_ctx[:, None], ctx_tok, tokens)
-        x = jnp.where(valid[:, None], tokens, 0.0)
+        with jax.named_scope("embeddings"):
+            embedded = self.items.lookup(batch.item_ids) + self.actions.lookup(batch.action_ids)
+        with jax.named_scope("input"):
+            tokens = self.token_proj(embedded)
+            tokens = tokens.astype(jnp.float32) + jnp.where(is_target[:, None], self.candidate_marker[...], 0)
+            if self.context is not None:
+                ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap, n_ctx, m.model_dim)
+                is_ctx = pos < n_ctx
+                ctx_tok = ctx[seg_c, jnp.clip(pos, 0, n_ctx - 1)].astype(jnp.float32)
+                tokens = jnp.where(is_ctx[:, None], ctx_tok, tokens)
+            x = jnp.where(valid[:, None], tokens, 0.0)
 
         x = self.tower(
             x, offsets, batch.num_targets, batch.timestamps, max_seq_len=self.max_seq_len, rng=rng
@@ -116,17 +123,19 @@ class GEMModel(nnx.Module):
 
         # Sequence summaries: each candidate's output token and the mean over history tokens.
         target_idx = jnp.clip(offsets[1:, None] - c + jnp.arange(c)[None, :], 0, t_cap - 1)  # [B, C]
-        candidate_out = x[target_idx]
-        is_history = valid & ~is_target & (pos >= n_ctx)
-        hist_sum = jax.ops.segment_sum(jnp.where(is_history[:, None], x, 0), seg, num_segments=b_cap + 1)
-        hist_count = jax.ops.segment_sum(is_history.astype(jnp.float32), seg, num_segments=b_cap + 1)
-        hist_mean = hist_sum[:b_cap] / jnp.maximum(hist_count[:b_cap], 1)[:, None]
-        summary_in = jnp.concatenate(
-            [candidate_out, jnp.broadcast_to(hist_mean[:, None], candidate_out.shape)], axis=-1
-        )
-        summary = self.summary(summary_in).reshape(b_cap, c, m.num_summary_tokens, e_dim)
+        with jax.named_scope("cross"):
+            candidate_out = x[target_idx]
+            is_history = valid & ~is_target & (pos >= n_ctx)
+            hist_sum = jax.ops.segment_sum(jnp.where(is_history[:, None], x, 0), seg, num_segments=b_cap + 1)
+            hist_count = jax.ops.segment_sum(is_history.astype(jnp.float32), seg, num_segments=b_cap + 1)
+            hist_mean = hist_sum[:b_cap] / jnp.maximum(hist_count[:b_cap], 1)[:, None]
+            summary_in = jnp.concatenate(
+                [candidate_out, jnp.broadcast_to(hist_mean[:, None], candidate_out.shape)], axis=-1
+            )
+            summary = self.summary(summary_in).reshape(b_cap, c, m.num_summary_tokens, e_dim)
 
-        candidate_emb = self.items.lookup(batch.item_ids[target_idx])[:, :, None]  # [B, C, 1, E]
+        with jax.named_scope("embeddings"):
+            candidate_emb = self.items.lookup(batch.item_ids[target_idx])[:, :, None]  # [B, C, 1, E]
         interaction_in = jnp.concatenate(
             [
                 jnp.broadcast_to(feature_tokens[:, None], (b_cap, c, *feature_tokens.shape[1:])),

@@ -31,6 +31,7 @@ class HSTULayer(nnx.Module):
     ):
         c = config
         self.config = c
+        self.name = name  # also the layer's named scope (profile groups)
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs)
@@ -62,19 +63,22 @@ class HSTULayer(nnx.Module):
         c = self.config
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
-        uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
-        u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
-        a = self.attend(
-            q.reshape(t, h, dqk),
-            k.reshape(t, h, dqk),
-            v.reshape(t, h, dv),
-            offsets,
-            num_targets,
-            timestamps,
-            max_seq_len=max_seq_len,
-        )
-        y = self.attn_norm(a.reshape(t, h * dv)) * u
-        return x + dropout(self.out(y), c.dropout, rng)
+        with jax.named_scope(f"{self.name}/uvqk"):
+            uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
+            u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
+        with jax.named_scope(f"{self.name}/attention"):
+            a = self.attend(
+                q.reshape(t, h, dqk),
+                k.reshape(t, h, dqk),
+                v.reshape(t, h, dv),
+                offsets,
+                num_targets,
+                timestamps,
+                max_seq_len=max_seq_len,
+            )
+        with jax.named_scope(f"{self.name}/output"):
+            y = self.attn_norm(a.reshape(t, h * dv)) * u
+            return x + dropout(self.out(y), c.dropout, rng)
 
     def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int):
         """Full jagged attention over every sequence."""
@@ -156,15 +160,16 @@ class HSTUTower(nnx.Module):
         c = self.config
         for start, stop, fraction in self.stages:
             if fraction < 1.0:  # pyramid: run on the kept suffix, scatter back (dropped rows freeze)
-                layout_offsets, rows = pyramid_layout(
-                    offsets,
-                    num_targets,
-                    fraction,
-                    num_context=c.num_context_tokens,
-                    max_targets=self.max_targets,
-                    num_tokens=x.shape[0],
-                )
-                xs, ts = gather_rows(x, rows), gather_rows(timestamps, rows)
+                with jax.named_scope("hstu/pyramid"):
+                    layout_offsets, rows = pyramid_layout(
+                        offsets,
+                        num_targets,
+                        fraction,
+                        num_context=c.num_context_tokens,
+                        max_targets=self.max_targets,
+                        num_tokens=x.shape[0],
+                    )
+                    xs, ts = gather_rows(x, rows), gather_rows(timestamps, rows)
             else:
                 layout_offsets, xs, ts = offsets, x, timestamps
             for i in range(start, stop):
@@ -173,10 +178,12 @@ class HSTUTower(nnx.Module):
                     xs, layout_offsets, num_targets, ts, max_seq_len=max_seq_len, rng=layer_rng
                 )
             if fraction < 1.0:
-                x = scatter_rows(x, rows, xs)
+                with jax.named_scope("hstu/pyramid"):
+                    x = scatter_rows(x, rows, xs)
             else:
                 x = xs
-        return self.final_norm(x)
+        with jax.named_scope("hstu/final_norm"):
+            return self.final_norm(x)
 
 
 def _runs(values):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, ArrayLike, Float
 
+from gem_jax.model.fp8 import FP8Matmul
 from gem_jax.precision import PrecisionPolicy
 
 
@@ -19,8 +20,10 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, 
 class Dense(nnx.Module):
     """y = x @ W + b with W stored in the policy's param dtype and the GEMM in the layer's dtype.
 
-    Our own module rather than `nnx.Linear` so that the layer's name selects its precision (and
-    later its FP8 recipe) from the policy, and its weights carry logical axis names.
+    Our own module rather than `nnx.Linear` so that the layer's name selects its precision and FP8
+    recipe from the policy, and its weights carry logical axis names. Where the policy says FP8,
+    the GEMM is `self.fp8` (e4m3/e5m2 with per-tensor scales, f32 accumulation) and the output is
+    still cast to the compute dtype.
     """
 
     def __init__(
@@ -43,13 +46,18 @@ class Dense(nnx.Module):
             if use_bias
             else None
         )
+        recipe = policy.fp8_recipe(name, sensitive=sensitive)
+        self.fp8 = FP8Matmul(recipe) if recipe is not None else None
 
     def __call__(self, x: Float[ArrayLike, "... din"]) -> Float[ArrayLike, "... dout"]:
-        y = jnp.dot(
-            x.astype(self.compute_dtype),
-            self.kernel[...].astype(self.compute_dtype),
-            preferred_element_type=jnp.float32,
-        )
+        if self.fp8 is not None:
+            y = self.fp8(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
+        else:
+            y = jnp.dot(
+                x.astype(self.compute_dtype),
+                self.kernel[...].astype(self.compute_dtype),
+                preferred_element_type=jnp.float32,
+            )
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.compute_dtype)

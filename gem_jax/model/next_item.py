@@ -61,22 +61,25 @@ class NextItemModel(nnx.Module):
         b_cap = offsets.shape[0] - 1
         seg = jnp.minimum(segment_ids(offsets, t_cap), b_cap - 1)
         valid = jnp.arange(t_cap) < offsets[-1]
-        x = self.items.lookup(item_ids).astype(jnp.float32) * (cfg.embeddings.dim**0.5)
-        if self.positions is not None:
-            back = jnp.clip(offsets[seg + 1] - 1 - jnp.arange(t_cap), 0, cfg.retrieval.max_len - 1)
-            x = x + jnp.take(self.positions[...].astype(jnp.float32), back, axis=0)
-        x = dropout(x, cfg.model.dropout, None if rng is None else jax.random.fold_in(rng, 1 << 20))
-        if self.input_proj is not None:
-            x = self.input_proj(x)
-        x = jnp.where(valid[:, None], x, 0.0)
+        with jax.named_scope("embeddings"):  # scopes label ops for the profile's groups
+            x = self.items.lookup(item_ids).astype(jnp.float32) * (cfg.embeddings.dim**0.5)
+            if self.positions is not None:
+                back = jnp.clip(offsets[seg + 1] - 1 - jnp.arange(t_cap), 0, cfg.retrieval.max_len - 1)
+                x = x + jnp.take(self.positions[...].astype(jnp.float32), back, axis=0)
+        with jax.named_scope("input"):
+            x = dropout(x, cfg.model.dropout, None if rng is None else jax.random.fold_in(rng, 1 << 20))
+            if self.input_proj is not None:
+                x = self.input_proj(x)
+            x = jnp.where(valid[:, None], x, 0.0)
         zeros_b = jnp.zeros((b_cap,), jnp.int32)
         x = self.tower(
             x, offsets, zeros_b, jnp.zeros((t_cap,), jnp.int32), max_seq_len=cfg.retrieval.max_len, rng=rng
         ).astype(jnp.float32)
-        if self.output_proj is not None:
-            x = self.output_proj(x).astype(jnp.float32)
-        x = _l2_normalize(x) if cfg.retrieval.normalize else x
-        return jnp.where(valid[:, None], x, 0.0)
+        with jax.named_scope("output"):
+            if self.output_proj is not None:
+                x = self.output_proj(x).astype(jnp.float32)
+            x = _l2_normalize(x) if cfg.retrieval.normalize else x
+            return jnp.where(valid[:, None], x, 0.0)
 
     def last_vectors(
         self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"]

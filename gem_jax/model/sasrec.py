@@ -31,6 +31,7 @@ class SASRecLayer(nnx.Module):
                 f"and model.num_time_buckets to 0 (got {c.num_position_buckets}, {c.num_time_buckets})"
             )
         self.config = c
+        self.name = name  # also the layer's named scope (profile groups)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         if h * dv != c.model_dim:
             raise ValueError(
@@ -56,23 +57,29 @@ class SASRecLayer(nnx.Module):
         max_seq_len: int,
         rng: jax.Array | None,
     ):
+        with jax.named_scope(self.name):
+            return self._forward(x, offsets, num_targets, max_seq_len=max_seq_len, rng=rng)
+
+    def _forward(self, x, offsets, num_targets, *, max_seq_len: int, rng: jax.Array | None):
         c = self.config
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         rngs = [None] * 3 if rng is None else list(jax.random.split(rng, 3))
         xn = self.attn_norm(x)
         k, v = jnp.split(self.kv(x), [h * dqk], axis=-1)
-        a = attention(
-            self.q(xn).reshape(t, h, dqk),
-            k.reshape(t, h, dqk),
-            v.reshape(t, h, dv),
-            offsets,
-            max_seq_len=max_seq_len,
-            activation="softmax",
-            implementation=c.attention_implementation,
-            num_targets=num_targets,
-            max_attn_len=c.max_attn_len,
-        )
+        q = self.q(xn)
+        with jax.named_scope("attention"):
+            a = attention(
+                q.reshape(t, h, dqk),
+                k.reshape(t, h, dqk),
+                v.reshape(t, h, dv),
+                offsets,
+                max_seq_len=max_seq_len,
+                activation="softmax",
+                implementation=c.attention_implementation,
+                num_targets=num_targets,
+                max_attn_len=c.max_attn_len,
+            )
         hn = self.ffn_norm(xn + dropout(a.reshape(t, h * dv).astype(xn.dtype), c.dropout, rngs[0]))
         f = dropout(jax.nn.relu(self.ffn_in(hn)), c.dropout, rngs[1])
         return hn + dropout(self.ffn_out(f), c.dropout, rngs[2])

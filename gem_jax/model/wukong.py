@@ -29,6 +29,7 @@ class WukongLayer(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
+        self.name = name  # also the layer's named scope (profile groups)
         self.n_fm = n_out // 2
         self.n_lc = n_out - self.n_fm
         self.dim = dim
@@ -42,6 +43,10 @@ class WukongLayer(nnx.Module):
         self.norm = LayerNorm(dim, policy, rngs=rngs)
 
     def __call__(self, x: Float[ArrayLike, "N n d"]) -> Float[ArrayLike, "N m d"]:
+        with jax.named_scope(self.name):
+            return self._forward(x)
+
+    def _forward(self, x: Float[ArrayLike, "N n d"]) -> Float[ArrayLike, "N m d"]:
         x32 = x.astype(jnp.float32)
         # FMB: X X^T Y without forming the n x n matrix: Z = Y^T X is [k, d], then X Z^T is [n, k].
         z = jnp.einsum("bnd,nk->bkd", x32, self.fm_projection[...])

@@ -85,9 +85,13 @@ class NextItemTask:
     def pack_loss(
         self, model: NextItemModel, pack: NextItemPack, rng: jax.Array | None
     ) -> dict[str, jax.Array]:
-        r = self.config.retrieval
         dropout_key, negative_key = jax.random.split(rng)
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)
+        with jax.named_scope("loss"):
+            return self._loss_sums(model, pack, user, negative_key)
+
+    def _loss_sums(self, model, pack, user, negative_key) -> dict[str, jax.Array]:
+        r = self.config.retrieval
         table = model.item_table()
         if r.loss == "bce":
             total, count = bce_loss(user, table, pack.targets, pack.negatives)

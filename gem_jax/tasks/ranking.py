@@ -90,10 +90,11 @@ class RankingTask:
 
     def pack_loss(self, model: GEMModel, pack: JaggedBatch, rng: jax.Array | None) -> dict[str, jax.Array]:
         logits = model(pack, rng=rng)  # [B, C, K]
-        weight = pack.example_mask[:, None, None].astype(jnp.float32)
-        bce = optax.sigmoid_binary_cross_entropy(logits, pack.labels) * weight
-        count = jnp.broadcast_to(weight, bce.shape)
-        return {"bce_sum": bce.sum((0, 1)), "count": count.sum((0, 1))}
+        with jax.named_scope("loss"):
+            weight = pack.example_mask[:, None, None].astype(jnp.float32)
+            bce = optax.sigmoid_binary_cross_entropy(logits, pack.labels) * weight
+            count = jnp.broadcast_to(weight, bce.shape)
+            return {"bce_sum": bce.sum((0, 1)), "count": count.sum((0, 1))}
 
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         per_task = sums["bce_sum"] / jnp.maximum(sums["count"], 1.0)

@@ -38,8 +38,35 @@ def device_peak_flops(device_kind: str) -> float | None:
     return PEAK_BF16_FLOPS.get(device_kind)
 
 
+# The parts of `train_step_flops`, named like the profile's kernel groups (experiments/profile.py):
+# GEMMs by layer kind (forward + backward, 3 x forward) and attention forward / backward.
+FLOP_GROUPS = (
+    "attention fwd",
+    "attention bwd",
+    "gemm input",
+    "gemm hstu",
+    "gemm cross",
+    "gemm wukong",
+    "gemm heads",
+)
+
+
 def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarray) -> float:
     """FLOPs of one train step over packs with these offsets [..., B+1] and num_targets [..., B]."""
+    return sum(train_step_flops_by_group(config, offsets, num_targets).values())
+
+
+def train_step_flops_by_group(
+    config: Config, offsets: np.ndarray, num_targets: np.ndarray
+) -> dict[str, float]:
+    """`train_step_flops` split into FLOP_GROUPS (the profile divides each by its kernels' time):
+
+    - "gemm input": the token projection, the context projection and the dense-feature projection;
+    - "gemm hstu": the HSTU layers' UVQK and output projections;
+    - "gemm cross": the summary projection (sequence summaries -> interaction tokens);
+    - "gemm wukong": the Wukong layers; "gemm heads": the task heads;
+    - "attention fwd" / "attention bwd": 1 x and 2.5 x the attention forward count.
+    """
     m, e, d = config.model, config.embeddings, config.data
     lengths = np.diff(np.asarray(offsets, np.int64), axis=-1).astype(np.float64)
     targets = np.asarray(num_targets, np.float64)
@@ -67,16 +94,22 @@ def train_step_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarra
     n_features = d.num_sparse_features + 1
     per_example = 2 * n_features * e.dim * m.num_context_tokens * dm + 2 * d.num_dense_features * e.dim
     n = n_features + m.num_summary_tokens + 1
-    per_pair = 2 * 2 * dm * m.num_summary_tokens * e.dim
+    cross = 2 * 2 * dm * m.num_summary_tokens * e.dim
+    wukong = 0.0
     for _ in range(m.wukong_layers):
         n_fm = m.wukong_tokens // 2
         n_lc = m.wukong_tokens - n_fm
-        per_pair += 2 * 2 * n * m.wukong_fm_rank * e.dim  # Z = Y^T X, then X Z^T
-        per_pair += 2 * n * m.wukong_fm_rank * n_fm * e.dim  # FM MLP
-        per_pair += 2 * n * n_lc * e.dim + (2 * n * m.wukong_tokens * e.dim if n != m.wukong_tokens else 0)
+        wukong += 2 * 2 * n * m.wukong_fm_rank * e.dim  # Z = Y^T X, then X Z^T
+        wukong += 2 * n * m.wukong_fm_rank * n_fm * e.dim  # FM MLP
+        wukong += 2 * n * n_lc * e.dim + (2 * n * m.wukong_tokens * e.dim if n != m.wukong_tokens else 0)
         n = m.wukong_tokens
-    per_pair += len(m.tasks) * (2 * n * e.dim * m.head_hidden + 2 * m.head_hidden)
-    forward_gemm = (
-        tokens * 2 * e.dim * dm + layer_tokens * layer_gemm + examples * per_example + pairs * per_pair
-    )
-    return 3.0 * forward_gemm + 3.5 * attention_fwd
+    heads = len(m.tasks) * (2 * n * e.dim * m.head_hidden + 2 * m.head_hidden)
+    return {
+        "attention fwd": attention_fwd,
+        "attention bwd": 2.5 * attention_fwd,
+        "gemm input": 3.0 * (tokens * 2 * e.dim * dm + examples * per_example),
+        "gemm hstu": 3.0 * layer_tokens * layer_gemm,
+        "gemm cross": 3.0 * pairs * cross,
+        "gemm wukong": 3.0 * pairs * wukong,
+        "gemm heads": 3.0 * pairs * heads,
+    }

@@ -32,6 +32,7 @@ from gem_jax.distributed import process_zero_says
 from gem_jax.parallel import describe_mesh
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.flops import device_peak_flops
+from gem_jax.train.profiling import TraceWindow
 from gem_jax.train.step import Trainer
 from gem_jax.train.task import Task, flatten, higher_is_better
 
@@ -177,11 +178,18 @@ class _Throughput:
         return out
 
 
-def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> dict[str, Any]:
+def train(
+    task: Task,
+    workdir: str | Path,
+    *,
+    stop_after: int | None = None,
+    profile_steps: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """Trains (or resumes) `task` in `workdir` until its last step or an early stop; returns a summary.
 
     `stop_after` ends this invocation (with a checkpoint) after that global step, as a preemption
-    would; re-running resumes.
+    would; re-running resumes. `profile_steps=(A, B)` traces global steps A..B-1 into
+    `workdir/profile` (gem_jax/train/profiling.py).
     """
     t_start = time.perf_counter()
     config, tc = task.config, task.config.train
@@ -214,6 +222,7 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
     last_eval: dict[str, Any] | None = None
     saved_step = latest
     bar = None
+    window = TraceWindow(profile_steps, workdir / "profile")
     if tc.progress and jax.process_index() == 0:
         from tqdm import tqdm
 
@@ -231,10 +240,14 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
             while step < total and progress.stopped is None and stop.signal is None:
                 if stop_after is not None and step >= stop_after:
                     break
-                stack = next(data_iter)
+                window.before(step)
+                with jax.profiler.TraceAnnotation("data"):  # host-side labels in traces
+                    stack = next(data_iter)
                 throughput.add(task.batch_counts(stack))
-                state, metrics = trainer.train_step(state, trainer.to_device(stack))
+                with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                    state, metrics = trainer.train_step(state, trainer.to_device(stack))
                 step += 1
+                window.after(step, metrics)
                 if previous is not None:
                     last_values = _check_finite(previous[1], previous[0], checkpoints)
                 previous = (step, metrics)
@@ -260,9 +273,10 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
                         )
                     throughput.reset()
                 if eval_now:
-                    last_eval = _evaluate(
-                        task, evaluate, state, step, progress, best, writer, last_values, t_start
-                    )
+                    with jax.profiler.TraceAnnotation("evaluation"):
+                        last_eval = _evaluate(
+                            task, evaluate, state, step, progress, best, writer, last_values, t_start
+                        )
                     if out_of_time and progress.stopped is None:
                         progress.stopped = "time"
                         print(
@@ -285,6 +299,7 @@ def train(task: Task, workdir: str | Path, *, stop_after: int | None = None) -> 
             else None
         )
     finally:
+        window.close()
         if bar is not None:
             bar.close()
         checkpoints.wait()

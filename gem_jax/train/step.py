@@ -136,14 +136,16 @@ class Trainer:
         if not self.task.loss_needs_rng:
             rng = None
         (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, batch, rng)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": loss,
-            **aux,
-            "grad_norm": optax.tree.norm(grads),
-            "update_norm": optax.tree.norm(updates),
-            "param_norm": optax.tree.norm(params),
-            "learning_rate": self.schedule(state.step),
-        }
+        with jax.named_scope("optimizer"):  # named scopes label ops for `experiments profile`
+            updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("metrics"):
+            metrics = {
+                "loss": loss,
+                **aux,
+                "grad_norm": optax.tree.norm(grads),
+                "update_norm": optax.tree.norm(updates),
+                "param_norm": optax.tree.norm(params),
+                "learning_rate": self.schedule(state.step),
+            }
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics

@@ -1,51 +1,46 @@
-"""The public BlockAttention entry point: validation, backend dispatch, custom VJP."""
+"""The public BlockAttention entry point: validation, backend dispatch, the custom VJP around the kernels.
+
+Backends (gpu.py, tpu.py) export plain `forward` (output and residuals) and `backward` functions;
+implementation names: pallas_kernels/implementations.py.
+"""
 
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
+from pallas_kernels import implementations
 from pallas_kernels.block_attention import block_sizes, reference
+from pallas_kernels.checks import check_jagged_qkv
 
-# Kernel backends: name -> (module, interpret argument). Modules are imported when a
-# backend is first used, so a broken Triton/Mosaic install fails loudly there and
-# nowhere else (the reference never needs them).
-_KERNELS: dict[str, tuple[str, object]] = {
-    "gpu": ("gpu", False),
-    "gpu_interpret": ("gpu", True),
-    "tpu": ("tpu", False),
-    "tpu_interpret": ("tpu", "tpu_interpret"),
-}
+_PACKAGE = "pallas_kernels.block_attention"
 
 
 def _backend(kernel: str):
-    module, interpret = _KERNELS[kernel]
-    return importlib.import_module(f"pallas_kernels.block_attention.{module}"), interpret
+    return implementations.load_backend(_PACKAGE, kernel)
 
 
+# kernel: one of implementations.KERNELS. A backend's forward returns (out, residuals), its backward
+# (dq, dk, dv) from those residuals.
 @functools.partial(jax.custom_vjp, nondiff_argnames=("block_size", "causal", "alpha", "kernel"))
 def _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel):
+    return _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel)[0]
+
+
+def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
     backend, interpret = _backend(kernel)
     return backend.forward(
         q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
     )
 
 
-def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
-    out = _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel)
-    return out, (q, k, v, offsets)
-
-
 def _kernel_attention_bwd(block_size, causal, alpha, kernel, residuals, do):
-    q, k, v, offsets = residuals
     backend, interpret = _backend(kernel)
     dq, dk, dv = backend.backward(
-        q, k, v, offsets, do, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
+        residuals, do, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
     )
     return dq, dk, dv, None
 
@@ -53,61 +48,18 @@ def _kernel_attention_bwd(block_size, causal, alpha, kernel, residuals, do):
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def _platform_kernel(suffix: str = "") -> Callable[..., jax.Array]:
-    """The kernel for the default backend's platform, as an implementation."""
-
-    def run(q, k, v, offsets, *, block_size, causal, alpha):
-        platform = jax.default_backend()
-        if platform in ("gpu", "cuda", "rocm"):
-            kernel = "gpu"
-        elif platform == "tpu":
-            kernel = "tpu"
-        elif suffix:
-            kernel = "gpu"  # interpret mode runs anywhere; the GPU kernel is fastest there
-        else:
-            raise ValueError(
-                f"implementation='pallas' needs a GPU or TPU, the default backend is "
-                f"{platform!r}; use 'interpret' or 'reference'"
-            )
-        return _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel + suffix)
-
-    return run
-
-
-def _fixed_kernel(kernel: str) -> Callable[..., jax.Array]:
-    def run(q, k, v, offsets, *, block_size, causal, alpha):
-        return _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel)
-
-    return run
-
-
-# name -> fn(q, k, v, offsets, *, block_size, causal, alpha) -> out.
-_IMPLEMENTATIONS: dict[str, Callable[..., jax.Array]] = {
-    "reference": reference.block_attention_reference,
-    "pallas": _platform_kernel(),
-    "interpret": _platform_kernel("_interpret"),
-    # Explicit backends (tests and benchmarks; "interpret" on CPU is "gpu_interpret").
-    "gpu_interpret": _fixed_kernel("gpu_interpret"),
-    "tpu_interpret": _fixed_kernel("tpu_interpret"),
-}
-
-
-def _default_implementation() -> str:
-    return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "reference"
-
-
 @functools.partial(jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation"))
 def block_attention(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     block_size: int = 64,
     causal: bool = False,
     alpha: float | None = None,
     implementation: str | None = None,
-) -> Float[Array, "T H Dv"]:
+) -> Float[ArrayLike, "T H Dv"]:
     """Softmax attention inside consecutive blocks of each jagged sequence.
 
     Each sequence (tokens offsets[b]:offsets[b+1] of the flat arrays) is cut into
@@ -124,42 +76,24 @@ def block_attention(
       alpha: score scale, default 1/sqrt(Dqk).
       implementation: None (the Pallas kernel on GPU/TPU, else "reference"),
         "reference", "pallas" (the GPU or TPU kernel), "interpret" (the platform's
-        kernel in Pallas interpret mode; the GPU kernel on CPU), or explicitly
-        "gpu_interpret" / "tpu_interpret".
+        kernel in Pallas interpret mode; the GPU kernel on CPU), or a backend
+        ("gpu", "gpu_interpret", "tpu", "tpu_interpret"); see pallas_kernels/implementations.py.
 
     Returns:
       [T, H, Dv] in v.dtype; rows past offsets[B] are zero.
     """
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, Dqk], got shape {q.shape}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
-    if v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [T, H, Dv] with [T, H] = {q.shape[:2]}, got {v.shape}")
-    if offsets.ndim != 1 or offsets.shape[0] < 1:
-        raise ValueError(f"offsets must be int32[B+1] with B >= 0, got shape {offsets.shape}")
-    if not jnp.issubdtype(offsets.dtype, jnp.integer):
-        raise ValueError(f"offsets must be an integer array, got dtype {offsets.dtype}")
+    check_jagged_qkv(q, k, v, offsets)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if alpha is not None and not isinstance(alpha, (int, float)):
         raise ValueError(f"alpha must be a Python float or None, got {alpha!r}")
-    if implementation is None:
-        implementation = _default_implementation()
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None, got {implementation!r}"
-        )
+    kernel = implementations.resolve(implementation)
     if alpha is None:
         alpha = 1.0 / float(q.shape[-1]) ** 0.5
-    if implementation != "reference":
-        block_sizes.BlockSizes.get_default(block_size)  # raises for unsupported sizes
-    return _IMPLEMENTATIONS[implementation](
-        q,
-        k,
-        v,
-        offsets.astype(jnp.int32),
-        block_size=block_size,
-        causal=causal,
-        alpha=float(alpha),
-    )
+    offsets = offsets.astype(jnp.int32)
+    if kernel == "reference":
+        return reference.block_attention_reference(
+            q, k, v, offsets, block_size=block_size, causal=causal, alpha=float(alpha)
+        )
+    block_sizes.BlockSizes.get_default(block_size)  # raises for unsupported sizes
+    return _kernel_attention(q, k, v, offsets, block_size, causal, float(alpha), kernel)

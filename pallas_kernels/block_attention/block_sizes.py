@@ -18,10 +18,11 @@ MAX_TILE = 128
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-    """Tile rows per program and GPU warps (ignored on TPU)."""
+    """Tile rows per program and GPU launch knobs (ignored on TPU)."""
 
     tile: int
     num_warps: int
+    num_stages: int = 1  # no key loop to pipeline: the block is one tile
 
     @classmethod
     def get_default(cls, block_size: int) -> BlockSizes:

@@ -13,7 +13,7 @@ at most T // bs + B + 1 (the +1 covers the spare tail), which is static under ji
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jaxtyping import Array, Int
+from jaxtyping import ArrayLike, Int
 
 
 def num_entries(num_tokens: int, num_seqs: int, block_size: int) -> int:
@@ -22,8 +22,8 @@ def num_entries(num_tokens: int, num_seqs: int, block_size: int) -> int:
 
 
 def block_table(
-    offsets: Int[Array, " B1"], num_tokens: int, block_size: int
-) -> tuple[Int[Array, " G"], Int[Array, " G"], Int[Array, " G"]]:
+    offsets: Int[ArrayLike, " B1"], num_tokens: int, block_size: int
+) -> tuple[Int[ArrayLike, " G"], Int[ArrayLike, " G"], Int[ArrayLike, " G"]]:
     """Returns (start, length, live), each int32[num_entries(...)], sorted by start."""
     offsets = offsets.astype(jnp.int32)
     num_seqs = offsets.shape[0] - 1

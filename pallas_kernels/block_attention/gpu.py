@@ -6,6 +6,8 @@ length (block_table.py), the program loads that block's q, k, v rows with masked
 in registers (the block is one tile, so no online softmax), and stores only its own
 rows. Zero-fill entries (spare capacity past offsets[B]) skip the loads and store zeros,
 so every output row is written exactly once without a memset.
+
+`forward` returns the output and the residuals `backward` needs (api.py owns the custom_vjp).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.block_attention import block_sizes as bs_lib
 from pallas_kernels.block_attention import block_table as table_lib
@@ -116,7 +119,7 @@ def _call(kernel, inputs, out_shapes, offsets, *, block_size, causal, alpha, int
         functools.partial(kernel, num_heads=num_heads, tile=sizes.tile, alpha=alpha, causal=causal),
         grid=grid,
         out_shape=[jax.ShapeDtypeStruct((num_tokens, num_heads * s[-1]), dt) for s, dt in out_shapes],
-        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
         name=name,
     )(*table, *flat)
@@ -133,8 +136,18 @@ def _check_index_range(*arrays):
             )
 
 
-def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
-    """[T, H, Dv] output (see module docstring)."""
+def forward(
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    *,
+    block_size: int,
+    causal: bool,
+    alpha: float,
+    interpret: bool = False,
+) -> tuple:
+    """([T, H, Dv] output, residuals for backward) (see module docstring)."""
     _check_index_range(q, v)
     dv = v.shape[-1]
     qp, kp, vp = _pad_features(q), _pad_features(k), _pad_features(v)
@@ -149,11 +162,12 @@ def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
         interpret=interpret,
         name="block_attention_fwd",
     )
-    return o[..., :dv]
+    return o[..., :dv], (q, k, v, offsets)
 
 
-def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False):
+def backward(residuals, do, *, block_size, causal, alpha, interpret=False):
     """(dq, dk, dv), recomputing each block's softmax from q and k."""
+    q, k, v, offsets = residuals
     _check_index_range(q, v)
     dqk, dvd = q.shape[-1], v.shape[-1]
     qp, kp, vp, dop = (_pad_features(x) for x in (q, k, v, do.astype(v.dtype)))

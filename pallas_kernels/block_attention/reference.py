@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 _MASKED = -1e30  # finite, so a query with no visible key cannot produce NaN
 
 
 def token_layout(
-    offsets: Int[Array, " B1"], num_tokens: int
-) -> tuple[Int[Array, " T"], Int[Array, " T"], Int[Array, " T"]]:
+    offsets: Int[ArrayLike, " B1"], num_tokens: int
+) -> tuple[Int[ArrayLike, " T"], Int[ArrayLike, " T"], Int[ArrayLike, " T"]]:
     """Per-token (sequence id, position in sequence, validity) from ``offsets``.
 
     Tokens past ``offsets[-1]`` get sequence id ``B`` and validity 0.
@@ -36,15 +36,15 @@ def token_layout(
 
 
 def block_attention_reference(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     block_size: int = 64,
     causal: bool = False,
     alpha: float | None = None,
-) -> Float[Array, "T H Dv"]:
+) -> Float[ArrayLike, "T H Dv"]:
     """BlockAttention in fp32 with per-position masks (see module docstring).
 
     Args:

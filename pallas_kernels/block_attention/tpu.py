@@ -9,6 +9,8 @@ there and DMAs the tile back. Only the block's first ``length`` rows of that til
 its own; the rest belong to the next entries, which (the grid is sequential, entries
 are sorted by start) run later and overwrite them. Inputs and outputs carry ``tile``
 spare rows at the end so that no copy leaves the array.
+
+`forward` returns the output and the residuals `backward` needs (api.py owns the custom_vjp).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.block_attention import block_sizes as bs_lib
 from pallas_kernels.block_attention import block_table as table_lib
@@ -193,21 +196,29 @@ def _call(kernel, inputs, outputs, offsets, *, block_size, causal, alpha, interp
             + [pltpu.SemaphoreType.DMA((len(flat) + len(out_shape),))]
         ),
     )
-    if interpret == "tpu_interpret":
-        interpret = pltpu.InterpretParams(out_of_bounds_reads="raise")
     outs = pl.pallas_call(
         functools.partial(kernel, num_heads=num_heads, tile=tile, alpha=alpha, causal=causal),
         grid_spec=grid_spec,
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
-        interpret=interpret,
+        interpret=pltpu.InterpretParams(out_of_bounds_reads="raise") if interpret else False,
         name=name,
     )(*table, *flat)
     return [o[:num_tokens].reshape(num_tokens, num_heads, -1) for o in outs]
 
 
-def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
-    """[T, H, Dv] output (see module docstring)."""
+def forward(
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    *,
+    block_size: int,
+    causal: bool,
+    alpha: float,
+    interpret: bool = False,
+) -> tuple:
+    """([T, H, Dv] output, residuals for backward) (see module docstring)."""
     (o,) = _call(
         _fwd_kernel,
         [q, k, v],
@@ -219,11 +230,12 @@ def forward(q, k, v, offsets, *, block_size, causal, alpha, interpret=False):
         interpret=interpret,
         name="block_attention_fwd",
     )
-    return o
+    return o, (q, k, v, offsets)
 
 
-def backward(q, k, v, offsets, do, *, block_size, causal, alpha, interpret=False):
+def backward(residuals, do, *, block_size, causal, alpha, interpret=False):
     """(dq, dk, dv), recomputing each block's softmax from q and k."""
+    q, k, v, offsets = residuals
     return tuple(
         _call(
             _bwd_kernel,

@@ -1,87 +1,115 @@
-"""The one public entry point: validates shapes, picks a backend, calls it.
+"""The one public entry point: validates shapes, picks a backend, owns the custom VJP around its kernels.
 
-Backends are named in `_IMPLEMENTATIONS` and imported lazily, so a backend that fails to import fails
-loudly only when it is asked for (and CPU users never import Triton/Mosaic lowering code).
+A backend module (gpu.py, tpu.py) exports plain functions: `to_kernel_layout` and `from_kernel_layout`
+(layout conversions in jnp, differentiated by JAX as usual), and `forward(inputs, s)` -> (out,
+residuals), `backward(residuals, do, s)` -> the inputs' cotangents, which `_kernel_attention` binds into
+one `jax.custom_vjp`. Implementation names: pallas_kernels/implementations.py.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
+from pallas_kernels import implementations
+from pallas_kernels.checks import check_jagged_qkv
+from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+from pallas_kernels.jagged_attention.tiling import Static
 
 ACTIVATIONS = ("silu", "softmax")
-
-
-def _lazy(module: str, name: str, **fixed) -> Callable:
-    def call(*args, **kwargs):
-        fn = getattr(importlib.import_module(f"pallas_kernels.jagged_attention.{module}"), name)
-        return fn(*args, **kwargs, **fixed)
-
-    return call
-
-
-# implementation name -> callable(q, k, v, offsets, **options). "pallas"/"interpret" resolve per platform.
-_IMPLEMENTATIONS: dict[str, Callable] = {
-    "reference": jagged_attention_reference,
-    "pallas_gpu": _lazy("gpu", "jagged_attention_gpu", interpret=False),
-    "interpret_gpu": _lazy("gpu", "jagged_attention_gpu", interpret=True),
-    "pallas_tpu": _lazy("tpu", "jagged_attention_tpu", interpret=False),
-    "interpret_tpu": _lazy("tpu", "jagged_attention_tpu", interpret=True),
-}
-_PALLAS_BY_PLATFORM = {"gpu": "pallas_gpu", "cuda": "pallas_gpu", "rocm": "pallas_gpu", "tpu": "pallas_tpu"}
-IMPLEMENTATIONS = tuple(_IMPLEMENTATIONS) + ("pallas", "interpret")
+_PACKAGE = "pallas_kernels.jagged_attention"
 
 
 def default_implementation(platform: str | None = None) -> str:
     """Best implementation for a platform (default: jax's default backend).
 
-    Pallas GPU kernel on GPU, Mosaic TPU kernel on TPU, the jnp reference elsewhere (CPU). Both kernels
-    fuse the relative bias, so the choice does not depend on it.
+    The GPU kernel on GPU, the TPU kernel on TPU, the jnp reference elsewhere (CPU). Both kernels fuse the
+    relative bias, so the choice does not depend on it.
     """
-    platform = platform or jax.default_backend()
-    return _PALLAS_BY_PLATFORM.get(platform, "reference")
+    return implementations.default_implementation(platform)
 
 
-# backends without the fused relative bias (implementation=None then falls back to the reference); none
-# now: the TPU kernel has it too (compare-select loops over a tile's bucket range, tpu.py)
-_NO_BIAS: tuple[str, ...] = ()
+def _backend(kernel: str):
+    return implementations.load_backend(_PACKAGE, kernel)[0]
 
 
-def _resolve(implementation: str | None, has_bias: bool = False) -> str:
-    if implementation is None:
-        name = default_implementation()
-        return "reference" if has_bias and name in _NO_BIAS else name
-    if implementation == "pallas":
-        platform = jax.default_backend()
-        if platform not in _PALLAS_BY_PLATFORM:
-            raise ValueError(
-                f"implementation='pallas' needs a GPU or TPU, but the default backend is {platform!r}"
-            )
-        return _PALLAS_BY_PLATFORM[platform]
-    if implementation == "interpret":
-        return "interpret_tpu" if jax.default_backend() == "tpu" else "interpret_gpu"
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    return implementation
+# kernel: one of implementations.KERNELS (s.interpret says the same); inputs: to_kernel_layout's tuple
+@functools.partial(jax.custom_vjp, nondiff_argnames=("kernel", "s"))
+def _kernel_attention(inputs, kernel: str, s: Static):
+    return _backend(kernel).forward(inputs, s)[0]
 
 
-def _check_shapes(
-    q, k, v, offsets, num_targets, timestamps, pos_bias, time_bias, max_seq_len, max_attn_len, activation
-):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [T, H, Dqk], got shape {q.shape}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {q.shape}, got {k.shape}")
-    if v.ndim != 3 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [T, H, Dv] with T, H = {q.shape[:2]}, got {v.shape}")
-    if offsets.ndim != 1 or offsets.shape[0] < 1 or not jnp.issubdtype(offsets.dtype, jnp.integer):
-        raise ValueError(f"offsets must be int[B+1], got {offsets.dtype}{list(offsets.shape)}")
+def _kernel_attention_fwd(inputs, kernel: str, s: Static):
+    return _backend(kernel).forward(inputs, s)
+
+
+def _kernel_attention_bwd(kernel: str, s: Static, residuals, do):
+    return (_backend(kernel).backward(residuals, do, s),)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "max_seq_len",
+        "activation",
+        "alpha",
+        "max_attn_len",
+        "implementation",
+        "block_sizes",
+        "options",
+    ),
+)
+def jagged_attention(
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    *,
+    max_seq_len: int,
+    activation: str = "silu",
+    alpha: float | None = None,
+    num_targets: Int[ArrayLike, " B"] | None = None,
+    max_attn_len: int = 0,
+    timestamps: Int[ArrayLike, " T"] | None = None,
+    pos_bias: Float[ArrayLike, "H P"] | None = None,
+    time_bias: Float[ArrayLike, "H NT"] | None = None,
+    implementation: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    options: KernelOptions | None = None,
+) -> Float[ArrayLike, "T H Dv"]:
+    """Causal attention over jagged sequences (HSTU SiLU or softmax), differentiable in q, k, v and biases.
+
+    Args:
+      q, k: [T, H, Dqk] token-major queries and keys; v: [T, H, Dv].
+      offsets: int32[B+1], offsets[0] = 0, sequence b is rows offsets[b]:offsets[b+1]; rows past
+        offsets[B] (unused capacity) produce zeros.
+      max_seq_len: static upper bound of every sequence length; SiLU output is divided by it.
+      activation: "silu" (pointwise, HSTU) or "softmax".
+      alpha: score scale, default 1/sqrt(Dqk).
+      num_targets: int32[B], the last num_targets[b] positions of sequence b are targets (they see the
+        non-targets and themselves; non-targets never see them).
+      max_attn_len: if > 0, non-target i sees only j with i - j <= max_attn_len.
+      timestamps: int32[T] seconds, needed iff time_bias is given.
+      pos_bias: [H, P], adds pos_bias[h, min(i - j, P - 1)] to the score.
+      time_bias: [H, NT], adds time_bias[h, min(floor(log(max(ts_i - ts_j, 1)) / 0.301), NT - 1)].
+      implementation: None (best for the platform), "reference", "pallas", "interpret", or a backend
+        ("gpu", "gpu_interpret", "tpu", "tpu_interpret"); see pallas_kernels/implementations.py.
+      block_sizes: kernel tiles; None: BlockSizes.get_default for the backend.
+      options: kernel variants (benchmarks A/B them); None: KernelOptions(), the shipped kernel.
+
+    Returns:
+      [T, H, Dv] in v.dtype.
+    """
+    check_jagged_qkv(q, k, v, offsets)
     b = offsets.shape[0] - 1
     if num_targets is not None and num_targets.shape != (b,):
         raise ValueError(f"num_targets must be int[B] with B={b}, got shape {num_targets.shape}")
@@ -98,60 +126,48 @@ def _check_shapes(
         raise ValueError(f"max_attn_len must be a python int >= 0, got {max_attn_len!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-
-
-def jagged_attention(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
-    *,
-    max_seq_len: int,
-    activation: str = "silu",
-    alpha: float | None = None,
-    num_targets: Int[Array, " B"] | None = None,
-    max_attn_len: int = 0,
-    timestamps: Int[Array, " T"] | None = None,
-    pos_bias: Float[Array, "H P"] | None = None,
-    time_bias: Float[Array, "H NT"] | None = None,
-    implementation: str | None = None,
-) -> Float[Array, "T H Dv"]:
-    """Causal attention over jagged sequences (HSTU SiLU or softmax), differentiable in q, k, v and biases.
-
-    Args:
-      q, k: [T, H, Dqk] token-major queries and keys; v: [T, H, Dv].
-      offsets: int32[B+1], offsets[0] = 0, sequence b is rows offsets[b]:offsets[b+1]; rows past
-        offsets[B] (unused capacity) produce zeros.
-      max_seq_len: static upper bound of every sequence length; SiLU output is divided by it.
-      activation: "silu" (pointwise, HSTU) or "softmax".
-      alpha: score scale, default 1/sqrt(Dqk).
-      num_targets: int32[B], the last num_targets[b] positions of sequence b are targets (they see the
-        non-targets and themselves; non-targets never see them).
-      max_attn_len: if > 0, non-target i sees only j with i - j <= max_attn_len.
-      timestamps: int32[T] seconds, needed iff time_bias is given.
-      pos_bias: [H, P], adds pos_bias[h, min(i - j, P - 1)] to the score.
-      time_bias: [H, NT], adds time_bias[h, min(floor(log(max(ts_i - ts_j, 1)) / 0.301), NT - 1)].
-      implementation: None (best for the platform), "reference", "pallas", "interpret", or an explicit
-        backend name ("pallas_gpu", "pallas_tpu", "interpret_gpu", "interpret_tpu").
-
-    Returns:
-      [T, H, Dv] in v.dtype.
-    """
-    _check_shapes(
-        q, k, v, offsets, num_targets, timestamps, pos_bias, time_bias, max_seq_len, max_attn_len, activation
-    )
-    fn = _IMPLEMENTATIONS[_resolve(implementation, pos_bias is not None or time_bias is not None)]
-    return fn(
-        q,
-        k,
-        v,
-        offsets.astype(jnp.int32),
+    if alpha is not None and not isinstance(alpha, (int, float)):
+        raise ValueError(f"alpha must be a python float or None, got {alpha!r}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes must be a BlockSizes or None, got {block_sizes!r}")
+    if options is not None and not isinstance(options, KernelOptions):
+        raise ValueError(f"options must be a KernelOptions or None, got {options!r}")
+    offsets = offsets.astype(jnp.int32)
+    kernel = implementations.resolve(implementation)
+    if kernel == "reference":
+        return jagged_attention_reference(
+            q,
+            k,
+            v,
+            offsets,
+            max_seq_len=max_seq_len,
+            activation=activation,
+            alpha=alpha,
+            num_targets=num_targets,
+            max_attn_len=max_attn_len,
+            timestamps=timestamps,
+            pos_bias=pos_bias,
+            time_bias=time_bias,
+        )
+    backend, interpret = implementations.load_backend(_PACKAGE, kernel)
+    has_bias = pos_bias is not None or time_bias is not None
+    if block_sizes is None:
+        platform = "cpu" if interpret else kernel
+        block_sizes = BlockSizes.get_default(platform, max(q.shape[-1], v.shape[-1]), max_seq_len, has_bias)
+    s = Static(
         max_seq_len=max_seq_len,
         activation=activation,
-        alpha=alpha,
-        num_targets=num_targets,
+        alpha=float(1.0 / math.sqrt(q.shape[-1]) if alpha is None else alpha),
         max_attn_len=max_attn_len,
-        timestamps=timestamps,
-        pos_bias=pos_bias,
-        time_bias=time_bias,
+        has_targets=num_targets is not None,
+        has_pos=pos_bias is not None,
+        has_time=time_bias is not None,
+        num_pos=1 if pos_bias is None else pos_bias.shape[1],
+        num_time=1 if time_bias is None else time_bias.shape[1],
+        interpret=interpret,
+        blocks=block_sizes,
+        options=options or KernelOptions(),
     )
+    inputs = backend.to_kernel_layout(q, k, v, offsets, num_targets, timestamps, pos_bias, time_bias, s)
+    out = _kernel_attention(inputs, kernel, s)
+    return backend.from_kernel_layout(out, v, offsets, s)

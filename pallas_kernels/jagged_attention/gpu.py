@@ -3,11 +3,14 @@
 Each kernel runs a 1-D grid over (work item, head) plus a few tail programs that zero the rows past
 offsets[B]. A work item is one tile of one sequence (tiling.work_list), so empty padding is never
 touched. q/k/v stay in their [T, H, D] layout; tiles are masked row loads of one head.
+
+The backend interface (api.py owns the custom_vjp): `to_kernel_layout` pads head dims and builds the bias
+tables (plain jnp, differentiated by JAX), `forward(inputs, s)` -> (o, residuals), `backward(residuals, do,
+s)` -> the inputs' cotangents, `from_kernel_layout` drops the head-dim padding.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -17,12 +20,12 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.jagged_attention import tiling
-from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.tiling import Static, cdiv
+from pallas_kernels.jagged_attention.block_sizes import ZERO_TILES
+from pallas_kernels.jagged_attention.tiling import Static, cdiv, cdiv_dyn
 
-ZERO_TILES = 8  # one tail program zeroes ZERO_TILES tiles of rows past offsets[B]
 NEG_INF = -1e30
 
 
@@ -191,12 +194,6 @@ def _silu_parts(x, s: Static, exact: bool):
     return x * sig, sig
 
 
-# Forward SiLU in packed bf16 for bf16 inputs (its result is rounded to bf16 for the P.V matmul anyway): +9%
-# forward at N=1024 on the H200, rel. L2 error vs the float32 reference 4.0e-3 instead of 2.4e-3. A switch for
-# experiments/bench_attention.py; the backward keeps float32.
-SILU_BF16X2 = True
-
-
 def _silu_bf16x2(x):
     """silu(x) rounded to bf16, computed in packed bf16 (tanh.approx.bf16x2): half the ALU ops of float32."""
     xb = x.astype(jnp.bfloat16)
@@ -313,13 +310,10 @@ def _pos_expand(pos_tab, s: Static, bq: int, bk: int):
 
 
 def _pos_tile(pos_exp_ref, h, q_lo, k_lo, s: Static, bq: int, bk: int):
-    if not (s.has_pos and POS_EXPANDED):
+    if not (s.has_pos and s.options.pos_expanded):
         return None
     lowest, step, _ = _pos_offsets(s, bq, bk)
     return pos_exp_ref[h, (q_lo - k_lo - lowest) // step, :, :]
-
-
-POS_EXPANDED = True  # bench switch (experiments/bench_attention.py): per-cell gather instead when False
 
 
 def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
@@ -385,7 +379,7 @@ def _fwd_kernel(
             mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
             if s.activation == "silu":
                 (acc,) = carry
-                if SILU_BF16X2 and v.dtype == jnp.bfloat16 and not s.interpret:
+                if s.options.silu_bf16x2 and v.dtype == jnp.bfloat16 and not s.interpret:
                     p = _silu_bf16x2(sc)
                 else:
                     p, _ = _silu_parts(sc, s, exact)
@@ -427,11 +421,9 @@ def _fwd_kernel(
         _zero_tail([(o_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
 
 
-def cdiv_dyn(a, b: int):
-    return (a + b - 1) // b
-
-
-def _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
+def forward(inputs, s: Static):
+    """(o [T, H, Dv], residuals) from to_kernel_layout's inputs; residuals[-1] is the softmax lse [H, T]."""
+    q, k, v, offsets, targets, ts, pos_tab, time_tab = inputs
     t, heads, _ = q.shape
     bq = s.blocks.block_q
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
@@ -461,11 +453,11 @@ def _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
         _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k),
         time_tab,
     )
-    return o, lse
+    return o, (*inputs, o, lse)
 
 
 def _pos_expand_or_dummy(pos_tab, s: Static, bq: int, bk: int):
-    if s.has_pos and POS_EXPANDED:
+    if s.has_pos and s.options.pos_expanded:
         return _pos_expand(pos_tab, s, bq, bk)
     return jnp.zeros((1, 1, 16, 16), jnp.float32)
 
@@ -692,8 +684,9 @@ def _pos_grad(acc, far, head_of, width: int, s: Static):
     return grad.at[:, s.num_pos - 1].add(jax.ops.segment_sum(far, head_of, num_segments=heads))
 
 
-def _backward(s: Static, res, do):
-    q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = res
+def backward(residuals, do, s: Static):
+    """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's."""
+    q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = residuals
     t, heads, _ = q.shape
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
     if s.activation == "softmax":
@@ -785,69 +778,34 @@ def _backward(s: Static, res, do):
     return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("s",))
-def _attention(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
-    return _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)[0]
-
-
-def _attention_fwd(q, k, v, offsets, targets, ts, pos_tab, time_tab, s: Static):
-    o, lse = _forward(q, k, v, offsets, targets, ts, pos_tab, time_tab, s)
-    return o, (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse)
-
-
-_attention.defvjp(_attention_fwd, _backward)
-
-
 def _pad_last(x, size):
     return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def jagged_attention_gpu(
-    q,
-    k,
-    v,
-    offsets,
-    *,
-    max_seq_len,
-    activation,
-    alpha,
-    num_targets,
-    max_attn_len,
-    timestamps,
-    pos_bias,
-    time_bias,
-    interpret=False,
-    block_sizes: BlockSizes | None = None,
-):
-    """Pallas GPU jagged attention (see api.jagged_attention for the arguments)."""
+def to_kernel_layout(
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"] | None,
+    timestamps: Int[ArrayLike, " T"] | None,
+    pos_bias: Float[ArrayLike, "H P"] | None,
+    time_bias: Float[ArrayLike, "H NT"] | None,
+    s: Static,
+) -> tuple:
+    """The kernels' inputs (q, k, v, offsets, targets, ts, pos_tab, time_tab) from api.jagged_attention's.
+
+    Head dims are zero-padded to powers of two (Triton tiles); the bias tables become float32 padded to a power
+    of two wide, the time table with one extra row of bucket thresholds (time_thresholds); absent ones are
+    small dummies the kernels never read.
+    """
     t, heads, dqk = q.shape
     dv = v.shape[-1]
     if t * heads * _pow2(max(dqk, dv)) >= 2**31:
         raise ValueError(
             f"the GPU kernel indexes with int32: T*H*D must be < 2**31, got shape {q.shape}, v {v.shape}"
         )
-    if alpha is None:
-        alpha = 1.0 / math.sqrt(dqk)
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default("cpu" if interpret else "gpu", max(dqk, dv), max_seq_len)
-        if not interpret and (pos_bias is not None or time_bias is not None):
-            # measured on the H200 with both tables (N=1024): 64x128 dK/dV tiles and 2 forward stages beat the
-            # no-bias defaults (whose shared memory the bias tiles overflow)
-            block_sizes = dataclasses.replace(block_sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
     b = offsets.shape[0] - 1
-    s = Static(
-        max_seq_len=max_seq_len,
-        activation=activation,
-        alpha=float(alpha),
-        max_attn_len=max_attn_len,
-        has_targets=num_targets is not None,
-        has_pos=pos_bias is not None,
-        has_time=time_bias is not None,
-        num_pos=1 if pos_bias is None else pos_bias.shape[1],
-        num_time=1 if time_bias is None else time_bias.shape[1],
-        interpret=interpret,
-        blocks=block_sizes,
-    )
     targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
     ts = jnp.zeros((1,), jnp.int32) if timestamps is None else timestamps.astype(jnp.int32)
     pos_tab = (
@@ -865,7 +823,7 @@ def jagged_attention_gpu(
             ]
         )
     dqk_p, dv_p = _pow2(dqk), _pow2(dv)
-    out = _attention(
+    return (
         _pad_last(q, dqk_p),
         _pad_last(k, dqk_p),
         _pad_last(v, dv_p),
@@ -874,6 +832,15 @@ def jagged_attention_gpu(
         ts,
         pos_tab,
         time_tab,
-        s=s,
     )
-    return out[..., :dv]
+
+
+def from_kernel_layout(
+    out: Float[ArrayLike, "T H DvPadded"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    s: Static,
+) -> Float[ArrayLike, "T H Dv"]:
+    """[T, H, Dv] output: drops the head-dim padding."""
+    del offsets, s
+    return out[..., : v.shape[-1]]

@@ -10,25 +10,25 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import ArrayLike, Float, Int
 
 # floor(log(dt) / LOG_TIME_DIVISOR) is the log-time bucket (0.301 ~ log10(2), as in HSTU).
 LOG_TIME_DIVISOR = 0.301
 
 
-def time_buckets(dt: Int[Array, ...], num_buckets: int) -> Int[Array, ...]:
+def time_buckets(dt: Int[ArrayLike, ...], num_buckets: int) -> Int[ArrayLike, ...]:
     """Log-time bucket of a timestamp delta in seconds (deltas < 1 s fall into bucket 0)."""
     dt = jnp.maximum(dt, 1).astype(jnp.float32)
     return jnp.clip(jnp.floor(jnp.log(dt) / LOG_TIME_DIVISOR).astype(jnp.int32), 0, num_buckets - 1)
 
 
-def position_buckets(delta: Int[Array, ...], num_buckets: int) -> Int[Array, ...]:
+def position_buckets(delta: Int[ArrayLike, ...], num_buckets: int) -> Int[ArrayLike, ...]:
     """Relative-position bucket of i - j (clipped to the table)."""
     return jnp.clip(delta, 0, num_buckets - 1)
 
 
 def allowed_mask(
-    lengths: Int[Array, " B"], num_targets: Int[Array, " B"], max_seq_len: int, max_attn_len: int
+    lengths: Int[ArrayLike, " B"], num_targets: Int[ArrayLike, " B"], max_seq_len: int, max_attn_len: int
 ) -> jax.Array:
     """bool[B, N, N]: may position i of sequence b attend position j (DESIGN.md, Kernels)."""
     pos = jnp.arange(max_seq_len, dtype=jnp.int32)
@@ -48,20 +48,20 @@ def allowed_mask(
 
 
 def jagged_attention_reference(
-    q: Float[Array, "T H Dqk"],
-    k: Float[Array, "T H Dqk"],
-    v: Float[Array, "T H Dv"],
-    offsets: Int[Array, " B1"],
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
     *,
     max_seq_len: int,
     activation: str = "silu",
     alpha: float | None = None,
-    num_targets: Int[Array, " B"] | None = None,
+    num_targets: Int[ArrayLike, " B"] | None = None,
     max_attn_len: int = 0,
-    timestamps: Int[Array, " T"] | None = None,
-    pos_bias: Float[Array, "H P"] | None = None,
-    time_bias: Float[Array, "H NT"] | None = None,
-) -> Float[Array, "T H Dv"]:
+    timestamps: Int[ArrayLike, " T"] | None = None,
+    pos_bias: Float[ArrayLike, "H P"] | None = None,
+    time_bias: Float[ArrayLike, "H NT"] | None = None,
+) -> Float[ArrayLike, "T H Dv"]:
     """Jagged causal attention with SiLU (HSTU) or softmax, targets, window and relative bias.
 
     Every sequence must satisfy offsets[b+1] - offsets[b] <= max_seq_len; longer ones are truncated.

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
 
@@ -31,10 +32,16 @@ class Static:
     num_time: int
     interpret: bool
     blocks: BlockSizes
+    options: KernelOptions = KernelOptions()
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def cdiv_dyn(a, b: int):
+    """cdiv of a traced non-negative int by a static one."""
+    return (a + b - 1) // b
 
 
 def work_list(lengths: jax.Array, block: int, max_seq_len: int, total_rows: int, by: str):

@@ -13,22 +13,26 @@ a tile wholly past the last bucket; time: [min, max] of the tile's allowed cells
 scalars from SMEM; timestamps travel in the same tile-major layout as q. The dQ kernel also sums dScore per
 bucket (same loops) into per-(head, query tile) histogram rows, which the wrapper sums over tiles.
 
+The backend interface (api.py owns the custom_vjp): `to_kernel_layout` builds the tile tables and
+gathers q/k/v/timestamps into tiles (plain jnp, differentiated by JAX), `forward(inputs, s)` -> (o tiles,
+residuals), `backward(residuals, do, s)` -> the inputs' cotangents, `from_kernel_layout` scatters the
+output tiles back to [T, H, Dv].
+
 No TPU was available: this kernel is validated only in TPU interpret mode (pltpu.InterpretParams).
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.jagged_attention import tiling
-from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.tiling import Static, cdiv
 
 NEG_INF = -1e30
@@ -294,13 +298,15 @@ def _call(kernel, tables, inputs, in_kinds, out_shapes, out_kinds, scratch, grid
     )(*[tables[k] for k in _TABLES], *inputs)
 
 
-def _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
+def forward(inputs, s: Static):
+    """(o tiles [H, tiles, block, Dv], residuals) from to_kernel_layout's inputs."""
+    qt, kt, vt, tables, pos, time, ts_rows, ts_cols = inputs
     heads, tiles, bt, dv = vt.shape
     steps = cdiv(s.max_seq_len, bt)
     kernel = functools.partial(_fwd_kernel, s=s, bt=bt, steps=steps)
     bias_in, bias_kinds = _bias_inputs(pos, time, ts_rows, ts_cols, "own", "kv")
     # Grid: (head, query tile, key step); the key step walks the query tile's causal key range.
-    return _call(
+    ot, lse = _call(
         kernel,
         tables,
         [*bias_in, qt, kt, vt],
@@ -316,6 +322,7 @@ def _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
         s,
         "jagged_attention_fwd_tpu",
     )
+    return ot, (qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols)
 
 
 def _dscore(sc, mask, dp, lse, delta, s: Static):
@@ -399,8 +406,9 @@ def _dkv_kernel(*refs, s: Static, bt: int, steps: int):
         dv_ref[...] = (dv_acc[...] * scale).astype(dv_ref.dtype)
 
 
-def _backward(s: Static, res, dot):
-    qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols = res
+def backward(residuals, dot, s: Static):
+    """Cotangents of forward's inputs (None for the tile tables and timestamps) from its residuals."""
+    qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols = residuals
     heads, tiles, bt, dqk = qt.shape
     dv = vt.shape[-1]
     dot = dot.astype(vt.dtype)
@@ -450,61 +458,32 @@ def _backward(s: Static, res, dot):
     return dq, dk, dvv, None, dpos, dtime, None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnames=("s",))
-def _attention_tiles(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
-    return _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)[0]
-
-
-def _attention_tiles_fwd(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s: Static):
-    ot, lse = _forward(qt, kt, vt, tables, pos, time, ts_rows, ts_cols, s)
-    return ot, (qt, kt, vt, ot, lse, tables, pos, time, ts_rows, ts_cols)
-
-
-_attention_tiles.defvjp(_attention_tiles_fwd, _backward)
-
-
-def jagged_attention_tpu(
-    q,
-    k,
-    v,
-    offsets,
-    *,
-    max_seq_len,
-    activation,
-    alpha,
-    num_targets,
-    max_attn_len,
-    timestamps,
-    pos_bias,
-    time_bias,
-    interpret=False,
-    block_sizes: BlockSizes | None = None,
-):
-    """Pallas Mosaic TPU jagged attention (see api.jagged_attention for the arguments)."""
+def to_kernel_layout(
+    q: Float[ArrayLike, "T H Dqk"],
+    k: Float[ArrayLike, "T H Dqk"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    num_targets: Int[ArrayLike, " B"] | None,
+    timestamps: Int[ArrayLike, " T"] | None,
+    pos_bias: Float[ArrayLike, "H P"] | None,
+    time_bias: Float[ArrayLike, "H NT"] | None,
+    s: Static,
+) -> tuple:
+    """The kernels' inputs (qt, kt, vt, tables, pos, time, ts_rows, ts_cols) from api.jagged_attention's."""
     t = q.shape[0]
-    if alpha is None:
-        alpha = 1.0 / math.sqrt(q.shape[-1])
-    if block_sizes is None:
-        block_sizes = BlockSizes.get_default(
-            "cpu" if interpret else "tpu", max(q.shape[-1], v.shape[-1]), max_seq_len
-        )
-    s = Static(
-        max_seq_len=max_seq_len,
-        activation=activation,
-        alpha=float(alpha),
-        max_attn_len=max_attn_len,
-        has_targets=num_targets is not None,
-        has_pos=pos_bias is not None,
-        has_time=time_bias is not None,
-        num_pos=1 if pos_bias is None else pos_bias.shape[1],
-        num_time=1 if time_bias is None else time_bias.shape[1],
-        interpret=interpret,
-        blocks=block_sizes,
-    )
     b = offsets.shape[0] - 1
     targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
     tables, rows, row_ok, _ = _layout(offsets, targets, t, s)
     qt, kt, vt = (_to_tiles(x, rows, row_ok) for x in (q, k, v))
     ts_rows, ts_cols = _ts_tiles(timestamps, rows, row_ok) if time_bias is not None else (None, None)
-    ot = _attention_tiles(qt, kt, vt, tables, pos_bias, time_bias, ts_rows, ts_cols, s=s)
-    return _from_tiles(ot, offsets, t, s)
+    return qt, kt, vt, tables, pos_bias, time_bias, ts_rows, ts_cols
+
+
+def from_kernel_layout(
+    out: Float[ArrayLike, "H tiles block Dv"],
+    v: Float[ArrayLike, "T H Dv"],
+    offsets: Int[ArrayLike, " B1"],
+    s: Static,
+) -> Float[ArrayLike, "T H Dv"]:
+    """[T, H, Dv] output from the tiles (zeros past offsets[B] and past max_seq_len in a sequence)."""
+    return _from_tiles(out, offsets, v.shape[0], s)

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import median_seconds
+from experiments.benchmarks import shapes
+from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.block_attention import block_attention
 
 
@@ -64,7 +65,8 @@ def check(seed: int, smoke: bool, num_cases: int) -> bool:
     if not smoke:
         cases += [(64, False, jnp.float32), (64, False, jnp.bfloat16), (16, True, jnp.bfloat16)]
     cases = cases[:num_cases]
-    heads, d = (2, 32) if smoke else (4, 128)
+    shape = shapes.BLOCK_SMOKE if smoke else shapes.BLOCK_FLATNESS
+    heads, d = shape.heads, shape.head_dim
     ok = True
     rng = np.random.default_rng(seed)
     for block_size, causal, dtype in cases:
@@ -295,11 +297,12 @@ def main(argv: list[str]) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, interpret mode)")
-    p.add_argument("--total-tokens", type=int, default=4_000_000)
-    p.add_argument("--lengths", type=_ints, default=[1024, 4096, 16384, 65536])
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=64)
+    flat = shapes.BLOCK_FLATNESS
+    p.add_argument("--total-tokens", type=int, default=flat.total_tokens)
+    p.add_argument("--lengths", type=_ints, default=list(flat.lengths))
+    p.add_argument("--heads", type=int, default=flat.heads)
+    p.add_argument("--dim", type=int, default=flat.head_dim)
+    p.add_argument("--block-size", type=int, default=flat.block_size)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--crossover-tokens", type=int, default=1 << 20)
@@ -318,7 +321,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", default=None, help="write all rows here")
     args = p.parse_args(argv)
     if args.smoke:
-        args.total_tokens, args.lengths, args.heads, args.dim = 2048, [256, 1024], 2, 32
+        smoke = shapes.BLOCK_SMOKE
+        args.total_tokens, args.lengths = smoke.total_tokens, list(smoke.lengths)
+        args.heads, args.dim = smoke.heads, smoke.head_dim
         args.reps, args.crossover_tokens, args.crossover_lengths = 2, 1024, [256, 512]
         args.suffix = 64
     skip = set(args.skip.split(","))

@@ -10,7 +10,7 @@ backward = 2.5 x forward; backward times exclude the forward pass (residuals are
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import datetime
 import functools
 import sys
@@ -20,19 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.timing import median_seconds
+from experiments.benchmarks import shapes
+from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import jagged_attention
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-
-
-def _lengths(kind: str, b: int, n: int, rng: np.random.Generator) -> np.ndarray:
-    if kind == "uniform":  # the issue's mix: uniform in [0.9 N, N)
-        return rng.integers(int(0.9 * n), n, size=b)
-    if kind == "lognormal":  # heavy tail: median ~ N/16, clipped to [1, N]
-        return np.clip(rng.lognormal(np.log(n / 16), 1.0, size=b), 1, n).astype(np.int64)
-    if kind == "equal":
-        return np.full(b, n)
-    raise ValueError(f"unknown length mix {kind!r}")
+from pallas_kernels.jagged_attention.options import KernelOptions
 
 
 def _inputs(lengths, h, d, rng, dtype=jnp.bfloat16):
@@ -55,28 +47,16 @@ def _kernel_impl() -> str:
     return "interpret" if jax.default_backend() == "cpu" else "pallas"
 
 
-def _fwd_bwd(impl, n, activation, block_sizes=None, **kw):
-    kwargs = dict(max_seq_len=n, activation=activation, implementation=impl, **kw)
-    if block_sizes is not None:
-        from pallas_kernels.jagged_attention import gpu
-
-        opts = dict(dict(timestamps=None, pos_bias=None, time_bias=None), **kw)
-        f = lambda q, k, v, off: gpu.jagged_attention_gpu(
-            q,
-            k,
-            v,
-            off,
-            alpha=None,
-            num_targets=None,
-            max_attn_len=0,
-            block_sizes=block_sizes,
-            max_seq_len=n,
-            activation=activation,
-            interpret=impl == "interpret",
-            **opts,
-        )
-    else:
-        f = functools.partial(jagged_attention, **kwargs)
+def _fwd_bwd(impl, n, activation, block_sizes=None, options=None, **kw):
+    f = functools.partial(
+        jagged_attention,
+        max_seq_len=n,
+        activation=activation,
+        implementation=impl,
+        block_sizes=block_sizes,
+        options=options,
+        **kw,
+    )
     fwd = jax.jit(f)
 
     @jax.jit
@@ -94,8 +74,16 @@ def _time_bwd(bwd, q, k, v, off, do, reps):
     return _time(pullback, vjp, do, reps=reps)
 
 
-def check(rng, h=4, d=128, n=512, b=24, bias_only=False) -> list[str]:
-    """Rel. L2 errors of the Pallas kernel vs the float32 reference (bf16 inputs), forward and grads."""
+# rel. L2 error bar of a bf16-input kernel against the float32 reference (the CPU tests' bar for bf16)
+CHECK_BAR = 1e-2
+
+
+def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
+    """Rel. L2 errors of the Pallas kernel vs the float32 reference (bf16 inputs), forward and grads.
+
+    Each row ends in "OK" (every error < CHECK_BAR, no NaN/inf) or "FAIL".
+    """
+    h, d, n, b = shape.heads, shape.head_dim, shape.max_seq_len, shape.batch
     rows = []
     lengths = np.concatenate([[0, 1, n, n - 1], rng.integers(1, n, size=b - 4)])
     for activation in ("silu", "softmax"):
@@ -130,13 +118,17 @@ def check(rng, h=4, d=128, n=512, b=24, bias_only=False) -> list[str]:
             names = ["out", "dq", "dk", "dv", "dpos", "dtime"]
             vals = [got[1]] + list(got[0])
             refs = [want[1]] + list(want[0])
-            errs = []
+            errs, ok = [], True
             for name, a, r in zip(names, vals, refs):
                 a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
                 e = np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)
-                errs.append(f"{name}={e:.1e}" + ("" if np.isfinite(a).all() else "(NaN!)"))
+                finite = bool(np.isfinite(a).all())
+                ok = ok and finite and e < CHECK_BAR
+                errs.append(f"{name}={e:.1e}" + ("" if finite else "(NaN!)"))
             rows.append(
-                f"check {activation:7s} {'targets+window+bias' if kw else 'plain':20s} " + " ".join(errs)
+                f"check {activation:7s} {'targets+window+bias' if kw else 'plain':20s} "
+                + " ".join(errs)
+                + (" -> OK" if ok else " -> FAIL")
             )
             print(rows[-1], flush=True)
     return rows
@@ -153,6 +145,7 @@ def bench_case(
     with_ref=True,
     ref_batch=None,
     block_sizes=None,
+    options=None,
     num_pos=0,
     num_time=0,
 ):
@@ -167,7 +160,7 @@ def bench_case(
         kw["time_bias"] = jnp.asarray(rng.standard_normal((h, num_time)) * 0.1, jnp.float32)
     if num_pos:
         kw["pos_bias"] = jnp.asarray(rng.standard_normal((h, num_pos)) * 0.1, jnp.float32)
-    fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, **kw)
+    fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, options, **kw)
     tf = _time(fwd, q, k, v, off, reps=reps)
     tb = _time_bwd(bwd, q, k, v, off, do, reps=reps)
     out.append((name, "pallas (ours)", flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
@@ -192,9 +185,10 @@ def bench_case(
     return out
 
 
-def bench_cudnn(b, t, h, d, rng, reps):
+def bench_cudnn(shape: shapes.JaggedShape, rng, reps):
     """Dense causal softmax, equal lengths: cuDNN vs ours on the same tokens."""
-    lengths = np.full(b, t)
+    b, t, h, d = shape.batch, shape.max_seq_len, shape.heads, shape.head_dim
+    lengths = shape.sample_lengths(rng)
     rows = bench_case(f"softmax equal B={b} T={t} H={h}", lengths, h, d, "softmax", rng, reps, with_ref=False)
     x = [jnp.asarray(rng.standard_normal((b, t, h, d), dtype=np.float32), jnp.bfloat16) for _ in range(4)]
     f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))
@@ -211,93 +205,50 @@ def bench_cudnn(b, t, h, d, rng, reps):
     return rows
 
 
-@contextlib.contextmanager
-def _relaxed_atomics():
-    """Lowers Pallas-Triton atomics with relaxed instead of acquire-release ordering (a jax internal: probe)."""
-    from jax._src.pallas.triton import lowering as tl
-
-    orig = getattr(tl, "_atomic_rmw", None)
-    if orig is None:
-        print("relaxed atomics: jax has no lowering._atomic_rmw, measuring the default", flush=True)
-        yield
-        return
-    tl._atomic_rmw = lambda *a, **k: orig(*a, **dict(k, semantic=tl.tt_dialect.MemSemantic.RELAXED))
-    jax.clear_caches()  # lowering happens once per trace: drop cached ones
-    try:
-        yield
-    finally:
-        tl._atomic_rmw = orig
-        jax.clear_caches()
+def _bias(bias: shapes.RelativeBias, pos=True, time=True) -> dict:
+    return dict(num_pos=bias.num_pos if pos else 0, num_time=bias.num_time if time else 0)
 
 
-@contextlib.contextmanager
-def _switch(name: str, value, on: bool = True):
-    """Sets a module-level switch of the GPU kernels (read at trace time) for one case."""
-    from pallas_kernels.jagged_attention import gpu
-
-    if not on:
-        yield
-        return
-    saved = getattr(gpu, name)
-    setattr(gpu, name, value)
-    jax.clear_caches()  # no cached trace of the other setting may be reused
-    try:
-        yield
-    finally:
-        setattr(gpu, name, saved)
-        jax.clear_caches()
-
-
-def _pos_gather(on: bool):
-    """The GPU kernels' per-cell position-bias gather instead of block loads of the expanded table."""
-    return _switch("POS_EXPANDED", False, on)
-
-
-def bench_bias(rng, reps, h, d, variants, n=1024, b=512):
-    """The gem_h200 bias setting (128 position + 64 time buckets), the 1024-bucket case, and no bias, N=1024."""
+def bench_bias(rng, reps, shape: shapes.JaggedShape, variants):
+    """The gem_h200 bias setting (128 position + 64 time buckets), the 1024-bucket case, and no bias."""
+    gem, wide = shapes.GEM_H200_BIAS, shapes.WIDE_BIAS
     cases = [
         ("no bias", {}),
-        ("pos 128 + time 64 (gem_h200)", dict(num_pos=128, num_time=64)),
-        ("pos 1024 + time 64", dict(num_pos=1024, num_time=64)),
+        (f"pos {gem.num_pos} + time {gem.num_time} (gem_h200)", _bias(gem)),
+        (f"pos {wide.num_pos} + time {wide.num_time}", _bias(wide)),
     ]
-    if (
-        variants
-    ):  # attribution: each bias alone, other tiles, relaxed ordering of the position-gradient atomics
-        both = dict(num_pos=128, num_time=64)
+    if variants:  # attribution: each bias alone, other tiles, the kernel variants of KernelOptions
         cases += [
-            ("pos 128 only", dict(num_pos=128)),
-            ("time 64 only", dict(num_time=64)),
+            (f"pos {gem.num_pos} only", _bias(gem, time=False)),
+            (f"time {gem.num_time} only", _bias(gem, pos=False)),
             (
-                "pos 128 + time 64, block_k 32",
-                dict(both, block_sizes=BlockSizes(block_k=32, block_q_dkv=64, block_k_dkv=128, num_stages=2)),
+                f"pos {gem.num_pos} + time {gem.num_time}, block_k 32",
+                dict(
+                    _bias(gem),
+                    block_sizes=BlockSizes(block_k=32, block_q_dkv=64, block_k_dkv=128, num_stages=2),
+                ),
             ),
-            ("pos 128 + time 64, relaxed atomics", dict(both, relaxed=True)),
-            ("pos 128 only, per-cell position gather", dict(num_pos=128, gather=True)),
-            ("no bias, forward SiLU in float32", dict(silu_f32=True)),
+            (
+                f"pos {gem.num_pos} only, per-cell position gather",
+                dict(_bias(gem, time=False), options=KernelOptions(pos_expanded=False)),
+            ),
+            ("no bias, forward SiLU in float32", dict(options=KernelOptions(silu_bf16x2=False))),
         ]
     rows = []
+    n, b = shape.max_seq_len, shape.batch
     for name, kw in cases:
-        kw = dict(kw)
-        relaxed = kw.pop("relaxed", False)
-        gather = kw.pop("gather", False)
-        silu_f32 = kw.pop("silu_f32", False)
         try:
-            with (
-                _relaxed_atomics() if relaxed else contextlib.nullcontext(),
-                _pos_gather(gather),
-                _switch("SILU_BF16X2", False, silu_f32),
-            ):
-                r = bench_case(
-                    f"silu uniform N={n} B={b} {name}",
-                    _lengths("uniform", b, n, rng),
-                    h,
-                    d,
-                    "silu",
-                    rng,
-                    reps,
-                    with_ref=False,
-                    **kw,
-                )
+            r = bench_case(
+                f"silu uniform N={n} B={b} {name}",
+                shape.sample_lengths(rng),
+                shape.heads,
+                shape.head_dim,
+                "silu",
+                rng,
+                reps,
+                with_ref=False,
+                **kw,
+            )
         except Exception as e:  # one failing variant (e.g. shared memory) must not hide the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
             continue
@@ -320,7 +271,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--bias-variants",
         action="store_true",
-        help="with --bias-only: also time pos-only, time-only, other tiles and relaxed atomics",
+        help="with --bias-only: also time pos-only, time-only, other tiles and the KernelOptions variants",
     )
     p.add_argument(
         "--write", default="", help="append the markdown table to this file (e.g. docs/benchmarks.md)"
@@ -333,20 +284,28 @@ def main(argv: list[str]) -> int:
         checks = (
             []
             if args.no_check
-            else check(rng, n=64 if args.quick else 512, b=8 if args.quick else 24, bias_only=args.bias_only)
+            else check(rng, shapes.CHECK_QUICK if args.quick else shapes.CHECK, bias_only=args.bias_only)
         )
     except Exception as e:
         if not args.bias_only:
             raise
         checks = [f"check FAILED {type(e).__name__}: {str(e)[:2000]}"]  # still time what compiles
         print(checks[0], flush=True)
-    h, d = 4, 128
+    peer = shapes.PEER_N1024
+    h, d = peer.heads, peer.head_dim
     rows = []
     if args.bias_only:
-        rows += bench_bias(rng, args.reps, h, d, args.bias_variants, *((128, 4) if args.quick else ()))
+        bias_shape = dataclasses.replace(peer, batch=4, max_seq_len=128) if args.quick else peer
+        rows += bench_bias(rng, args.reps, bias_shape, args.bias_variants)
     elif args.quick:
         rows += bench_case(
-            "silu uniform N=128 B=8", _lengths("uniform", 8, 128, rng), 2, 64, "silu", rng, args.reps
+            "silu uniform N=128 B=8",
+            shapes.sample_lengths("uniform", 8, 128, rng),
+            2,
+            64,
+            "silu",
+            rng,
+            args.reps,
         )
     else:
         if args.sweep:
@@ -362,7 +321,7 @@ def main(argv: list[str]) -> int:
             ):
                 r = bench_case(
                     f"sweep {bs}",
-                    _lengths("uniform", 512, 1024, rng),
+                    peer.sample_lengths(rng),
                     h,
                     d,
                     "silu",
@@ -372,12 +331,13 @@ def main(argv: list[str]) -> int:
                     block_sizes=bs,
                 )
                 print(f"{r[0][0]}: fwd {r[0][2]:.0f} bwd {r[0][3]:.0f} TFLOP/s", flush=True)
-        for n in (1024, 4096):
+        for shape in (shapes.PEER_N1024, shapes.PEER_N4096):
+            n = shape.max_seq_len
             rows += bench_case(
-                f"silu uniform N={n} B=512",
-                _lengths("uniform", 512, n, rng),
-                h,
-                d,
+                f"silu uniform N={n} B={shape.batch}",
+                shape.sample_lengths(rng),
+                shape.heads,
+                shape.head_dim,
                 "silu",
                 rng,
                 args.reps,
@@ -385,44 +345,38 @@ def main(argv: list[str]) -> int:
             )
             for r in rows[-2:]:
                 print(r, flush=True)
-        ln = _lengths("lognormal", 2048, 4096, rng)
+        tail = shapes.HEAVY_TAIL
+        ln = tail.sample_lengths(rng)
         rows += bench_case(
-            f"silu lognormal N=4096 B=2048 (pad {1 - ln.sum() / (2048 * 4096):.0%})",
+            f"silu lognormal N={tail.max_seq_len} B={tail.batch} "
+            f"(pad {1 - ln.sum() / (tail.batch * tail.max_seq_len):.0%})",
             ln,
-            h,
-            d,
+            tail.heads,
+            tail.head_dim,
             "silu",
             rng,
             args.reps,
             ref_batch=32,
         )
-        rows += bench_case(
-            "silu uniform N=1024 B=512 + pos/time bias",
-            _lengths("uniform", 512, 1024, rng),
-            h,
-            d,
-            "silu",
-            rng,
-            args.reps,
-            with_ref=False,
-            num_pos=1024,
-            num_time=64,
-        )
-        rows += bench_case(
-            "silu uniform N=1024 B=512 + pos 128 / time 64 bias (gem_h200)",
-            _lengths("uniform", 512, 1024, rng),
-            h,
-            d,
-            "silu",
-            rng,
-            args.reps,
-            with_ref=False,
-            num_pos=128,
-            num_time=64,
-        )
+        gem = shapes.GEM_H200_BIAS
+        for name, bias in (
+            ("+ pos/time bias", shapes.WIDE_BIAS),
+            (f"+ pos {gem.num_pos} / time {gem.num_time} bias (gem_h200)", gem),
+        ):
+            rows += bench_case(
+                f"silu uniform N=1024 B=512 {name}",
+                peer.sample_lengths(rng),
+                h,
+                d,
+                "silu",
+                rng,
+                args.reps,
+                with_ref=False,
+                **_bias(bias),
+            )
         rows += bench_case(
             "softmax uniform N=1024 B=512",
-            _lengths("uniform", 512, 1024, rng),
+            peer.sample_lengths(rng),
             h,
             d,
             "softmax",
@@ -431,7 +385,7 @@ def main(argv: list[str]) -> int:
             ref_batch=128,
         )
         if jax.default_backend() == "gpu":
-            rows += bench_cudnn(8, 4096, 16, 128, rng, args.reps)
+            rows += bench_cudnn(shapes.SOFTMAX_DENSE, rng, args.reps)
     header = (
         "| case | implementation | fwd TFLOP/s | bwd TFLOP/s | fwd ms | bwd ms |\n"
         "| --- | --- | --- | --- | --- | --- |"
@@ -454,7 +408,14 @@ def main(argv: list[str]) -> int:
         )
         with open(args.write, "a") as f:
             f.write(text)
-    return 0
+    if args.no_check:
+        print("correctness: not checked (--no-check)")
+        return 0
+    failed = [c for c in checks if not c.endswith("OK")]
+    print(
+        f"correctness: {'FAILED' if failed else 'OK'}, {len(checks) - len(failed)} of {len(checks)} checks pass"
+    )
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,14 @@ a producer that TMA-loads key/value tiles into a ring of shared-memory slots, an
 warpgroups of BLOCK_Q = 64 query rows each that issue wgmma and do the activation, so one's elementwise
 work overlaps the other's matrix work.
 
-Design (same contract as gpu._forward, so it can be the forward of gpu's custom_vjp; supports() lists
-what it handles: no relative bias, Dqk = Dv = 128, bf16/fp16; SiLU or softmax, targets, window):
+Status: experimental, outside pallas_kernels.jagged_attention: never timed faster than the Triton forward
+(docs/kernels_jagged_attention.md). Nothing calls it but its tests and its benchmark
+(`python -m experiments bench mosaic_attention`).
+
+Design (same contract as the Triton backend's forward, pallas_kernels.jagged_attention.gpu.forward: the
+output and the softmax lse from to_kernel_layout's inputs, so it can become that backend's forward;
+supports() lists what it handles: no relative bias, Dqk = Dv = 128, bf16/fp16; SiLU or softmax, targets,
+window):
 * Work list: tiling.work_list(lengths, 2 * BLOCK_Q, ...), heaviest first, items (head fastest) then tail
   items that zero rows past offsets[B]. Persistent grid (default): NUM_SMS CTAs walk that list with a
   stride; the K/V ring and its barrier phases run on across items, so the producer prefetches the next
@@ -36,11 +42,12 @@ CPU checks: tests/test_jagged_attention_mosaic_gpu.py lowers the kernel for seve
 (`lower(lowering_platforms=("cuda",))`) and runs it in Mosaic GPU interpret mode against the reference,
 with the two wgmma calls replaced by plain dots there (interpret=True: the interpreter has neither
 transposed wgmma operands nor run_state). Numbers come only from the device
-(experiments/bench_mosaic_attention.py).
+(experiments/benchmarks/mosaic_attention.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -51,7 +58,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.jagged_attention import tiling
-from pallas_kernels.jagged_attention.tiling import Static, cdiv
+from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+from pallas_kernels.jagged_attention.tiling import Static, cdiv, cdiv_dyn
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
 COMPUTE_WGS = 2
@@ -62,10 +70,39 @@ NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
 # row start must be a multiple of 8 (and T too): every sequence is processed in its aligned frame, frame row
 # f = global row start - start % ALIGN + f, and the frame rows before the sequence are masked and not stored.
 ALIGN = 8
-# Bring-up switches (jax 0.11.2's Mosaic GPU layout inference rejected the first version; these isolate why):
-# flat_work: work list as one 1-D array; split_staging: one output/lse staging buffer per consumer (no
-# sub-views of untransformed shared memory); flat_gmem: q/k/v/o as [T, H * D] with column slices, lse 1-D.
-BRINGUP = {"flat_work": True, "split_staging": True, "flat_gmem": True}
+
+
+@dataclasses.dataclass(frozen=True)
+class Bringup:
+    """Bring-up switches (jax 0.11.2's Mosaic GPU layout inference rejected the first version; these isolate why).
+
+    flat_work: work list as one 1-D array; split_staging: one output/lse staging buffer per consumer (no
+    sub-views of untransformed shared memory); flat_gmem: q/k/v/o as [T, H * D] with column slices, lse 1-D.
+    """
+
+    flat_work: bool = True
+    split_staging: bool = True
+    flat_gmem: bool = True
+
+
+def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> Static:
+    """The tiling.Static of a call without relative bias (what this kernel supports), not interpreted, with the
+    GPU backend's default tiles (so the Triton forward it is compared with runs as jagged_attention runs it);
+    `fields` override any field (tests)."""
+    defaults = dict(
+        max_seq_len=max_seq_len,
+        activation=activation,
+        alpha=1.0 / math.sqrt(head_dim),
+        max_attn_len=0,
+        has_targets=False,
+        has_pos=False,
+        has_time=False,
+        num_pos=1,
+        num_time=1,
+        interpret=False,
+        blocks=BlockSizes.get_default("gpu", head_dim, max_seq_len),
+    )
+    return Static(**{**defaults, **fields})
 
 
 def supports(s: Static, q, v) -> bool:
@@ -130,11 +167,12 @@ def _kernel(
     pingpong: bool,
     num_ctas: int | None,
     half_diag: bool,
+    bringup: Bringup,
 ):
     wg = lax.axis_index("wg")
     (q_smem2, o_bufs, k_smem, v_smem, lse_bufs), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
     dv = v_smem.shape[-1]
-    flat = BRINGUP["flat_gmem"]
+    flat = bringup.flat_gmem
 
     def rows_of(ref, row, size, h, d):
         """[size, d] GMEM window of head h at row (ref is [T, H, d], or [T, H * d] when flat)."""
@@ -143,13 +181,13 @@ def _kernel(
         return ref.at[pl.ds(row, size), h]
 
     def work(k, wc):
-        return work_ref[k * num_work + wc] if BRINGUP["flat_work"] else work_ref[k, wc]
+        return work_ref[k * num_work + wc] if bringup.flat_work else work_ref[k, wc]
 
     def staged(bufs, i):
         """Consumer i's staging buffer: its own allocation (split) or a sub-view of a stacked one."""
         if bufs is None:
             return None
-        return bufs[i] if BRINGUP["split_staging"] else bufs.at[i]
+        return bufs[i] if bringup.split_staging else bufs.at[i]
 
     bq, bk = BLOCK_Q, block_k
     dtype = q_ref.dtype
@@ -400,7 +438,7 @@ def _kernel(
                     dst = lse_ref.at[w, h, pl.ds(i * bq, bq)]
                 plgpu.copy_smem_to_gmem(lse_smem, dst)
 
-        if BRINGUP["split_staging"]:  # static buffers: one branch per consumer
+        if bringup.split_staging:  # static buffers: one branch per consumer
             for i in range(COMPUTE_WGS):
                 pl.when(wg == i)(functools.partial(epilogue, i))
         else:
@@ -479,10 +517,6 @@ def _kernel(
             plgpu.barrier_wait(v_free.at[slot_of(step)])
 
 
-def cdiv_dyn(a, b: int):
-    return (a + b - 1) // b
-
-
 def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_len: int):
     """[H, T] natural-log lse from the kernel's tile-major [items, H, tile] buffer (0 for rows not computed).
 
@@ -523,8 +557,13 @@ def forward_mosaic_gpu(
     num_ctas: int | None = NUM_SMS,
     half_diag: bool = False,
     interpret: bool = False,
+    bringup: Bringup | None = None,
 ):
-    """(o [T, H, Dv], lse float32 [H, T]) with the contract of gpu._forward (see supports())."""
+    """(o [T, H, Dv], lse float32 [H, T]) from gpu.to_kernel_layout's inputs, as gpu.forward (see supports()).
+
+    bringup: None is Bringup(), the version measured last.
+    """
+    bringup = bringup or Bringup()
     del ts, pos_tab, time_tab  # no relative bias (supports() says so)
     t, heads, dqk = q.shape
     if not s.has_targets:
@@ -545,8 +584,8 @@ def forward_mosaic_gpu(
     work = jnp.stack([wb, wm, wv])
     num_zero = cdiv(t, ZERO_TILES * tile)
     softmax = s.activation == "softmax"
-    flat = BRINGUP["flat_gmem"]
-    split = BRINGUP["split_staging"]
+    flat = bringup.flat_gmem
+    split = bringup.split_staging
 
     def entry(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -592,6 +631,7 @@ def forward_mosaic_gpu(
                 pingpong=pingpong,
                 num_ctas=num_ctas,
                 half_diag=half_diag,
+                bringup=bringup,
             ),
             smem,
             loaded,
@@ -604,7 +644,7 @@ def forward_mosaic_gpu(
     if flat:
         lse_shape = (math.prod(lse_shape),)
     o_shape = (t, heads * dv) if flat else (t, heads, dv)
-    ins = (work.reshape(-1) if BRINGUP["flat_work"] else work, offsets, targets.astype(jnp.int32))
+    ins = (work.reshape(-1) if bringup.flat_work else work, offsets, targets.astype(jnp.int32))
     ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)) if flat else (q, k, v)
     # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
     # that zero rows past offsets[B]; or (persistent) NUM_SMS CTAs walking that list. Three warpgroups per

@@ -1,4 +1,7 @@
-"""Embedding tables with id hashing: unpooled lookups for sequences, pooled bags for features.
+"""Today's embedding table: a dense nnx Param, `jnp.take` lookups, pooled bags via segment_sum.
+
+Kept until phase 2 moves gem.py and retrieval.py onto the sharded tables of this package (see
+docs/embeddings.md); the train step passes it replicated, so its gradient is table-sized.
 
 Raw ids (any int32) are hashed into the table's rows, so the id space can exceed the table. Rows
 carry the logical axis "rows" so the rules table can shard them (row-wise) across the mesh.
@@ -13,15 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
+from gem_jax.embeddings.hashing import hash_ids
 from gem_jax.model.layers import param
 from gem_jax.precision import PrecisionPolicy
-
-
-def hash_ids(ids: Int[ArrayLike, ...], rows: int) -> Int[ArrayLike, ...]:
-    """Multiplicative (Knuth) hash of raw ids into [0, rows); mixes nearby ids across rows."""
-    h = ids.astype(jnp.uint32) * jnp.uint32(2654435761)
-    h = h ^ (h >> 16)
-    return (h % jnp.uint32(rows)).astype(jnp.int32)
 
 
 class HashedEmbedding(nnx.Module):
@@ -54,10 +51,3 @@ class HashedEmbedding(nnx.Module):
         if mode == "sum":
             return sums
         return sums / jnp.maximum(bag_sizes, 1).astype(sums.dtype)[:, None]
-
-
-def segment_ids(offsets: Int[ArrayLike, " B1"], capacity: int) -> Int[ArrayLike, " S"]:
-    """Segment of each flat position under jagged `offsets`; N for positions past offsets[N]."""
-    positions = jnp.arange(capacity)
-    seg = jnp.searchsorted(offsets, positions, side="right") - 1
-    return jnp.where(positions < offsets[-1], seg, offsets.shape[0] - 1).astype(jnp.int32)

@@ -1,0 +1,269 @@
+"""`python -m experiments bench fp8 [--config configs/gem_h200.toml] [--small]`: FP8 Dense vs bf16 Dense.
+
+For every distinct FP8 GEMM shape of the config's model (HSTU U/V/Q/K and output projections over
+`data.tokens_per_shard` tokens, Wukong FM MLPs over examples x candidates rows) and an N^3 square:
+1. compiles forward + backward of one FP8 Dense and counts `__cublas$lt$matmul$f8` calls in the
+   optimised HLO: one per FP8 GEMM (Y, dX, dW) is the check that XLA reached the FP8 tensor cores
+   (GPU only; on CPU XLA upcasts FP8 and there is nothing to count);
+2. checks Y, dX, dW of the FP8 and the bf16 Dense against float32 on fresh random inputs, within
+   `fp8.dot_error_bound` of their formats;
+3. times forward + backward of both (median), and the bare forward GEMM (FP8 operands already
+   quantised vs bf16), and prints a markdown table.
+It also compiles the FP8 layer the way the train step runs it (vmapped over the packs of a device,
+under shard_map) and counts its FP8 GEMMs per recipe. Exit code 1 if any check fails.
+`--small`: the largest configs/tiny.toml GEMM and a 128^3 square, seconds on CPU (a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from experiments.benchmarks.timing import median_seconds
+from gem_jax.config import PrecisionConfig, load_config
+from gem_jax.model import fp8
+from gem_jax.model.gem import GEMModel
+from gem_jax.model.layers import Dense
+from gem_jax.precision import PrecisionPolicy
+
+CUBLAS_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    layers: str  # the model's layers with this shape
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> float:  # forward + backward: three GEMMs of 2 M K N
+        return 3 * 2.0 * self.m * self.k * self.n
+
+
+def model_gemm_shapes(config) -> list[GemmShape]:
+    """The distinct (M, K, N) of the model's FP8 layers; K and N from the model itself, M from the
+    batch: tokens for the HSTU tower, examples x candidates for the Wukong stack."""
+    config = dataclasses.replace(config, precision=dataclasses.replace(config.precision, fp8=True))
+    model = nnx.eval_shape(lambda: GEMModel(config, rngs=nnx.Rngs(0)))
+    d = config.data
+    rows = {"hstu/": d.tokens_per_shard, "wukong/": d.examples_per_shard * d.num_candidates}
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for _, layer in nnx.iter_graph(model):
+        if isinstance(layer, Dense) and layer.fp8 is not None:
+            m = next((r for prefix, r in rows.items() if layer.name.startswith(prefix)), d.tokens_per_shard)
+            groups.setdefault((m, *layer.kernel.shape), []).append(layer.name)
+    return [GemmShape(", ".join(sorted(names)), *mkn) for mkn, names in sorted(groups.items())]
+
+
+def _dense_pair(recipe: str, k: int, n: int) -> tuple[Dense, Dense]:
+    """An FP8 Dense and a bf16 Dense with the same initial kernel."""
+    cfg = PrecisionConfig(compute_dtype="bfloat16", fp8=True, fp8_layers=("fp8",), fp8_recipe=recipe)
+    policy = PrecisionPolicy.from_config(cfg)
+    return Dense("fp8", k, n, policy, rngs=nnx.Rngs(0)), Dense("bf16", k, n, policy, rngs=nnx.Rngs(0))
+
+
+def _train_step(layer: Dense):
+    """(jitted value_and_grad of sum(layer(x) * c) -> ((loss, y), (dparams, dprobes, dx)), state)."""
+    graphdef, *states = nnx.split(layer, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+    params, histories, probes = (nnx.to_pure_dict(s) for s in states)
+
+    def loss(params, probes, histories, x, c):
+        y = nnx.merge(graphdef, params, histories, probes)(x)
+        return jnp.sum(y.astype(jnp.float32) * c), y
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3), has_aux=True)), params, histories, probes
+
+
+@jax.jit
+def _rel_error(a: jax.Array, b: jax.Array) -> jax.Array:
+    """||a - b|| / ||b||, on the device (the gem_h200 outputs have 4e8 elements)."""
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.sqrt(jnp.sum(jnp.square(a - b)) / jnp.sum(jnp.square(b)))
+
+
+def _rel(a, b) -> float:
+    return float(_rel_error(a, b))
+
+
+def _gemm_only(shape: GemmShape, key, reps: int) -> tuple[float, float, int]:
+    """Seconds of the bare forward GEMM, FP8 (operands already quantised) and bf16; FP8 call count."""
+
+    @jax.jit
+    def operands(key):
+        a = jax.random.normal(key, (shape.m, shape.k), jnp.float32)
+        b = jax.random.normal(jax.random.fold_in(key, 1), (shape.k, shape.n), jnp.float32)
+        sa, sb = (fp8.scale_from_amax(fp8.amax(t), fp8.E4M3, 0) for t in (a, b))
+        return a, b, sa, sb, fp8.quantize(a, sa, fp8.E4M3), fp8.quantize(b, sb, fp8.E4M3)
+
+    a, b, sa, sb, aq, bq = operands(key)
+    f8 = jax.jit(lambda aq, bq, sa, sb: jnp.dot(aq.astype(jnp.float32) * sa, bq.astype(jnp.float32) * sb))
+    bf16 = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    calls = (
+        f8.lower(aq, bq, sa, sb).compile().as_text().count(CUBLAS_FP8)
+        if jax.default_backend() == "gpu"
+        else 0
+    )
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return median_seconds(f8, aq, bq, sa, sb, reps=reps), median_seconds(bf16, a16, b16, reps=reps), calls
+
+
+def bench_shape(shape: GemmShape, recipe: str, reps: int, seed: int = 0) -> tuple[dict, list[str]]:
+    """Checks, then times, one shape and recipe; returns the table row and the failed checks."""
+    on_gpu = jax.default_backend() == "gpu"
+    key = jax.random.key(seed)
+    x = jax.random.normal(key, (shape.m, shape.k), jnp.bfloat16)
+    c = jax.random.normal(jax.random.fold_in(key, 1), (shape.m, shape.n), jnp.bfloat16).astype(jnp.float32)
+    fp8_layer, bf16_layer = _dense_pair(recipe, shape.k, shape.n)
+    kernel = fp8_layer.kernel[...]
+    hi = jax.lax.Precision.HIGHEST
+    ref = jax.jit(
+        lambda x, w, c: (
+            jnp.dot(x, w, precision=hi),
+            jnp.dot(c, w.T, precision=hi),
+            jnp.dot(x.T, c, precision=hi),
+        )
+    )(x.astype(jnp.float32), kernel, c)
+    failures, row = [], {"gemm": shape, "recipe": recipe}
+    for name, layer in (("fp8", fp8_layer), ("bf16", bf16_layer)):
+        step, params, histories, probes = _train_step(layer)
+        if histories:  # delayed scaling: one calibrating step records the amaxes the next ones use
+            (_, _), (_, dprobes, _) = step(params, probes, histories, x, c)
+            histories = fp8.update_meta(histories, dprobes)
+        (_, y), (dparams, _, dx) = step(params, probes, histories, x, c)
+        row[f"{name}_err"] = [_rel(y, ref[0]), _rel(dx, ref[1]), _rel(dparams["kernel"], ref[2])]
+        row[f"{name}_s"] = median_seconds(step, params, probes, histories, x, c, reps=reps)
+        if name == "fp8":
+            row["calls"] = None  # nothing to count on CPU
+            if on_gpu:
+                row["calls"] = (
+                    step.lower(params, probes, histories, x, c).compile().as_text().count(CUBLAS_FP8)
+                )
+                if row["calls"] != 3:
+                    failures.append(f"{shape.layers} {recipe}: {row['calls']} cuBLASLt FP8 GEMMs, expected 3")
+    e4, e5, b16 = fp8.E4M3, fp8.E5M2, jnp.bfloat16
+    bounds = {
+        # Y and dX come out in bf16 (the compute dtype, x's dtype): one more rounding; dW in f32.
+        "fp8": [
+            fp8.dot_error_bound(e4, e4, b16),
+            fp8.dot_error_bound(e5, e4, b16),
+            fp8.dot_error_bound(e4, e5),
+        ],
+        "bf16": [fp8.dot_error_bound(b16, b16, b16)] * 3,
+    }
+    for name, errs in bounds.items():
+        for what, err, bound in zip(("Y", "dX", "dW"), row[f"{name}_err"], errs):
+            if not err < bound:
+                failures.append(
+                    f"{shape.layers} {recipe} {name} {what}: relative error {err:.4f} >= {bound:.4f}"
+                )
+    row["gemm_fp8_s"], row["gemm_bf16_s"], gemm_calls = _gemm_only(shape, jax.random.fold_in(key, 2), reps)
+    if on_gpu and gemm_calls != 1:
+        failures.append(
+            f"{shape.layers}: bare FP8 GEMM compiled to {gemm_calls} cuBLASLt FP8 calls, expected 1"
+        )
+    return row, failures
+
+
+def trainer_shaped_calls(shape: GemmShape, recipe: str, packs_per_device: int) -> int:
+    """cuBLASLt FP8 calls when the layer runs as in the train step: per-pack loss vmapped over the
+    packs of one device under shard_map, per-pack probes, gradients for params, probes and x.
+    Compiled from abstract shapes (no memory)."""
+    layer, _ = _dense_pair(recipe, shape.k, shape.n)
+    graphdef, *states = nnx.split(layer, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+    params, histories, probes = (nnx.to_pure_dict(s) for s in states)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
+
+    def loss(params, pack_probes, histories, xs):
+        def local(params, pack_probes, histories, xs):
+            def per_pack(probes, x):
+                return jnp.sum(nnx.merge(graphdef, params, histories, probes)(x).astype(jnp.float32))
+
+            return jax.lax.psum(jax.vmap(per_pack)(pack_probes, xs).sum(), "data")
+
+        spec = P("data")
+        in_specs = (P(), spec, P(), spec)
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
+            params, pack_probes, histories, xs
+        )
+
+    xs = jax.ShapeDtypeStruct((packs_per_device, shape.m, shape.k), jnp.bfloat16)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 3)))
+    text = step.lower(params, fp8.pack_probes(probes, packs_per_device), histories, xs).compile().as_text()
+    return text.count(CUBLAS_FP8)
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [
+        "| FP8 layers | M x K x N | recipe | FP8 GEMM calls (of 3) | FP8 rel. err Y / dX / dW | bf16 rel. err "
+        "Y / dX / dW | bf16 fwd+bwd ms | FP8 fwd+bwd ms | speedup | FP8 TFLOP/s | bare GEMM FP8 / bf16 "
+        "TFLOP/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        g = r["gemm"]
+        fwd = 2.0 * g.m * g.k * g.n
+        calls = "n/a (CPU)" if r["calls"] is None else str(r["calls"])
+        errs = {k: " / ".join(f"{e:.4f}" for e in r[f"{k}_err"]) for k in ("fp8", "bf16")}
+        lines.append(
+            f"| {g.layers} | {g.m} x {g.k} x {g.n} | {r['recipe']} | {calls} | {errs['fp8']} | {errs['bf16']} | "
+            f"{r['bf16_s'] * 1e3:.3f} | {r['fp8_s'] * 1e3:.3f} | {r['bf16_s'] / r['fp8_s']:.2f}x | "
+            f"{g.flops / r['fp8_s'] / 1e12:.1f} | {fwd / r['gemm_fp8_s'] / 1e12:.1f} / "
+            f"{fwd / r['gemm_bf16_s'] / 1e12:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments bench fp8", description=__doc__)
+    parser.add_argument("--config", default="configs/gem_h200.toml")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--recipes", default="delayed,current", help="comma-separated FP8 recipes")
+    parser.add_argument("--square", type=int, default=8192, help="also an N^3 GEMM (0: none)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
+    args = parser.parse_args(argv)
+    if args.small:
+        args.config, args.square, args.reps = "configs/tiny.toml", 128, 1
+    recipes = args.recipes.split(",")
+    for recipe in recipes:
+        if recipe not in fp8.RECIPES:
+            parser.error(f"--recipes: unknown recipe {recipe!r} (known: {', '.join(fp8.RECIPES)})")
+    config = load_config(args.config, args.overrides)
+    shapes = model_gemm_shapes(config)
+    if args.small:  # the largest model GEMM only: the run is there to exercise the code
+        shapes = [max(shapes, key=lambda g: g.flops)]
+    if args.square:
+        shapes.append(GemmShape("square", args.square, args.square, args.square))
+
+    device = jax.devices()[0]
+    print(f"# FP8 Dense vs bf16 Dense, {datetime.date.today()}, {device.device_kind}, jax {jax.__version__}")
+    print(f"# config {args.config} {' '.join(args.overrides)}; median of {args.reps} reps\n")
+    rows, failures = [], []
+    for shape in shapes:
+        for recipe in recipes:
+            row, failed = bench_shape(shape, recipe, args.reps)
+            rows.append(row)
+            failures += failed
+    print(_table(rows))
+
+    print(
+        "\n| recipe | packs per device | FP8 GEMM calls in the train-step shape (of 3) |\n| --- | --- | --- |"
+    )
+    big = max(model_gemm_shapes(config), key=lambda g: g.flops)
+    for recipe in recipes:
+        for packs in (1, 2):
+            calls = trainer_shaped_calls(big, recipe, packs)
+            shown = str(calls) if device.platform == "gpu" else "n/a (CPU)"
+            print(f"| {recipe} | {packs} | {shown} ({big.layers}: {big.m} x {big.k} x {big.n}) |")
+            if device.platform == "gpu" and recipe == "delayed" and calls != 3:
+                failures.append(f"train-step shape, delayed, {packs} packs: {calls} FP8 GEMMs, expected 3")
+    for f in failures:
+        print(f"CHECK FAILED: {f}")
+    return 1 if failures else 0

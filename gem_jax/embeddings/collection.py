@@ -1,0 +1,424 @@
+"""`EmbeddingCollection`: the tables of a model, their sharded state, lookups and sparse updates.
+
+The state is a plain dict (orbax checkpoints it as is): `state[key] = {"table": [rows, dim],
+"accumulator": [rows]}` (no accumulator for SGD), one entry per table, except that `table_wise`
+tables of one (dim, dtype) share one stacked array (`table_wise_<dim>_<dtype>`) whose contiguous
+row blocks are the devices' shards, each holding whole tables. Its shape depends on the device
+count; `to_logical` / `from_logical` convert to and from one `[rows, dim]` array per table, whose
+shape never does (save that form to restore on another device count or plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+from gem_jax.config import Config, ConfigError, FeatureConfig, TableConfig
+from gem_jax.embeddings import routing
+from gem_jax.embeddings.hashing import hash_ids, segment_ids
+from gem_jax.embeddings.optimizers import RowWiseAdagrad, SparseOptimizer
+from gem_jax.embeddings.optimizers import from_config as optimizer_from_config
+from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
+
+
+class FeatureIds(NamedTuple):
+    """One feature's ids on one device. Leading dims (e.g. packs) are kept in the output.
+
+    Pooled features: `values[..., S]` raw ids and `offsets[..., N + 1]` jagged bags (positions past
+    offsets[N] are unused capacity). `pooling = "none"`: one output row per value; `offsets`, if
+    given, marks positions past offsets[-1] unused (they look up zeros).
+    """
+
+    values: Int[Array, "... S"]
+    offsets: Int[Array, "... N1"] | None = None
+
+
+@struct.dataclass
+class Residuals:
+    """What `apply_gradients` needs from `lookup`: routed ids per state entry, mean-pool scales."""
+
+    routed: dict[str, routing.Routed]
+    scales: dict[str, Array]
+    features: tuple[str, ...] = struct.field(pytree_node=False, default=())  # looked-up features
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One state entry: a table, or a stack of table_wise tables, and how it lies on the mesh."""
+
+    key: str
+    rows: int  # global rows of the array (a stack: devices x block)
+    dim: int
+    dtype: str
+    columns: bool  # column_wise
+    row_axes: tuple[str, ...]
+    replica_axes: tuple[str, ...]  # axes of size > 1 holding copies whose updates are synced
+    column_axes: tuple[str, ...]
+    block: int  # rows of one device's block
+    bases: dict[str, int]  # table -> its first row in the array
+
+
+class _Flat(NamedTuple):
+    """One feature's ids flattened over its packs (see `EmbeddingCollection._flatten`)."""
+
+    rows: Array  # [S] global row of each position; the entry's row count for none
+    bags: Array  # [S] bag of each position, sorted
+    num_bags: int
+    shape: tuple[int, ...]  # leading dims + bags of the activations
+    scale: Array | None  # [packs, N] mean pooling's 1 / length
+    starts: Array  # [N] first position of each bag
+    ends: Array  # [N] one past its last position
+    max_bag: int  # the feature's declared longest bag (1 unpooled; 0 unknown)
+
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class EmbeddingCollection:
+    """Tables + features + plan on a mesh; see the package docstring for how a train step uses it."""
+
+    def __init__(
+        self,
+        tables: Mapping[str, TableConfig],
+        features: Mapping[str, FeatureConfig],
+        mesh: Mesh,
+        batch_axes: tuple[str, ...],
+        *,
+        optimizer: SparseOptimizer | None = None,
+        fast_axes: tuple[str, ...] = (),
+        budget_bytes: int | None = None,
+        plan: Plan | None = None,
+    ):
+        self.tables = dict(tables)
+        self.features = dict(sorted(features.items()))
+        for name, f in self.features.items():
+            if f.table not in self.tables:
+                raise ConfigError(
+                    f"feature {name!r} reads table {f.table!r}, not one of {tuple(self.tables)}"
+                )
+            if f.pooling not in ("sum", "mean", "none"):
+                raise ConfigError(f"feature {name!r}: pooling must be sum, mean or none, got {f.pooling!r}")
+        self.mesh = mesh
+        self.batch_axes = tuple(batch_axes)
+        self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad()
+        if plan is None:
+            budget = budget_bytes if budget_bytes is not None else device_memory_bytes() // 2
+            plan = plan_tables(
+                self.tables,
+                dict(mesh.shape),
+                self.batch_axes,
+                fast_axes=fast_axes,
+                budget_bytes=budget,
+                accumulator=self.optimizer.has_accumulator,
+            )
+        self.plan = plan
+        self.entries = self._entries()
+        self._table_entry = {t: e for e in self.entries.values() for t in e.bases}
+
+    @classmethod
+    def from_config(
+        cls, config: Config, mesh: Mesh, extra_tables: Mapping[str, TableConfig] | None = None
+    ) -> EmbeddingCollection:
+        """The collection the config describes (`extra_tables`: e.g. a model's data-sized table)."""
+        from gem_jax.parallel import fast_axes, shard_axes
+
+        e = config.embeddings
+        batch_axes = shard_axes(config.parallel)
+        fast = e.fast_axes
+        if not fast and config.parallel.slow_axes:  # the topology says which axes stay inside a host
+            fast = tuple(a for a in fast_axes(config.parallel) if a in batch_axes)
+        tables = {**e.resolved_tables(), **(extra_tables or {})}
+        gib = e.device_memory_gib * (1 << 30) if e.device_memory_gib else device_memory_bytes()
+        return cls(
+            tables,
+            e.resolved_features(),
+            mesh,
+            batch_axes,
+            optimizer=optimizer_from_config(e.optimizer, e.adagrad_eps, e.adagrad_initial_accumulator),
+            fast_axes=fast,
+            budget_bytes=int(gib * e.memory_fraction),
+        )
+
+    # ------------------------------------------------------------------------- layout
+
+    def _size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
+
+    def _entries(self) -> dict[str, _Entry]:
+        entries: dict[str, _Entry] = {}
+        stacks: dict[tuple[int, str], list[str]] = {}
+        for name, p in self.plan.placements.items():
+            replicas = tuple(a for a in p.replica_axes if self.mesh.shape[a] > 1)
+            if p.sharding == "table_wise":
+                stacks.setdefault((p.dim, p.dtype), []).append(name)
+                continue
+            block = p.rows // self._size(p.row_axes)
+            entries[name] = _Entry(
+                name, p.rows, p.dim, p.dtype, p.sharding == "column_wise", p.row_axes, replicas,
+                p.column_axes, block, {name: 0},
+            )  # fmt: skip
+        g = self._size(self.batch_axes)
+        for (dim, dtype), names in sorted(stacks.items()):
+            key = f"table_wise_{dim}_{dtype}"
+            if key in self.plan.placements:
+                raise ConfigError(f"table name {key!r} is reserved for the stack of table_wise tables")
+            fill = [0] * g
+            offsets = {}
+            for name in sorted(names):
+                owner = self.plan.placements[name].owner
+                offsets[name] = (owner, fill[owner])
+                fill[owner] += self.plan.placements[name].rows
+            block = max(8, -(-max(fill) // 8) * 8)
+            bases = {name: owner * block + off for name, (owner, off) in offsets.items()}
+            entries[key] = _Entry(key, g * block, dim, dtype, False, self.batch_axes, (), (), block, bases)
+        return entries
+
+    def _specs(self, entry: _Entry) -> dict[str, P]:
+        if entry.columns:
+            specs = {"table": P(None, entry.column_axes), "accumulator": P()}
+        else:
+            rows = entry.row_axes or None
+            specs = {"table": P(rows, None), "accumulator": P(rows)}
+        if not self.optimizer.has_accumulator:
+            del specs["accumulator"]
+        return specs
+
+    def state_specs(self) -> dict[str, dict[str, P]]:
+        """PartitionSpecs of the state, for the train step's `shard_map` in_specs / out_specs."""
+        return {k: self._specs(e) for k, e in self.entries.items()}
+
+    def state_shardings(self) -> dict[str, dict[str, NamedSharding]]:
+        return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs())
+
+    def logical_shardings(self) -> dict[str, dict[str, NamedSharding]]:
+        """Shardings of the `to_logical` form: the table's own, or row blocks for a stacked table."""
+        out = {}
+        for name, t in self.tables.items():
+            entry = self._table_entry[name]
+            if entry.key == name:
+                specs = self._specs(entry)
+            else:
+                rows = self.batch_axes if t.rows % self._size(self.batch_axes) == 0 else None
+                specs = {"table": P(rows, None), "accumulator": P(rows)}
+                if not self.optimizer.has_accumulator:
+                    del specs["accumulator"]
+            out[name] = {k: NamedSharding(self.mesh, s) for k, s in specs.items()}
+        return out
+
+    # ------------------------------------------------------------------------- state
+
+    def _logical_init(self, rng: jax.Array) -> dict[str, dict[str, Array]]:
+        out = {}
+        for name, t in sorted(self.tables.items()):
+            key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+            shape = (t.rows, t.dim)
+            if t.initializer == "normal":
+                table = t.init_scale * jax.random.normal(key, shape, jnp.float32)
+            elif t.initializer == "uniform":
+                table = jax.random.uniform(key, shape, jnp.float32, -t.init_scale, t.init_scale)
+            elif t.initializer == "zeros":
+                table = jnp.zeros(shape, jnp.float32)
+            else:
+                raise ConfigError(f"table {name!r}: unknown initializer {t.initializer!r}")
+            out[name] = {"table": table.astype(_DTYPES[t.dtype])}
+            if self.optimizer.has_accumulator:
+                out[name]["accumulator"] = self.optimizer.init_accumulator(t.rows)
+        return out
+
+    def _from_logical(self, logical):
+        state = {}
+        for key, entry in self.entries.items():
+            if entry.bases == {key: 0} and key in self.tables:
+                state[key] = dict(logical[key])
+                continue
+            slots = {"table": jnp.zeros((entry.rows, entry.dim), _DTYPES[entry.dtype])}
+            if self.optimizer.has_accumulator:
+                slots["accumulator"] = jnp.zeros((entry.rows,), jnp.float32)
+            for name, base in entry.bases.items():
+                for slot in slots:
+                    slots[slot] = jax.lax.dynamic_update_slice_in_dim(
+                        slots[slot], logical[name][slot], base, 0
+                    )
+            state[key] = slots
+        return state
+
+    def _to_logical(self, state):
+        out = {}
+        for name, t in self.tables.items():
+            entry = self._table_entry[name]
+            base = entry.bases[name]
+            out[name] = {slot: x[base : base + t.rows] for slot, x in state[entry.key].items()}
+        return out
+
+    def init(self, rng: jax.Array) -> dict[str, dict[str, Array]]:
+        """Fresh sharded state. A table's values depend only on `rng` and its name, not on the plan."""
+        fn = jax.jit(
+            lambda r: self._from_logical(self._logical_init(r)), out_shardings=self.state_shardings()
+        )
+        return fn(rng)
+
+    def to_logical(self, state):
+        """One `[rows, dim]` table and `[rows]` accumulator per table name (checkpoint form)."""
+        return jax.jit(self._to_logical, out_shardings=self.logical_shardings())(state)
+
+    def from_logical(self, logical):
+        """Inverse of `to_logical`, onto this collection's plan (which may differ from the saver's)."""
+        return jax.jit(self._from_logical, out_shardings=self.state_shardings())(logical)
+
+    # ------------------------------------------------------------------------- lookup / update
+    # Both run INSIDE a `jax.shard_map` over `batch_axes`, on local state blocks and local ids.
+
+    def _flatten(self, name: str, ids: FeatureIds, entry: _Entry) -> _Flat:
+        """Raw ids of one feature (any leading pack dims) -> one flat list of rows and bags."""
+        f, t = self.features[name], self.tables[self.features[name].table]
+        values = ids.values
+        lead, s = values.shape[:-1], values.shape[-1]
+        packs = math.prod(lead)
+        values = values.reshape(packs, s)
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (packs, s))
+        scale = None
+        if f.pooling == "none":
+            n, bags = s, positions
+            if ids.offsets is None:
+                valid = jnp.ones((packs, s), bool)
+            else:
+                valid = positions < ids.offsets.reshape(packs, -1)[:, -1:]
+            starts, ends = positions, positions + valid
+        else:
+            if ids.offsets is None:
+                raise ValueError(f"feature {name!r} pools bags ({f.pooling}); its FeatureIds need offsets")
+            offsets = ids.offsets.reshape(packs, -1)
+            n = offsets.shape[-1] - 1
+            seg = jax.vmap(segment_ids, in_axes=(0, None))(offsets, s)
+            valid = seg < n
+            bags = jnp.minimum(seg, n - 1)  # unused capacity pools a zero row into the last bag (keeps order)
+            starts, ends = offsets[:, :-1], offsets[:, 1:]
+            if f.pooling == "mean":
+                scale = 1.0 / jnp.maximum(jnp.diff(offsets, axis=-1), 1).astype(jnp.float32)
+        if t.hashed:
+            rows = hash_ids(values, t.rows)
+        else:
+            valid = valid & (values >= 0) & (values < t.rows)
+            rows = values
+        rows = jnp.where(valid, entry.bases[f.table] + rows, entry.rows)  # entry.rows: no row
+        pack = jnp.arange(packs, dtype=jnp.int32)[:, None]
+        return _Flat(
+            rows.reshape(-1),
+            (bags + pack * n).reshape(-1),
+            packs * n,
+            (*lead, n),
+            scale,
+            (starts + pack * s).reshape(-1),
+            (ends + pack * s).reshape(-1),
+            1 if f.pooling == "none" else f.max_bag_size,
+        )
+
+    def lookup(
+        self, state, batch: Mapping[str, FeatureIds]
+    ) -> tuple[dict[str, Float[Array, "... N E"]], Residuals]:
+        """Pooled (or, for `pooling = "none"`, per-id) fp32 activations of every feature in `batch`.
+
+        Call inside `jax.shard_map` over `batch_axes` with `state_specs()`; every device passes its
+        own ids (any leading pack dims). Returns the activations and the residuals for
+        `apply_gradients`.
+        """
+        unknown = set(batch) - set(self.features)
+        if unknown:
+            raise ValueError(f"lookup: unknown features {sorted(unknown)} (known: {list(self.features)})")
+        out, routed, scales = {}, {}, {}
+        for key, entry in self.entries.items():
+            names = [n for n in self.features if n in batch and self.features[n].table in entry.bases]
+            if not names:
+                continue
+            flats = {name: self._flatten(name, batch[name], entry) for name in names}
+            shapes, first, position = {}, 0, 0
+            rows, bags, starts, ends = [], [], [], []
+            for name, fl in flats.items():
+                rows.append(fl.rows)
+                bags.append(fl.bags + first)
+                starts.append(fl.starts + position)
+                ends.append(fl.ends + position)
+                shapes[name] = (first, fl.num_bags, fl.shape)
+                first += fl.num_bags
+                position += fl.rows.shape[0]
+                if fl.scale is not None:
+                    scales[name] = fl.scale
+            rows, bags = jnp.concatenate(rows), jnp.concatenate(bags)
+            table = state[key]["table"]
+            if entry.columns:
+                pooled, routed[key] = routing.column_sharded_lookup(
+                    table, rows, bags, first, entry.column_axes
+                )
+            else:
+                bound = (
+                    0
+                    if any(fl.max_bag == 0 for fl in flats.values())
+                    else max(fl.max_bag for fl in flats.values())
+                )
+                spans = (jnp.concatenate(starts), jnp.concatenate(ends)) if bound else None
+                pooled, routed[key] = routing.row_sharded_lookup(
+                    table, rows, bags, first, entry.row_axes, sorted_bags=True, spans=spans, max_bag=bound
+                )
+            for name, (first, n, shape) in shapes.items():
+                x = pooled[first : first + n].reshape(*shape, entry.dim)
+                if name in scales:
+                    x = x * scales[name].reshape(shape)[..., None]
+                out[name] = x
+        return out, Residuals(routed, scales, tuple(n for n in self.features if n in batch))
+
+    def apply_gradients(
+        self,
+        state,
+        residuals: Residuals,
+        activation_grads: Mapping[str, Float[Array, "... N E"]],
+        learning_rate: Float[Array, ""] | float,
+    ):
+        """One sparse optimizer step from d(loss)/d(activations) of this device's lookup.
+
+        Call inside the same `jax.shard_map` as `lookup`, with the gradient of the GLOBAL loss w.r.t.
+        this device's activations. Only rows some device looked up change; replicas stay identical.
+        """
+        if set(activation_grads) != set(residuals.features):
+            raise ValueError(
+                f"apply_gradients: gradients for {sorted(activation_grads)}, but the lookup was of "
+                f"{sorted(residuals.features)}"
+            )
+        new_state = dict(state)
+        for key, entry in self.entries.items():
+            if key not in residuals.routed:
+                continue
+            names = [
+                n for n in self.features if self.features[n].table in entry.bases and n in activation_grads
+            ]
+            parts = []
+            for name in names:
+                g = activation_grads[name].astype(jnp.float32)
+                if name in residuals.scales:
+                    g = g * residuals.scales[name][..., None]
+                parts.append(g.reshape(-1, entry.dim))
+            bag_grads = jnp.concatenate(parts)
+            routed = residuals.routed[key]
+            if entry.columns:
+                rows, grads, sq_mean = routing.column_sharded_gradients(
+                    routed, bag_grads, entry.block, entry.column_axes
+                )
+            else:
+                rows, grads = routing.row_sharded_gradients(
+                    routed, bag_grads, entry.block, entry.row_axes, entry.replica_axes
+                )
+                sq_mean = jnp.mean(grads * grads, axis=-1)
+            table, acc = self.optimizer.update(
+                state[key]["table"], state[key].get("accumulator"), rows, grads, sq_mean, learning_rate
+            )
+            new_state[key] = {"table": table} if acc is None else {"table": table, "accumulator": acc}
+        return new_state

@@ -1,0 +1,244 @@
+"""FP8 matmuls for NNX: e4m3 inputs and weights, e5m2 output gradients, one scale per tensor.
+
+Why not flax's: `flax.linen.fp8_ops` is written for Linen. Its scales and amax histories live in a
+Linen variable collection and are updated by "overwrite with gradient": the custom VJP returns the
+new history as the history's gradient, and an extended dtype whose `add` is `max` keeps the sum of
+gradients over several uses correct. Our model is NNX, and our step differentiates a loss vmapped
+over packs and shard_mapped over batch shards: JAX sums a replicated input's cotangent over both
+(and private `jax._src` dtype rules are not something to build on across jax 0.10 and 0.11). The
+scaling math below is the same as flax's and Transformer Engine's; the state and its update are ours.
+
+Scaling. A tensor t is stored as q = saturate(t / s) in an FP8 format and read back as q * s, where s
+(the dequantisation scale; Transformer Engine calls it scale_inv) is amax * 2^margin / fp8_max, so
+that the amax lands `margin` binades below the format's largest value. Saturation clips to
++-fp8_max before the cast: e4m3fn has no Inf and would turn an overflow into NaN, e5m2 into Inf.
+- "current": amax = max|t| of the tensor itself, now (no state).
+- "delayed": amax = the max of the last N steps' amaxes (the amax history, newest first); a step's
+  own amax is recorded after the step. As TE's DelayedScaling(amax_compute_algo="max") and flax.
+  Non-finite entries (a diverging step) are left out of that max, and an all-zero history (the first
+  step) gives s = 1. TE keeps the previous scale instead; we store no scale, only the history.
+
+GEMM pattern. XLA rewrites a dot into a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) only when each
+operand is `convert(f8 -> f32) * broadcast(rank-0 f32 scale)` and the dot's result is f32; a bf16
+dequantisation silently falls back to a bf16 GEMM. The forward (Y = X W) and both backward GEMMs
+(dX = dY W^T with dY in e5m2 and W in e4m3; dW = X^T dY) are written exactly so (`_dequantize`).
+
+State and its update (what the trainer does). The delayed recipe keeps, per FP8 layer, an
+`AmaxHistory` f32[3, N] (rows: input, weight, output gradient) and an `AmaxProbe` f32[3] of zeros.
+The probe's value is never read; its cotangent is defined as the three amaxes this call observed
+(the gradient's amax is only known in the backward pass). The trainer gives every pack its own copy
+of the probes (`pack_probes`, sharded and vmapped like the batch), so no sum over packs or shards
+ever touches them; it reduces the per-pack cotangents with max (`combine_meta_grads`: the exact amax
+over the global batch) and rolls them into the histories (`update_meta`). Histories are ordinary
+replicated train state (checkpointed with it); the optimizer never sees them (not `nnx.Param`).
+A layer must be called once per forward for its probe to hold its amaxes (two calls would add).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, ArrayLike, Float
+
+E4M3 = jnp.float8_e4m3fn  # inputs and weights: 3 mantissa bits, max 448
+E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344, more range
+RECIPES = ("delayed", "current")
+_ROWS = ("input", "weight", "grad")  # rows of an AmaxHistory / entries of an AmaxProbe
+_FORMATS = (E4M3, E4M3, E5M2)
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Recipe:
+    """How an FP8 layer scales its tensors (from `precision.fp8_recipe`, `_amax_history`, `_margin`)."""
+
+    kind: str = "delayed"  # "delayed" | "current"
+    amax_history: int = 1024  # steps of amax kept by the delayed recipe (TE's and flax's default)
+    margin: int = 0  # binades of headroom below the format's max
+
+    def __post_init__(self):
+        if self.kind not in RECIPES:
+            raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.kind!r}")
+        if self.amax_history < 1 or self.margin < 0:
+            raise ValueError(f"FP8 amax_history must be >= 1 and margin >= 0, got {self}")
+
+
+class AmaxHistory(nnx.Variable):
+    """The last N amaxes of a layer's input, weight and output gradient, newest first: train state."""
+
+
+class AmaxProbe(nnx.Variable):
+    """Zeros whose cotangent is the amaxes a layer observed; per pack, never stored (see module doc)."""
+
+
+# ----------------------------------------------------------------------------- scaling math
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def dot_error_bound(*dtypes) -> float:
+    """Bound on the normwise relative (RMS) error of a long random dot whose operands (and output)
+    are rounded to `dtypes`: sqrt(sum u^2) / sqrt(3), with u = 2^-(mantissa bits + 1) the unit
+    roundoff. Rounding to nearest leaves an error uniform over half an ulp, so one rounding has RMS
+    relative error at most u / sqrt(3) (about 0.42 u measured on normal data); independent errors add
+    in quadrature. e4m3 x e4m3: 0.051; e5m2 x e4m3: 0.081; bf16 x bf16 -> bf16: 0.0039."""
+    return sum((float(jnp.finfo(d).eps) / 2) ** 2 for d in dtypes) ** 0.5 / 3**0.5
+
+
+def amax(t: Array) -> Float[Array, ""]:
+    return jnp.max(jnp.abs(t)).astype(jnp.float32)
+
+
+def scale_from_amax(a: Float[Array, "..."], dtype, margin: int) -> Float[Array, "..."]:
+    """Dequantisation scale that maps amax `a` to fp8_max / 2^margin; 1 where `a` is 0 or not finite."""
+    ok = jnp.isfinite(a) & (a > 0)
+    return jnp.where(ok, a * (2.0**margin / fp8_max(dtype)), 1.0).astype(jnp.float32)
+
+
+def scale_from_history(history: Float[Array, " hist"], dtype, margin: int) -> Float[Array, ""]:
+    """Delayed scaling: the scale of the history's largest finite amax."""
+    return scale_from_amax(jnp.max(jnp.where(jnp.isfinite(history), history, 0.0)), dtype, margin)
+
+
+def roll_history(history: Float[Array, "... hist"], new: Float[Array, "..."]) -> Float[Array, "... hist"]:
+    """Pushes this step's amax in front (newest first); the oldest falls off."""
+    return jnp.concatenate([new[..., None].astype(history.dtype), history[..., :-1]], axis=-1)
+
+
+def quantize(t: Array, scale: Float[Array, ""], dtype) -> Array:
+    """t / scale, clipped to the format's range (saturation: never NaN/Inf from an overflow)."""
+    m = fp8_max(dtype)
+    return jnp.clip(t.astype(jnp.float32) / scale, -m, m).astype(dtype)
+
+
+def _dequantize(q: Array, scale: Float[Array, ""]) -> Float[Array, "..."]:
+    """The operand form cuBLASLt FP8 needs: f8 converted to f32, times a rank-0 f32 scale."""
+    return q.astype(jnp.float32) * scale
+
+
+def _dot(a: Array, b: Array, contract: tuple[int, int], precision) -> Array:
+    """A GEMM with f32 result. The precision picks cuBLASLt's FP8 accumulation: DEFAULT turns on its
+    fast accumulation (not periodically promoted to full f32), HIGHEST turns it off. As Transformer
+    Engine and flax do, the forward GEMM accumulates fast and the two gradient GEMMs do not."""
+    dims = ((contract[:1], contract[1:]), ((), ()))
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- the FP8 GEMM
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    recipe: FP8Recipe
+    x_dtype: Any
+    w_dtype: Any
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_matmul(static: _Static, x, w, history, probe):
+    return _fp8_matmul_fwd(static, x, w, history, probe)[0]
+
+
+def _fp8_matmul_fwd(static: _Static, x, w, history, probe):
+    r = static.recipe
+    x_amax, w_amax = amax(x), amax(w)
+    if history is None:  # current scaling
+        x_scale, w_scale = scale_from_amax(x_amax, E4M3, r.margin), scale_from_amax(w_amax, E4M3, r.margin)
+        g_scale = None
+    else:
+        x_scale, w_scale, g_scale = (scale_from_history(history[i], _FORMATS[i], r.margin) for i in range(3))
+    xq, wq = quantize(x, x_scale, E4M3), quantize(w, w_scale, E4M3)
+    y = _dot(_dequantize(xq, x_scale), _dequantize(wq, w_scale), (1, 0), jax.lax.Precision.DEFAULT)
+    # Residuals are the FP8 operands (a quarter of f32), their scales and the forward amaxes.
+    return y, (xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax, history)
+
+
+def _fp8_matmul_bwd(static: _Static, res, g):
+    xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax, history = res
+    g_amax = amax(g)
+    if g_scale is None:
+        g_scale = scale_from_amax(g_amax, E5M2, static.recipe.margin)
+    gq = quantize(g, g_scale, E5M2)
+    hi = jax.lax.Precision.HIGHEST
+    dx = _dot(_dequantize(gq, g_scale), _dequantize(wq, w_scale), (1, 1), hi)  # dY W^T: [M, K]
+    dw = _dot(_dequantize(xq, x_scale), _dequantize(gq, g_scale), (0, 0), hi)  # X^T dY: [K, N]
+    if history is None:
+        return dx.astype(static.x_dtype), dw.astype(static.w_dtype), None, None
+    probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])
+    return dx.astype(static.x_dtype), dw.astype(static.w_dtype), jnp.zeros_like(history), probe_cotangent
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+class FP8Matmul(nnx.Module):
+    """The FP8 GEMM of one Dense layer (x @ w, f32 result) and, for delayed scaling, its amax state."""
+
+    def __init__(self, recipe: FP8Recipe):
+        self.recipe = recipe
+        if recipe.kind == "delayed":
+            self.amax_history = AmaxHistory(jnp.zeros((len(_ROWS), recipe.amax_history), jnp.float32))
+            self.amax_probe = AmaxProbe(jnp.zeros((len(_ROWS),), jnp.float32))
+        else:
+            self.amax_history = self.amax_probe = None
+
+    def __call__(
+        self, x: Float[ArrayLike, "rows din"], w: Float[ArrayLike, "din dout"]
+    ) -> Float[Array, "rows dout"]:
+        x, w = jnp.asarray(x), jnp.asarray(w)
+        if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+            raise ValueError(f"FP8Matmul wants x [rows, din] and w [din, dout], got {x.shape} and {w.shape}")
+        static = _Static(self.recipe, x.dtype, w.dtype)
+        if self.amax_history is None:
+            return _fp8_matmul(static, x, w, None, None)
+        return _fp8_matmul(static, x, w, self.amax_history[...], self.amax_probe[...])
+
+
+# ----------------------------------------------------------------------------- the trainer's part
+
+
+def pack_probes(probes: dict, num_packs: int) -> dict:
+    """One zero copy of every `AmaxProbe` per pack (leading axis), to shard and vmap like the batch.
+
+    `probes` is `nnx.to_pure_dict(nnx.state(model, AmaxProbe))` (empty without delayed FP8 layers).
+    """
+    return jax.tree.map(lambda p: jnp.zeros((num_packs, *p.shape), p.dtype), probes)
+
+
+def combine_meta_grads(probe_grads: dict) -> dict:
+    """The global amaxes: the max over the pack axis of the per-pack probe cotangents.
+
+    Max, never sum: a pack's cotangent is that pack's amax. Under jit over a batch-sharded pack axis,
+    XLA reduces locally and all-reduces with max across shards, so the result is exact.
+    """
+    return jax.tree.map(lambda g: jnp.max(g, axis=0), probe_grads)
+
+
+def update_meta(histories: dict, amaxes: dict) -> dict:
+    """The histories after a step: each layer's global amaxes (from `combine_meta_grads`) rolled in.
+
+    `histories` is `nnx.to_pure_dict(nnx.state(model, AmaxHistory))`; `amaxes` has the same nesting
+    with an "amax_probe" leaf beside each "amax_history" leaf.
+    """
+
+    def walk(h: dict, a: dict, path: str) -> dict:
+        out = {}
+        for key, value in h.items():
+            where = f"{path}/{key}" if path else str(key)
+            if key == "amax_history":
+                if "amax_probe" not in a:
+                    raise KeyError(f"update_meta: no amax_probe beside {where}")
+                out[key] = roll_history(value, a["amax_probe"])
+            else:
+                if key not in a:
+                    raise KeyError(f"update_meta: amaxes have no entry {where}")
+                out[key] = walk(value, a[key], where)
+        return out
+
+    return walk(histories, amaxes, "")

@@ -1,0 +1,16 @@
+"""The embeddings benchmark's --small run: correctness check, timings and the markdown table."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments.benchmarks import embeddings as bench_embeddings
+
+
+@pytest.mark.slow
+def test_small_run_checks_and_prints_the_table(capsys):
+    assert bench_embeddings.main(["--small", "--no-torch", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "correctness" in out and "OK" in out
+    assert "| forward + backward + row-wise Adagrad |" in out
+    assert "| t00 | 4,096 | 16 | float32 |" in out  # the printed plan
