@@ -154,3 +154,15 @@ def test_check_process_shards_accepts_model_axes():
     array = device_array(config, _hosts(2, 4))
     check_process_shards(array, config)
     assert np.asarray([[d.process_index for d in row.flat] for row in array]).tolist() == [[0] * 4, [1] * 4]
+
+
+def test_embedding_planner_takes_its_fast_axes_from_the_topology():
+    """two_d tables split rows over the axes inside a host: those not in parallel.slow_axes."""
+    from gem_jax.embeddings import EmbeddingCollection
+
+    axes = ['parallel.mesh_axes=["dcn", "data", "x"]', "parallel.mesh_shape=[2, 2, 2]"]
+    axes.append('parallel.rules={shard=["dcn", "data", "x"]}')
+    for slow, fast in (('parallel.slow_axes=["dcn"]', ("data", "x")), ("parallel.slow_axes=[]", ("x",))):
+        config = load_config(None, [*axes, slow])
+        plan = EmbeddingCollection.from_config(config, make_mesh(config.parallel)).plan
+        assert plan.fast_axes == fast, slow
