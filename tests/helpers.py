@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from gem_jax.config import Config, load_config
 from gem_jax.data.pipeline import packed_dataset
@@ -63,3 +64,27 @@ def stacks(config: Config, shards: int, start: int = 0):
 
 def first_pack(stack):
     return jax.tree.map(lambda x: x[0], stack)
+
+
+_TABLES: dict = {}
+
+
+def dense_embeddings(config: Config, pack, seed: int = 0) -> dict:
+    """The pack's looked-up embeddings from dense stand-in tables (gem_jax.embeddings.reference):
+    model-level tests call the model directly, without the sharded EmbeddingCollection."""
+    from gem_jax.embeddings import reference
+    from gem_jax.model.gem import embedding_ids
+
+    specs, features = config.embeddings.resolved_tables(), config.embeddings.resolved_features()
+    key = (tuple(sorted((n, t.rows, t.dim) for n, t in specs.items())), seed)
+    if key not in _TABLES:
+        _TABLES[key] = {
+            name: 0.05 * jax.random.normal(jax.random.key(seed + i), (t.rows, t.dim))
+            for i, (name, t) in enumerate(sorted(specs.items()))
+        }
+    ids = embedding_ids(pack, config.data.num_sparse_features)
+    batch = {
+        name: (jnp.asarray(f.values), None if f.offsets is None else jnp.asarray(f.offsets))
+        for name, f in ids.items()
+    }
+    return reference.lookup(_TABLES[key], specs, features, batch)

@@ -20,7 +20,7 @@ from gem_jax.model import fp8
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.layers import Dense
 from gem_jax.precision import PrecisionPolicy
-from tests.helpers import first_pack, small_config, stacks
+from tests.helpers import dense_embeddings, first_pack, small_config, stacks
 
 # ----------------------------------------------------------------------------- scaling math
 
@@ -299,8 +299,10 @@ def test_gem_model_gemms_with_fp8_on():
     graphdef, params, histories, probes = _split(model)
     pack = first_pack(next(stacks(config, 1)))
 
+    embedded = dense_embeddings(config, pack)
+
     def loss(params, probes, pack):
-        return nnx.merge(graphdef, params, histories, probes)(pack).sum()
+        return nnx.merge(graphdef, params, histories, probes)(pack, embedded).sum()
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     found, _ = fp8_gemms(step.lower(params, probes, pack).as_text())

@@ -18,7 +18,7 @@ from gem_jax.precision import PrecisionPolicy
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from pallas_kernels.block_attention.reference import block_attention_reference
-from tests.helpers import first_pack, small_config, stacks
+from tests.helpers import dense_embeddings, first_pack, small_config, stacks
 
 CTX = 2
 LONG = ["model.long_history=true", "model.recent_len=6", "model.block_size=8"]
@@ -162,8 +162,9 @@ def _model_and_pack(*overrides):
     """The config, the model as a jitted function of the pack, its (graphdef, params), and a pack."""
     c = small_config(*LONG, *overrides)
     graphdef, params = nnx.split(GEMModel(c, rngs=nnx.Rngs(0)), nnx.Param)
-    logits = jax.jit(lambda params, pack: nnx.merge(graphdef, params)(pack))
-    return c, (lambda pack: logits(params, pack)), (graphdef, params), first_pack(next(stacks(c, 1)))
+    logits = jax.jit(lambda params, pack, embedded: nnx.merge(graphdef, params)(pack, embedded))
+    run = lambda pack: logits(params, pack, dense_embeddings(c, pack))  # noqa: E731
+    return c, run, (graphdef, params), first_pack(next(stacks(c, 1)))
 
 
 def test_tower_option_runs_and_is_differentiable():

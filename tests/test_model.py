@@ -8,12 +8,14 @@ from flax import nnx
 from gem_jax.embeddings import HashedEmbedding, hash_ids, segment_ids
 from gem_jax.model.gem import GEMModel
 from gem_jax.precision import PrecisionPolicy
-from tests.helpers import first_pack, small_config, stacks
+from tests.helpers import dense_embeddings, first_pack, small_config, stacks
 
 
 def _model_and_pack(*overrides):
+    """The config, the model as a function of the pack (embeddings from dense stand-in tables), a pack."""
     c = small_config(*overrides)
-    return c, GEMModel(c, rngs=nnx.Rngs(0)), first_pack(next(stacks(c, 1)))
+    model = GEMModel(c, rngs=nnx.Rngs(0))
+    return c, (lambda pack: model(pack, dense_embeddings(c, pack))), first_pack(next(stacks(c, 1)))
 
 
 def test_logits_shape_and_finite():

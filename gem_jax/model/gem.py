@@ -17,7 +17,7 @@ from jaxtyping import ArrayLike, Float
 
 from gem_jax.config import Config
 from gem_jax.data.batch import JaggedBatch
-from gem_jax.embeddings import HashedEmbedding, segment_ids
+from gem_jax.embeddings import FeatureIds, segment_ids
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.layers import Dense, param
 from gem_jax.model.wukong import WukongStack
@@ -38,14 +38,24 @@ class TaskHead(nnx.Module):
             return self.out(jax.nn.silu(self.hidden(x)))[..., 0]
 
 
+def embedding_ids(batch: JaggedBatch, num_sparse_features: int) -> dict[str, FeatureIds]:
+    """What the model looks up in the embedding tables for one pack: per-token item and action ids
+    (positions past offsets[B] look up zeros) and the sparse bags, ids salted per feature so the F
+    features share one table without sharing rows."""
+    bag = segment_ids(batch.sparse_offsets, batch.sparse_values.shape[0])
+    salted = batch.sparse_values + (bag % num_sparse_features) * _FEATURE_SALT
+    return {
+        "items": FeatureIds(batch.item_ids, batch.offsets),
+        "actions": FeatureIds(batch.action_ids, batch.offsets),
+        "sparse": FeatureIds(salted, batch.sparse_offsets),
+    }
+
+
 class GEMModel(nnx.Module):
     def __init__(self, config: Config, *, rngs: nnx.Rngs):
         e, m, d = config.embeddings, config.model, config.data
         policy = PrecisionPolicy.from_config(config.precision)
         self.config = config
-        self.items = HashedEmbedding(e.item_rows, e.dim, policy, rngs=rngs)
-        self.actions = HashedEmbedding(e.action_rows, e.dim, policy, rngs=rngs)
-        self.sparse = HashedEmbedding(e.sparse_rows, e.dim, policy, rngs=rngs)
         self.token_proj = Dense("input/token", e.dim, m.model_dim, policy, rngs=rngs)
         self.candidate_marker = param(
             rngs, nnx.initializers.normal(0.05), (m.model_dim,), ("embed",), policy.param_dtype
@@ -75,8 +85,15 @@ class GEMModel(nnx.Module):
         d, m = self.config.data, self.config.model
         return d.max_history_len + d.num_candidates + m.num_context_tokens
 
-    def __call__(self, batch: JaggedBatch, *, rng: jax.Array | None = None) -> Float[ArrayLike, "B C K"]:
-        """Logits of one pack: [example capacity, candidates, tasks] (padding examples included)."""
+    def __call__(
+        self, batch: JaggedBatch, embedded: dict[str, ArrayLike], *, rng: jax.Array | None = None
+    ) -> Float[ArrayLike, "B C K"]:
+        """Logits of one pack: [example capacity, candidates, tasks] (padding examples included).
+
+        `embedded`: the pack's looked-up embeddings (gem_jax/embeddings, outside the model, so tables
+        can be sharded and trained sparsely): "items" and "actions" [T, E] per token, "sparse" [B*F, E]
+        pooled bags (ids salted per feature: `embedding_ids`).
+        """
         cfg, m = self.config, self.config.model
         e_dim, n_ctx = cfg.embeddings.dim, m.num_context_tokens
         t_cap = batch.item_ids.shape[0]
@@ -85,12 +102,8 @@ class GEMModel(nnx.Module):
         f = cfg.data.num_sparse_features
         offsets = batch.offsets
 
-        # Non-sequence features: pooled sparse bags (ids salted per feature) + projected dense features.
-        bag = segment_ids(batch.sparse_offsets, batch.sparse_values.shape[0])
-        salted = batch.sparse_values + (bag % f) * _FEATURE_SALT
-        bag_sizes = jnp.diff(batch.sparse_offsets)
-        with jax.named_scope("embeddings"):
-            pooled = self.sparse.pooled(salted, bag, bag_sizes, mode=cfg.embeddings.pooling)
+        # Non-sequence features: pooled sparse bags + projected dense features.
+        pooled = embedded["sparse"]
         with jax.named_scope("input"):
             dense = self.dense_proj(batch.dense)
         feature_tokens = jnp.concatenate(
@@ -105,10 +118,8 @@ class GEMModel(nnx.Module):
         pos = jnp.arange(t_cap) - offsets[seg_c]
         lengths = jnp.diff(offsets)
         is_target = pos >= (lengths - batch.num_targets)[seg_c]
-        with jax.named_scope("embeddings"):
-            embedded = self.items.lookup(batch.item_ids) + self.actions.lookup(batch.action_ids)
         with jax.named_scope("input"):
-            tokens = self.token_proj(embedded)
+            tokens = self.token_proj(embedded["items"] + embedded["actions"])
             tokens = tokens.astype(jnp.float32) + jnp.where(is_target[:, None], self.candidate_marker[...], 0)
             if self.context is not None:
                 ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap, n_ctx, m.model_dim)
@@ -134,8 +145,7 @@ class GEMModel(nnx.Module):
             )
             summary = self.summary(summary_in).reshape(b_cap, c, m.num_summary_tokens, e_dim)
 
-        with jax.named_scope("embeddings"):
-            candidate_emb = self.items.lookup(batch.item_ids[target_idx])[:, :, None]  # [B, C, 1, E]
+        candidate_emb = embedded["items"][target_idx][:, :, None]  # [B, C, 1, E]: the candidates' rows
         interaction_in = jnp.concatenate(
             [
                 jnp.broadcast_to(feature_tokens[:, None], (b_cap, c, *feature_tokens.shape[1:])),

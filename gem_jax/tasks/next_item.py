@@ -48,6 +48,11 @@ class NextItemTask:
         self.mesh = mesh
         self.shards = num_batch_shards(mesh, config.parallel)
         self.select_metric = config.train.select_metric or DEFAULT_SELECT_METRIC
+        # The item table stays a dense parameter of the model, trained by the dense optimizer: it is the
+        # tied softmax output layer (every loss and evaluation reads rows of it, full ranking reads all
+        # of it) and small (10^4-10^5 items), TorchRec's case for a data-parallel table with a dense
+        # optimizer. The configs' tuned results (docs/results.md) were made so.
+        self.embeddings = None
         self.data = load_next_item_data(config)
         self.num_items = self.data.num_items
         # Epoch structure (same on every process): global steps per epoch, cumulative, grown lazily.
@@ -180,7 +185,7 @@ class NextItemEvaluator:
         )
         self.item_table = trainer.model_fn(lambda model: model.item_table())
 
-    def __call__(self, params: Any, split: str) -> Metrics:
+    def __call__(self, state: Any, split: str) -> Metrics:
         task, r = self.task, self.task.config.retrieval
         eval_set = task.data.eval_sets[split]
         vectors = []
@@ -191,10 +196,10 @@ class NextItemEvaluator:
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         ):
-            out = np.asarray(self.user_vectors(params, self.trainer.to_device(stack)))  # [shards, B, d]
+            out = np.asarray(self.user_vectors(state, self.trainer.to_device(stack)))  # [shards, B, d]
             vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
         users = np.concatenate(vectors)
-        table = self.item_table(params)
+        table = self.item_table(state)
         results: dict[str, float] = {}
         if r.eval_protocol in ("sampled", "both"):
             acc = RetrievalAccumulator(SAMPLED_KS)

@@ -18,11 +18,12 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from gem_jax.config import Config
+from gem_jax.config import Config, ConfigError
 from gem_jax.data.batch import JaggedBatch
 from gem_jax.data.pipeline import packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
-from gem_jax.model.gem import GEMModel
+from gem_jax.embeddings import EmbeddingCollection, FeatureIds
+from gem_jax.model.gem import GEMModel, embedding_ids
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train.flops import train_step_flops
 from gem_jax.train.metrics import auc, normalized_entropy
@@ -41,9 +42,19 @@ class RankingTask:
         self.select_metric = config.train.select_metric or None
         self.loss_needs_rng = config.model.dropout > 0
         self.generator = SyntheticAds(config.data, num_tasks=len(config.model.tasks))
+        self.embeddings = EmbeddingCollection.from_config(config, mesh)
+        features = self.embeddings.features
+        for name, pooling in (("items", ("none",)), ("actions", ("none",)), ("sparse", ("sum", "mean"))):
+            if name not in features or features[name].pooling not in pooling:
+                raise ConfigError(
+                    f"the ranking model reads embedding feature {name!r} with pooling in {pooling}; "
+                    f"`embeddings.features` has { ({n: f.pooling for n, f in features.items()}) }"
+                )
 
     def describe(self) -> str:
-        return ""
+        return "embedding tables (gem_jax/embeddings: sharded, row-wise sparse updates):\n" + (
+            self.embeddings.plan.format()
+        )
 
     # ------------------------------------------------------------------------- model and data
 
@@ -88,8 +99,13 @@ class RankingTask:
 
     # ------------------------------------------------------------------------- loss
 
-    def pack_loss(self, model: GEMModel, pack: JaggedBatch, rng: jax.Array | None) -> dict[str, jax.Array]:
-        logits = model(pack, rng=rng)  # [B, C, K]
+    def embedding_ids(self, pack: JaggedBatch) -> dict[str, FeatureIds]:
+        return embedding_ids(pack, self.config.data.num_sparse_features)
+
+    def pack_loss(
+        self, model: GEMModel, pack: JaggedBatch, embedded: dict[str, jax.Array], rng: jax.Array | None
+    ) -> dict[str, jax.Array]:
+        logits = model(pack, embedded, rng=rng)  # [B, C, K]
         with jax.named_scope("loss"):
             weight = pack.example_mask[:, None, None].astype(jnp.float32)
             bce = optax.sigmoid_binary_cross_entropy(logits, pack.labels) * weight
@@ -139,9 +155,9 @@ class RankingEvaluator:
     def __init__(self, task: RankingTask, trainer):
         self.task = task
         self.trainer = trainer
-        self.predict = trainer.per_pack(lambda model, pack: jax.nn.sigmoid(model(pack)))
+        self.predict = trainer.per_pack(lambda model, pack, embedded: jax.nn.sigmoid(model(pack, embedded)))
 
-    def __call__(self, params: Any, split: str) -> Metrics:
+    def __call__(self, state: Any, split: str) -> Metrics:
         if split != "valid":
             raise ValueError(f"the ranking task has no {split!r} split")
         c = self.task.config
@@ -156,7 +172,7 @@ class RankingEvaluator:
             if c.train.eval_batches and i >= c.train.eval_batches:
                 break
             batch = self.trainer.to_device(stack)
-            p = self.predict(params, batch)
+            p = self.predict(state, batch)
             probabilities.append(np.asarray(multihost_utils.process_allgather(p, tiled=True)))
             labels.append(np.asarray(multihost_utils.process_allgather(batch.labels, tiled=True)))
             masks.append(np.asarray(multihost_utils.process_allgather(batch.num_targets > 0, tiled=True)))

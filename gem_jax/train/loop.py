@@ -207,7 +207,8 @@ def train(
     best = Checkpointer(workdir / "best", tc, keep=1) if task.select_metric else None
     latest = checkpoints.latest_step()
     if latest is not None:
-        state, saved = checkpoints.restore(latest, trainer.abstract_state, trainer.state_shardings, data_iter)
+        state, saved = checkpoints.restore(latest, *trainer.saved_target, data_iter)
+        state = trainer.from_saved_form(state)
         progress = Progress.from_dict(saved)
         print(f"resumed from step {latest} {_where(task, latest)}in {workdir}", file=sys.stderr)
     else:
@@ -231,7 +232,7 @@ def train(
     def save() -> None:
         nonlocal saved_step
         progress.train_time_s = time.perf_counter() - t_train
-        checkpoints.save(step, state, data_iter, dataclasses.asdict(progress))
+        checkpoints.save(step, trainer.saved_form(state), data_iter, dataclasses.asdict(progress))
         saved_step = step
 
     try:
@@ -275,7 +276,7 @@ def train(
                 if eval_now:
                     with jax.profiler.TraceAnnotation("evaluation"):
                         last_eval = _evaluate(
-                            task, evaluate, state, step, progress, best, writer, last_values, t_start
+                            task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start
                         )
                     if out_of_time and progress.stopped is None:
                         progress.stopped = "time"
@@ -345,17 +346,19 @@ def _best(task: Task, progress: Progress) -> dict[str, Any] | None:
     }
 
 
-def _evaluate(task, evaluate, state, step, progress, best, writer, last_values, t_start) -> dict[str, Any]:
+def _evaluate(
+    task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start
+) -> dict[str, Any]:
     """Validation metrics after `step`; keeps the best checkpoint and counts towards patience."""
     t_eval = time.perf_counter()
-    valid = evaluate(state.params, "valid")
+    valid = evaluate(state, "valid")
     improved = False
     if task.select_metric is not None:
         value = flatten(valid)[task.select_metric]
         improved = progress.improves(value, task.select_metric)
         if improved:
             if step not in best.all_steps():  # a replay after a crash may reach a saved best step again
-                best.save(step, state)
+                best.save(step, trainer.saved_form(state))
             progress.best_step, progress.best_value = step, value
             progress.best_position = task.position(step)
             progress.bad_evals = 0
@@ -398,12 +401,13 @@ def _score_test(
         source = best if best is not None and progress.best_step is not None else checkpoints
         step = progress.best_step if source is best else source.latest_step()
         source.wait()
-        state, _ = source.restore(step, trainer.abstract_state, trainer.state_shardings)
+        state, _ = source.restore(step, *trainer.saved_target)
+        state = trainer.from_saved_form(state)
         recorded = {
             "step": step,
             **task.position(step),
-            "valid": evaluate(state.params, "valid"),
-            "test": evaluate(state.params, "test"),
+            "valid": evaluate(state, "valid"),
+            "test": evaluate(state, "test"),
         }
         if jax.process_index() == 0:
             write_json(path, recorded)
@@ -424,7 +428,8 @@ def evaluate_run(task: Task, workdir: str | Path) -> dict[str, Any]:
         checkpoints.close()
     else:
         raise FileNotFoundError(f"no checkpoint in {workdir / 'best'} or {workdir / 'checkpoints'}")
-    state, _ = checkpoints.restore(step, trainer.abstract_state, trainer.state_shardings)
+    state, _ = checkpoints.restore(step, *trainer.saved_target)
+    state = trainer.from_saved_form(state)
     checkpoints.close()
     recorded = read_json(workdir / "test.json")
     return {
@@ -432,6 +437,6 @@ def evaluate_run(task: Task, workdir: str | Path) -> dict[str, Any]:
         "step": step,
         **task.position(step),
         "checkpoint": sub,
-        "eval": task.evaluator(trainer)(state.params, "valid"),
+        "eval": task.evaluator(trainer)(state, "valid"),
         "test": None if recorded is None else recorded["test"],
     }

@@ -1,10 +1,21 @@
 """Train state and the jitted train step, for any task.
 
 The step is a short pure function `(state, batch) -> (state, metrics)`. The batch is a stack of
-jagged packs (one per data-parallel shard); the per-pack loss runs under `jax.shard_map` over the
-shard mesh axes, so custom kernels (Pallas) see only their local packs and XLA never has to
-partition them. What differs between tasks (model, per-pack loss) comes from the Task and is
-chosen when the step is built, not inside it.
+jagged packs (one per data-parallel shard). Everything per pack runs inside one `jax.shard_map`
+over the shard mesh axes, so custom kernels (Pallas) see only their local packs and XLA never has
+to partition them:
+
+1. the sparse embeddings (gem_jax/embeddings, when the task has them) look up the pack's ids: ids
+   travel to the devices owning their rows and the rows come back (all-to-all); no table is ever
+   gathered whole;
+2. `jax.vjp` of the per-pack loss sums (vmapped over the device's packs) w.r.t. the dense
+   parameters, the looked-up activations and the FP8 amax probes;
+3. the sums are psum'ed, `task.loss` turns them into the loss, and its gradient w.r.t. the sums is
+   pulled back: dense gradients (psum'ed), activation gradients (the sparse optimizer routes them
+   to the rows' owners and updates only the rows looked up), FP8 amaxes (max over the global batch).
+
+Outside the shard_map optax updates the dense parameters and the FP8 histories roll. What differs
+between tasks (model, ids, per-pack loss) comes from the Task and is chosen when the step is built.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gem_jax.model import fp8
 from gem_jax.parallel import batch_sharding, shard_axes, state_shardings
 from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from gem_jax.train.task import Task
@@ -29,9 +41,11 @@ from gem_jax.train.task import Task
 @struct.dataclass
 class TrainState:
     step: jax.Array  # int32 scalar
-    params: Any  # the model's Params as a pure dict (nnx.to_pure_dict); nnx.merge takes it back
-    opt_state: Any
+    params: Any  # the model's dense Params as a pure dict (nnx.to_pure_dict); nnx.merge takes it back
+    opt_state: Any  # optax state of `params`
     rng: jax.Array  # base key; step keys are fold_in(rng, step), so resumption replays them exactly
+    embeddings: Any  # sparse tables + row-wise optimizer state (EmbeddingCollection.init); {} if none
+    fp8: Any  # FP8 amax histories of the delayed-scaling layers (gem_jax/model/fp8.py); {} if none
 
 
 class Trainer:
@@ -42,7 +56,14 @@ class Trainer:
         self.task = task
         self.config = config = task.config
         self.mesh = mesh
-        self.graphdef, abstract_params = nnx.split(nnx.eval_shape(task.build_model), nnx.Param)
+        self.embeddings = task.embeddings  # an EmbeddingCollection, or None (the model owns its tables)
+        self.axes = shard_axes(config.parallel)
+        self.batch_spec = P(self.axes if self.axes else None)
+        abstract_model = nnx.eval_shape(task.build_model)
+        self.graphdef, abstract_params, _, abstract_probes = nnx.split(
+            abstract_model, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe
+        )
+        self.probe_template = nnx.to_pure_dict(abstract_probes)  # shapes of one pack's probes
         schedule_steps = max(task.schedule_steps(), 1)
         self.optimizer = make_optimizer(config.train, schedule_steps)
         self.schedule = learning_rate_schedule(config.train, schedule_steps)
@@ -59,13 +80,43 @@ class Trainer:
             transform_non_params=lambda _: self.replicated,
         )
         self.state_shardings = TrainState(
-            step=self.replicated, params=param_shardings, opt_state=opt_shardings, rng=self.replicated
+            step=self.replicated,
+            params=param_shardings,
+            opt_state=opt_shardings,
+            rng=self.replicated,
+            embeddings=self.embeddings.state_shardings() if self.embeddings else {},
+            fp8=jax.tree.map(lambda _: self.replicated, abstract_state.fp8),
         )
         self.abstract_state = abstract_state
         self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
             self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, self.replicated)
         )
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    def saved_form(self, state: TrainState) -> TrainState:
+        """The state as checkpoints hold it: embedding tables in their logical form (one [rows, dim]
+        array per table), whose shapes do not depend on the device count or the sharding plan."""
+        if not self.embeddings:
+            return state
+        return state.replace(embeddings=self.embeddings.to_logical(state.embeddings))
+
+    def from_saved_form(self, saved: TrainState) -> TrainState:
+        if not self.embeddings:
+            return saved
+        return saved.replace(embeddings=self.embeddings.from_logical(saved.embeddings))
+
+    @property
+    def saved_target(self) -> tuple[TrainState, TrainState]:
+        """(abstract saved state, its shardings): the restore target of a checkpoint on this mesh."""
+        if not self.embeddings:
+            return self.abstract_state, self.state_shardings
+        shardings = self.state_shardings.replace(embeddings=self.embeddings.logical_shardings())
+        abstract = self.abstract_state.replace(
+            embeddings=jax.eval_shape(self.embeddings.to_logical, self.abstract_state.embeddings)
+        )
+        return abstract, shardings
 
     # ------------------------------------------------------------------------- batches
 
@@ -75,70 +126,108 @@ class Trainer:
             lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), local_stack
         )
 
-    def per_pack(self, fn: Callable[[nnx.Module, Any], Any]) -> Callable[[Any, Any], Any]:
-        """jit of `(params, batch) -> fn(model, pack)` on every pack, stacked like the batch and
-        replicated on every device (evaluation outputs are small)."""
-        axes = shard_axes(self.config.parallel)
-        spec = P(axes if axes else None)
+    def _model(self, params, histories, probes=None) -> nnx.Module:
+        probes = probes if probes is not None else jax.tree.map(jnp.zeros_like, self.probe_template)
+        return nnx.merge(self.graphdef, params, histories, probes)
 
-        def local(params, packs):
-            model = nnx.merge(self.graphdef, params)
-            return jax.vmap(lambda pack: fn(model, pack))(packs)
+    def _lookup(self, emb_state, packs, rngs=None):
+        """The packs' embeddings (inside the shard_map): activations with a leading pack axis."""
+        if not self.embeddings:
+            return {}, None
+        ids = jax.vmap(self.task.embedding_ids)(packs)
+        return self.embeddings.lookup(emb_state, ids)
 
-        sharded = jax.shard_map(local, mesh=self.mesh, in_specs=(P(), spec), out_specs=spec, check_vma=False)
-        return jax.jit(sharded, out_shardings=self.replicated)
+    def per_pack(self, fn: Callable[[nnx.Module, Any, dict], Any]) -> Callable[[TrainState, Any], Any]:
+        """jit of `(state, batch) -> fn(model, pack, embedded)` on every pack, stacked like the batch
+        and replicated on every device (evaluation outputs are small)."""
+        emb_specs = self.embeddings.state_specs() if self.embeddings else {}
 
-    def model_fn(self, fn: Callable[[nnx.Module], Any]) -> Callable[[Any], Any]:
-        """jit of `params -> fn(model)`, replicated (e.g. the item table of a retrieval model)."""
-        return jax.jit(lambda params: fn(nnx.merge(self.graphdef, params)), out_shardings=self.replicated)
+        def local(params, histories, emb_state, packs):
+            model = self._model(params, histories)
+            acts, _ = self._lookup(emb_state, packs)
+            return jax.vmap(lambda pack, act: fn(model, pack, act))(packs, acts)
+
+        sharded = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=(P(), P(), emb_specs, self.batch_spec),
+            out_specs=self.batch_spec,
+            check_vma=False,
+        )
+        run = jax.jit(sharded, out_shardings=self.replicated)
+        return lambda state, batch: run(state.params, state.fp8, state.embeddings, batch)
+
+    def model_fn(self, fn: Callable[[nnx.Module], Any]) -> Callable[[TrainState], Any]:
+        """jit of `state -> fn(model)`, replicated (e.g. the item table of a retrieval model)."""
+        run = jax.jit(
+            lambda params, histories: fn(self._model(params, histories)), out_shardings=self.replicated
+        )
+        return lambda state: run(state.params, state.fp8)
 
     # ------------------------------------------------------------------------- the step
 
     def _init_state(self) -> TrainState:
-        params = nnx.to_pure_dict(nnx.state(self.task.build_model(), nnx.Param))
+        model = self.task.build_model()
+        _, params, histories, _ = nnx.split(model, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+        params = nnx.to_pure_dict(params)
+        seed = self.config.train.seed
         return TrainState(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=self.optimizer.init(params),
-            rng=jax.random.key_data(jax.random.key(self.config.train.seed + 1)),
+            rng=jax.random.key_data(jax.random.key(seed + 1)),
+            embeddings=self.embeddings.init(jax.random.key(seed + 2)) if self.embeddings else {},
+            fp8=nnx.to_pure_dict(histories),
         )
 
-    def _pack_loss(self, params, pack, rng):
-        return self.task.pack_loss(nnx.merge(self.graphdef, params), pack, rng)
+    def _local_step(self, params, histories, emb_state, packs, rng):
+        """One device's part of the step (inside the shard_map): see the module docstring."""
+        index = jax.lax.axis_index(self.axes) if self.axes else 0
+        n = jax.tree.leaves(packs)[0].shape[0]
+        keys = jax.random.split(jax.random.fold_in(rng, index), n) if rng is not None else None
+        with jax.named_scope("embeddings"):
+            acts, residuals = self._lookup(emb_state, packs)
+        probes = fp8.pack_probes(self.probe_template, n)
 
-    def _sharded_sums(self, params, batch, rng):
-        """Sums `task.pack_loss` over every pack of the global batch.
+        def sums(params, acts, probes):
+            def one(pack, act, probe, key):
+                return self.task.pack_loss(self._model(params, histories, probe), pack, act, key)
 
-        Each pack gets its own key (split from `rng` and the shard index); `rng=None` passes None.
-        """
-        axes = shard_axes(self.config.parallel)
+            out = jax.vmap(one, in_axes=(0, 0, 0, 0 if keys is not None else None))(packs, acts, probes, keys)
+            return jax.tree.map(lambda x: x.sum(0), out)
 
-        def local(params, packs, rng):
-            index = jax.lax.axis_index(axes) if axes else 0
-            n = jax.tree.leaves(packs)[0].shape[0]
-            keys = jax.random.split(jax.random.fold_in(rng, index), n) if rng is not None else None
-            out = jax.vmap(self._pack_loss, in_axes=(None, 0, 0 if keys is not None else None))(
-                params, packs, keys
-            )
-            out = jax.tree.map(lambda x: x.sum(0), out)
-            return jax.lax.psum(out, axes) if axes else out
-
-        spec = P(axes if axes else None)
-        return jax.shard_map(
-            local, mesh=self.mesh, in_specs=(P(), spec, P()), out_specs=P(), check_vma=False
-        )(params, batch, rng)
-
-    def _loss(self, params, batch, rng):
-        return self.task.loss(self._sharded_sums(params, batch, rng))
+        local_sums, pull_back = jax.vjp(sums, params, acts, probes)
+        total = jax.lax.psum(local_sums, self.axes) if self.axes else local_sums
+        with jax.named_scope("loss"):
+            (loss, aux), d_total = jax.value_and_grad(self.task.loss, has_aux=True)(total)
+        grads, act_grads, probe_grads = pull_back(d_total)
+        amaxes = fp8.combine_meta_grads(probe_grads)  # max over this device's packs ...
+        if self.axes:
+            grads = jax.lax.psum(grads, self.axes)
+            amaxes = jax.lax.pmax(amaxes, self.axes)  # ... and over every device: the global batch's
+        if self.embeddings:
+            with jax.named_scope("embeddings"):
+                emb_state = self.embeddings.apply_gradients(
+                    emb_state, residuals, act_grads, self.config.embeddings.learning_rate
+                )
+        return loss, aux, grads, amaxes, emb_state
 
     def _train_step(self, state: TrainState, batch):
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if not self.task.loss_needs_rng:
             rng = None
-        (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(state.params, batch, rng)
+        emb_specs = self.embeddings.state_specs() if self.embeddings else {}
+        loss, aux, grads, amaxes, emb_state = jax.shard_map(
+            self._local_step,
+            mesh=self.mesh,
+            in_specs=(P(), P(), emb_specs, self.batch_spec, P()),
+            out_specs=(P(), P(), P(), P(), emb_specs),
+            check_vma=False,
+        )(state.params, state.fp8, state.embeddings, batch, rng)
         with jax.named_scope("optimizer"):  # named scopes label ops for `experiments profile`
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            histories = fp8.update_meta(state.fp8, amaxes) if state.fp8 else state.fp8
         with jax.named_scope("metrics"):
             metrics = {
                 "loss": loss,
@@ -148,4 +237,7 @@ class Trainer:
                 "param_norm": optax.tree.norm(params),
                 "learning_rate": self.schedule(state.step),
             }
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state, embeddings=emb_state, fp8=histories
+        )
+        return new_state, metrics

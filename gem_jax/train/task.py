@@ -6,8 +6,8 @@ and step (gem_jax/train/step.py), checkpoints and resumption, the NaN stop, sign
 budget, evaluation points, best-checkpoint selection and early stopping, metrics and progress.
 
 Batches flow one way: `train_data` (a checkpointable grain dataset of numpy stacks, one pack per
-local data-parallel shard) -> `Trainer.to_device` -> the step, which sums `pack_loss` over every
-pack of the global batch and hands the sums to `loss`.
+local data-parallel shard) -> `Trainer.to_device` -> the step, which looks up `embedding_ids` in
+the sparse tables, sums `pack_loss` over every pack of the global batch and hands the sums to `loss`.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ class Task(Protocol):
     select_metric: str | None
     # Whether the dropout/sampling key is passed to `pack_loss` (None otherwise: no randomness).
     loss_needs_rng: bool
+    # The sparse embedding tables the step looks up outside the model (gem_jax.embeddings
+    # EmbeddingCollection), or None when the model owns all its parameters.
+    embeddings: Any
 
     def build_model(self) -> nnx.Module:
         """The NNX model, initialised from `config.train.seed`."""
@@ -49,8 +52,15 @@ class Task(Protocol):
         """This process's training stacks: `shards // process_count` packs each, numpy leaves."""
         ...
 
-    def pack_loss(self, model: nnx.Module, pack: Any, rng: jax.Array | None) -> dict[str, jax.Array]:
-        """Sums over one pack (so packs and shards add up exactly), e.g. loss sum and count."""
+    def embedding_ids(self, pack: Any) -> dict[str, Any]:
+        """The ids one pack looks up in `embeddings`: feature name -> gem_jax.embeddings.FeatureIds."""
+        ...
+
+    def pack_loss(
+        self, model: nnx.Module, pack: Any, embedded: dict[str, jax.Array], rng: jax.Array | None
+    ) -> dict[str, jax.Array]:
+        """Sums over one pack (so packs and shards add up exactly), e.g. loss sum and count.
+        `embedded`: the pack's looked-up embeddings, feature name -> activations."""
         ...
 
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -96,7 +106,9 @@ class Task(Protocol):
 class Evaluator(Protocol):
     splits: tuple[str, ...]  # e.g. ("valid",) or ("valid", "test"); "test" is scored once, at the end
 
-    def __call__(self, params: Any, split: str) -> Metrics: ...
+    def __call__(self, state: Any, split: str) -> Metrics:
+        """Metrics of the train state (gem_jax.train.step.TrainState) on one split."""
+        ...
 
 
 def flatten(metrics: Metrics, prefix: str = "") -> dict[str, Any]:
