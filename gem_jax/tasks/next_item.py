@@ -87,8 +87,11 @@ class NextItemTask:
 
     # ------------------------------------------------------------------------- loss
 
+    def embedding_ids(self, pack: NextItemPack) -> dict:
+        return {}  # no sparse tables (see __init__)
+
     def pack_loss(
-        self, model: NextItemModel, pack: NextItemPack, rng: jax.Array | None
+        self, model: NextItemModel, pack: NextItemPack, embedded: dict, rng: jax.Array | None
     ) -> dict[str, jax.Array]:
         dropout_key, negative_key = jax.random.split(rng)
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)
@@ -181,7 +184,7 @@ class NextItemEvaluator:
         self.task = task
         self.trainer = trainer
         self.user_vectors = trainer.per_pack(
-            lambda model, pack: model.last_vectors(pack.item_ids, pack.offsets)
+            lambda model, pack, embedded: model.last_vectors(pack.item_ids, pack.offsets)
         )
         self.item_table = trainer.model_fn(lambda model: model.item_table())
 
