@@ -122,10 +122,14 @@ class GEMModel(nnx.Module):
             tokens = self.token_proj(embedded["items"] + embedded["actions"])
             tokens = tokens.astype(jnp.float32) + jnp.where(is_target[:, None], self.candidate_marker[...], 0)
             if self.context is not None:
-                ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap, n_ctx, m.model_dim)
-                is_ctx = pos < n_ctx
-                ctx_tok = ctx[seg_c, jnp.clip(pos, 0, n_ctx - 1)].astype(jnp.float32)
-                tokens = jnp.where(is_ctx[:, None], ctx_tok, tokens)
+                ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap * n_ctx, m.model_dim)
+                # The context slots are each real example's first n_ctx tokens: write them in place. A
+                # scatter of B x n_ctx rows whose gradient is a gather of as many, where gathering a
+                # context row for every token had a T-row scatter-add as its gradient (9 ms of the
+                # gem_h200 step, 16 ms of gem_long's, on the H200).
+                slot = jnp.arange(n_ctx)[None, :]
+                slots = jnp.where(slot < lengths[:, None], offsets[:-1, None] + slot, t_cap)  # [B, n_ctx]
+                tokens = tokens.at[slots.reshape(-1)].set(ctx.astype(jnp.float32), mode="drop")
             x = jnp.where(valid[:, None], tokens, 0.0)
 
         x = self.tower(

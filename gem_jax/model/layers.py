@@ -53,11 +53,10 @@ class Dense(nnx.Module):
         if self.fp8 is not None:
             y = self.fp8(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
         else:
-            y = jnp.dot(
-                x.astype(self.compute_dtype),
-                self.kernel[...].astype(self.compute_dtype),
-                preferred_element_type=jnp.float32,
-            )
+            # The GEMM's result in the compute dtype (accumulated in float32 by the hardware/XLA): its
+            # cotangent then arrives in the compute dtype too, so both backward GEMMs run in bf16.
+            # A float32 result (preferred_element_type) made them float32/TF32 GEMMs on the H200.
+            y = jnp.dot(x.astype(self.compute_dtype), self.kernel[...].astype(self.compute_dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.compute_dtype)
