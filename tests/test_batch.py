@@ -127,3 +127,26 @@ def test_global_batch_does_not_depend_on_process_count():
     resumed = iter(packed_dataset(gen.example, process_index=0, process_count=1, **kw))
     resumed.set_state(merged)
     np.testing.assert_array_equal(next(resumed).item_ids, next(whole).item_ids)
+
+
+def test_position_saved_with_4_shards_resumes_with_8_without_rereading():
+    """A run resumed on another mesh (8 batch shards instead of 4) reads no example twice."""
+    c = small_config("data.empty_history_fraction=0")
+    gen = SyntheticAds(c.data, 2)
+    kw = dict(num_examples=None, start=0, examples_capacity=4, tokens_capacity=256, num_sparse_features=2)
+    kw.update(max_bag_size=4, prefix=2, process_index=0, process_count=1)
+
+    def histories(stack):
+        return {
+            tuple(stack.item_ids[p, o[b] : o[b + 1]])
+            for p, o in enumerate(stack.offsets)
+            for b in range(len(o) - 1)
+            if o[b + 1] > o[b]
+        }
+
+    four = iter(packed_dataset(gen.example, shards=4, **kw))
+    seen = set().union(*(histories(next(four)) for _ in range(3)))
+    eight = iter(packed_dataset(gen.example, shards=8, **kw))
+    eight.set_state(four.get_state())
+    later = set().union(*(histories(next(eight)) for _ in range(3)))
+    assert len(seen) > 20 and len(later) > 40 and not seen & later

@@ -153,6 +153,7 @@ class PackIterDataset(grain.IterDataset):
 class _ShardStackIterator(grain.DatasetIterator):
     def __init__(self, dataset: ShardStacks):
         super().__init__([it.__iter__() for it in dataset.streams.values()])
+        self._ds = dataset
         self._shards = [str(g) for g in dataset.streams]
 
     def __next__(self) -> Any:
@@ -173,9 +174,15 @@ class _ShardStackIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Takes this process's shards from `state`, which may hold other processes' shards too
-        (a checkpoint written by a different number of processes, see `train/checkpoint.py`)."""
+        (a checkpoint written by a different number of processes, see `train/checkpoint.py`); a
+        state of another number of batch shards goes through the dataset's `reshard`."""
+        saved = state["shards"]
+        if sorted(saved, key=int) != [str(g) for g in range(self._ds.shards)] and self._ds.reshard:
+            for g, it in zip(self._shards, self._parents, strict=True):
+                it.set_state(self._ds.reshard(saved, int(g)))
+            return
         for g, it in zip(self._shards, self._parents, strict=True):
-            if g not in state["shards"]:
+            if g not in saved:
                 raise ValueError(
                     f"the data state holds no position for batch shard {g}: {sorted(state['shards'])}"
                 )
@@ -188,9 +195,22 @@ class ShardStacks(grain.IterDataset):
     global batch does not depend on the number of processes. A finite stream that ends first is
     padded with empty packs until every stream has ended."""
 
-    def __init__(self, streams: dict[int, grain.IterDataset]):
+    def __init__(
+        self,
+        streams: dict[int, grain.IterDataset],
+        shards: int,
+        reshard: Callable[[dict[str, Any], int], Any] | None = None,
+    ):
+        """Args:
+        streams: global batch shard index -> its pack stream (this process's shards).
+        shards: batch shards of a step, all processes.
+        reshard: `(positions saved with another number of shards, shard) -> its position`; None:
+          such a state is an error.
+        """
         super().__init__(list(streams.values()))
         self.streams = streams
+        self.shards = shards
+        self.reshard = reshard
 
     def __iter__(self) -> _ShardStackIterator:
         return _ShardStackIterator(self)

@@ -36,7 +36,8 @@ def packed_dataset(
     Batch shard g (of `shards`, all processes) packs examples `start + g, start + g + shards, ...` in
     order, and process p reads shards `p * L .. (p + 1) * L - 1` (L packs per process and step):
     each process reads only its examples, and the global batch of a step is the same for any number
-    of processes (a run can resume on a different number). `num_examples=None` streams forever (the
+    of processes (a run can resume on a different number; on a different number of shards, every
+    shard resumes past the furthest example read). `num_examples=None` streams forever (the
     synthetic train set); otherwise the dataset ends when every shard has run out, and a stack may
     hold empty packs (eval), so every example is seen exactly once.
     """
@@ -67,4 +68,13 @@ def packed_dataset(
             length=lambda example: prefix + len(example["item_ids"]),
             pack=pack,
         )
-    return ShardStacks(streams)
+
+    def reshard(saved: dict[str, Any], shard: int) -> dict[str, Any]:
+        # A position saved with another number of shards (a run resumed on another mesh): every
+        # stream starts past the furthest example any old stream had reached, so no example is read
+        # twice (the few the slower old streams had not reached are skipped).
+        old = len(saved)
+        reached = max(int(g) + state["parent"]["next_index"] * old for g, state in saved.items())
+        return {"parent": {"next_index": max(0, -(-(reached - shard) // shards))}}
+
+    return ShardStacks(streams, shards, reshard)
