@@ -4,14 +4,18 @@
   python -m experiments eval --workdir runs/tiny
   python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
   python -m experiments profile [--config C] [--set ...] [--steps N] [--out DIR]   (docs/profiling.md)
+  python -m experiments fuzz attention --seconds S   (randomized kernel-vs-reference sweep)
   python -m experiments sweep --config C --grid GRID.toml [--out DIR]   (see experiments/sweep.py)
 
 Multi-process runs (several hosts, or CPU processes with gloo): give train/eval `--coordinator
 HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
 JAX_PROCESS_ID), or `--distributed` to let jax detect the cluster (SLURM, Open MPI, TPU...).
 
-Config errors (unknown keys, wrong types, bad values) print one line naming the key and the file and
-exit with code 2; a diverged run (NaN/Inf) exits with code 3.
+Config errors (unknown keys, wrong types, bad values, unreadable data) and workdir errors (a file, not
+writable, locked by another trainer, holding a run with other settings, no intact checkpoint) print
+one line and exit with code 2; a diverged run (NaN/Inf) exits with code 3. SIGINT/SIGTERM save a
+checkpoint and exit 0 once training has started; before that (start-up, compilation) they exit at once
+with 128 + the signal number (gem_jax/train/interrupt.py).
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER)
     profile = sub.add_parser("profile", help="where a train step's time goes (jax.profiler)", add_help=False)
     profile.add_argument("args", nargs=argparse.REMAINDER)
+    fuzz = sub.add_parser("fuzz", help="randomized correctness sweep of a kernel against its reference")
+    fuzz.add_argument("target", choices=["attention"])
+    fuzz.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments.fuzz --help`")
     return parser
 
 
@@ -97,6 +104,10 @@ def _step_window(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gem_jax.train.interrupt import INTERRUPTS  # first: no KeyboardInterrupt from here on
+
+    if not INTERRUPTS.installed:
+        INTERRUPTS.install()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:  # its options are experiments/profile.py's own (argparse's REMAINDER
         return _profile(argv[1:])  # does not take leading options)
@@ -121,10 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     except distributed.DistributedError as e:
         print(f"distributed: {e}", file=sys.stderr)
         return 2
+    if args.command == "fuzz":
+        from experiments import fuzz
+
+        return fuzz.main([args.target, *args.args])
 
     from gem_jax.config import ConfigError, load_config
     from gem_jax.tasks import make_task
     from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
+    from gem_jax.train.run_record import RunRecord
+    from gem_jax.train.workdir_lock import WorkdirError
 
     try:
         if args.command == "train":
@@ -134,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             task = make_task(config)
             summary = train(task, workdir, stop_after=args.stop_after, profile_steps=args.profile_steps)
         else:
-            config_path = Path(args.workdir) / "config.toml"
-            if not config_path.exists():
-                raise ConfigError(f"{config_path} not found: is {args.workdir} a run directory?")
-            config = load_config(config_path, args.overrides)
+            config = RunRecord(Path(args.workdir)).recorded_config(args.overrides)
             task = make_task(config)
             summary = evaluate_run(task, args.workdir)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except WorkdirError as e:
+        print(f"workdir error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"training diverged: {e}", file=sys.stderr)

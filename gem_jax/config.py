@@ -7,6 +7,7 @@ the wrong type is a `ConfigError` naming the key and the file, which the CLI tur
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from collections.abc import Sequence
@@ -377,18 +378,7 @@ def validate(config: Config, source: str) -> Config:
         "data.kind": (d.kind, ("synthetic", "interactions")),
     }
     _check_choices(choices, source)
-    positive = {
-        "data.examples_per_shard": d.examples_per_shard,
-        "data.tokens_per_shard": d.tokens_per_shard,
-        "data.max_history_len": d.max_history_len,
-        "data.num_candidates": d.num_candidates,
-        "model.model_dim": m.model_dim,
-        "model.num_heads": m.num_heads,
-        "train.steps": config.train.steps,
-    }
-    _check_positive(positive, source)
-    if not 0.0 <= config.train.adam_b2 < 1.0:
-        raise ConfigError(f"{source}: `train.adam_b2` must be in [0, 1), got {config.train.adam_b2}")
+    _validate_ranges(config, source)
     longest = d.max_history_len + d.num_candidates + m.num_context_tokens
     if d.tokens_per_shard < longest:
         raise ConfigError(
@@ -433,9 +423,6 @@ RANKING_METRICS = ("auc", "ne")
 def _validate_selection(config: Config, source: str) -> None:
     """`train.select_metric`, `train.patience` and `train.max_minutes` (the loop's stopping rules)."""
     t = config.train
-    for key, value in {"train.patience": t.patience, "train.max_minutes": t.max_minutes}.items():
-        if value < 0:
-            raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
     metric = t.select_metric
     if config.data.kind == "interactions":
         r = config.retrieval
@@ -465,10 +452,6 @@ def _validate_long_history(config: Config, source: str) -> None:
         if m.pyramid:
             raise ConfigError(f"{source}: `model.pyramid` {m.pyramid} needs `model.long_history = true`")
         return
-    if m.recent_len < 1:
-        raise ConfigError(f"{source}: `model.recent_len` must be positive, got {m.recent_len}")
-    if m.block_size < 1:
-        raise ConfigError(f"{source}: `model.block_size` must be positive, got {m.block_size}")
     if m.block_size > 128 and m.attention_implementation != "reference":
         raise ConfigError(
             f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
@@ -480,9 +463,6 @@ def _validate_long_history(config: Config, source: str) -> None:
                 f"{source}: `model.pyramid` has {len(m.pyramid)} fractions, expected one per "
                 f"layer (model.num_layers = {m.num_layers})"
             )
-        for i, f in enumerate(m.pyramid):
-            if not 0.0 < f <= 1.0:
-                raise ConfigError(f"{source}: `model.pyramid[{i}]` must be in (0, 1], got {f}")
         if any(b > a for a, b in zip(m.pyramid, m.pyramid[1:])):
             raise ConfigError(
                 f"{source}: `model.pyramid` must be non-increasing (deeper layers keep "
@@ -503,28 +483,16 @@ def _validate_embeddings(config: Config, source: str) -> None:
     for name, f in e.features.items():
         choices[f"embeddings.features.{name}.pooling"] = (f.pooling, POOLING_TYPES)
     _check_choices(choices, source)
-    positive = {
-        "embeddings.dim": e.dim,
-        "embeddings.item_rows": e.item_rows,
-        "embeddings.action_rows": e.action_rows,
-        "embeddings.sparse_rows": e.sparse_rows,
-        "embeddings.learning_rate": e.learning_rate,
-        "embeddings.adagrad_eps": e.adagrad_eps,
-        "embeddings.memory_fraction": e.memory_fraction,
-    }
+    positive = {}  # the top-level numeric keys are in RANGES; the per-table ones are checked here
     for name, t in e.tables.items():
         positive[f"embeddings.tables.{name}.rows"] = t.rows
         positive[f"embeddings.tables.{name}.dim"] = t.dim
     _check_positive(positive, source)
-    for key, value in {
-        **{f"embeddings.features.{n}.max_bag_size": f.max_bag_size for n, f in e.features.items()},
-        "embeddings.adagrad_initial_accumulator": e.adagrad_initial_accumulator,
-        "embeddings.device_memory_gib": e.device_memory_gib,
-    }.items():
-        if value < 0:
-            raise ConfigError(f"{source}: `{key}` must be >= 0, got {value}")
-    if e.memory_fraction > 1:
-        raise ConfigError(f"{source}: `embeddings.memory_fraction` must be <= 1, got {e.memory_fraction}")
+    for n, f in e.features.items():
+        if f.max_bag_size < 0:
+            raise ConfigError(
+                f"{source}: `embeddings.features.{n}.max_bag_size` must be >= 0, got {f.max_bag_size}"
+            )
     if e.features and not e.tables:
         raise ConfigError(f"{source}: `embeddings.features` needs `embeddings.tables` to name their tables")
     tables = e.resolved_tables()
@@ -549,12 +517,6 @@ def _validate_precision(config: Config, source: str) -> None:
         raise ConfigError(
             f"{source}: `precision.fp8_recipe` must be one of ('delayed', 'current'), got {p.fp8_recipe!r}"
         )
-    if p.fp8_amax_history < 1:
-        raise ConfigError(
-            f"{source}: `precision.fp8_amax_history` must be positive, got {p.fp8_amax_history}"
-        )
-    if p.fp8_margin < 0:
-        raise ConfigError(f"{source}: `precision.fp8_margin` must be >= 0, got {p.fp8_margin}")
     for i, prefix in enumerate(p.fp8_layers):
         if not prefix:
             raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
@@ -578,17 +540,6 @@ def _validate_retrieval(config: Config, source: str) -> None:
         "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
     }
     _check_choices(choices, source)
-    positive = {
-        "retrieval.max_len": r.max_len,
-        "retrieval.num_negatives": r.num_negatives,
-        "retrieval.epochs": r.epochs,
-        "retrieval.eval_every_epochs": r.eval_every_epochs,
-        "retrieval.eval_negatives": r.eval_negatives,
-        "retrieval.temperature": r.temperature,
-    }
-    _check_positive(positive, source)
-    if r.eval_users < 0:
-        raise ConfigError(f"{source}: `retrieval.eval_users` must be >= 0, got {r.eval_users}")
     if not d.path:
         raise ConfigError(
             f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'
@@ -598,6 +549,133 @@ def _validate_retrieval(config: Config, source: str) -> None:
             f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than "
             f"`retrieval.max_len` ({r.max_len})"
         )
+
+
+# ----------------------------------------------------------------------------- numeric ranges
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric setting: low <= x (low < x if low_open), and likewise for high."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, x: int | float) -> bool:
+        if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
+            return False
+        return self.high is None or (x < self.high if self.high_open else x <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return (
+            f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        )
+
+
+AT_LEAST_0 = Range(0.0)
+AT_LEAST_1 = Range(1.0)
+POSITIVE = Range(0.0, low_open=True)
+FRACTION = Range(0.0, 1.0)
+BELOW_1 = Range(0.0, 1.0, high_open=True)
+
+# Every int and float setting (and each element of a tuple of them) with its valid range; a test checks
+# that no numeric field of the schema is missing here. 0 means "off" where the schema's comment says so.
+RANGES: dict[str, Range] = {
+    "data.seed": AT_LEAST_0,
+    "data.num_items": AT_LEAST_1,
+    "data.zipf_exponent": POSITIVE,
+    "data.num_actions": AT_LEAST_1,
+    "data.latent_dim": AT_LEAST_1,
+    "data.history_len_mean": POSITIVE,
+    "data.history_len_sigma": AT_LEAST_0,
+    "data.max_history_len": AT_LEAST_1,
+    "data.empty_history_fraction": FRACTION,
+    "data.num_candidates": AT_LEAST_1,
+    "data.num_sparse_features": AT_LEAST_0,
+    "data.sparse_vocab": AT_LEAST_1,
+    "data.max_bag_size": AT_LEAST_1,
+    "data.num_dense_features": AT_LEAST_0,
+    "data.examples_per_shard": AT_LEAST_1,
+    "data.tokens_per_shard": AT_LEAST_1,
+    "data.eval_examples": AT_LEAST_1,
+    "data.num_workers": AT_LEAST_0,
+    "embeddings.dim": AT_LEAST_1,
+    "embeddings.item_rows": AT_LEAST_1,
+    "embeddings.action_rows": AT_LEAST_1,
+    "embeddings.sparse_rows": AT_LEAST_1,
+    "embeddings.learning_rate": POSITIVE,
+    "embeddings.adagrad_eps": POSITIVE,
+    "embeddings.adagrad_initial_accumulator": AT_LEAST_0,
+    "embeddings.device_memory_gib": AT_LEAST_0,  # 0: the device's own limit
+    "embeddings.memory_fraction": Range(0.0, 1.0, low_open=True),
+    "model.model_dim": AT_LEAST_1,
+    "model.num_heads": AT_LEAST_1,
+    "model.attention_dim": AT_LEAST_1,
+    "model.value_dim": AT_LEAST_1,
+    "model.num_layers": AT_LEAST_1,
+    "model.max_attn_len": AT_LEAST_0,
+    "model.num_position_buckets": AT_LEAST_0,
+    "model.num_time_buckets": AT_LEAST_0,
+    "model.dropout": BELOW_1,
+    "model.num_context_tokens": AT_LEAST_0,
+    "model.num_summary_tokens": AT_LEAST_1,
+    "model.wukong_layers": AT_LEAST_0,
+    "model.wukong_tokens": AT_LEAST_1,
+    "model.wukong_fm_rank": AT_LEAST_1,
+    "model.head_hidden": AT_LEAST_1,
+    "model.recent_len": AT_LEAST_1,
+    "model.block_size": AT_LEAST_1,
+    "model.pyramid": Range(0.0, 1.0, low_open=True),
+    "parallel.mesh_shape": Range(-1.0),  # -1: all remaining devices; 0 is refused below
+    "precision.fp8_amax_history": AT_LEAST_1,
+    "precision.fp8_margin": AT_LEAST_0,
+    "train.steps": AT_LEAST_1,
+    "train.seed": AT_LEAST_0,
+    "train.learning_rate": AT_LEAST_0,  # 0: a frozen model (tests use it); negative trains uphill
+    "train.warmup_steps": AT_LEAST_0,
+    "train.end_learning_rate_fraction": FRACTION,
+    "train.weight_decay": AT_LEAST_0,
+    "train.clip_norm": POSITIVE,
+    "train.adam_b2": BELOW_1,
+    "train.log_every": AT_LEAST_1,
+    "train.eval_every": AT_LEAST_0,
+    "train.eval_batches": AT_LEAST_0,
+    "train.patience": AT_LEAST_0,
+    "train.max_minutes": AT_LEAST_0,
+    "train.checkpoint_every": AT_LEAST_0,
+    "train.keep_checkpoints": AT_LEAST_1,
+    "retrieval.max_len": AT_LEAST_1,
+    "retrieval.num_negatives": AT_LEAST_1,
+    "retrieval.temperature": POSITIVE,
+    "retrieval.epochs": AT_LEAST_1,
+    "retrieval.eval_every_epochs": AT_LEAST_1,
+    "retrieval.eval_negatives": AT_LEAST_1,
+    "retrieval.eval_users": AT_LEAST_0,
+}
+
+
+def _validate_ranges(config: Config, source: str) -> None:
+    """Every numeric setting in its `RANGES` entry, floats finite (TOML allows nan and inf)."""
+    for section, values in config.to_dict().items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            items = list(enumerate(value)) if isinstance(value, tuple) else [(None, value)]
+            for i, x in items:
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    continue
+                where = key if i is None else f"{key}[{i}]"
+                if isinstance(x, float) and not math.isfinite(x):
+                    raise ConfigError(f"{source}: `{where}` must be a finite number, got {x}")
+                valid = RANGES.get(key)
+                if valid is not None and x not in valid:
+                    raise ConfigError(f"{source}: `{where}` must be {valid}, got {x}")
+    if 0 in config.parallel.mesh_shape:
+        shape = config.parallel.mesh_shape
+        raise ConfigError(f"{source}: `parallel.mesh_shape` entries must be >= 1 or -1, got {shape}")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

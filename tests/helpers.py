@@ -66,6 +66,22 @@ def first_pack(stack):
     return jax.tree.map(lambda x: x[0], stack)
 
 
+def poison_loss(monkeypatch, from_step: int) -> None:
+    """Makes the reported loss NaN for every step whose input state is at `from_step` or later."""
+    import jax.numpy as jnp
+
+    from gem_jax.train.step import Trainer
+
+    original = Trainer._train_step
+
+    def poisoned(self, state, batch):
+        new_state, metrics = original(self, state, batch)
+        metrics["loss"] = jnp.where(state.step >= from_step, jnp.nan, metrics["loss"])
+        return new_state, metrics
+
+    monkeypatch.setattr(Trainer, "_train_step", poisoned)
+
+
 _TABLES: dict = {}
 
 

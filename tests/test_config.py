@@ -99,3 +99,82 @@ def test_cli_config_error_exit_code_2(tmp_path):
     assert r.returncode == 2
     assert "train.learning_rat" in r.stderr and str(bad) in r.stderr
     assert "Traceback" not in r.stderr
+
+
+# ----------------------------------------------------------------------------- numeric ranges
+
+
+def _numeric_keys() -> list[str]:
+    """Every int/float setting of the schema (tuples of them included), as "section.key"."""
+    import typing
+
+    keys = []
+    for name, section in typing.get_type_hints(Config).items():
+        for field, hint in typing.get_type_hints(section).items():
+            args = typing.get_args(hint) if typing.get_origin(hint) is tuple else (hint,)
+            if args and args[0] in (int, float):
+                keys.append(f"{name}.{field}")
+    assert len(keys) > 50 and "train.learning_rate" in keys and "model.pyramid" in keys
+    return keys
+
+
+def test_every_numeric_setting_has_a_range():
+    from gem_jax.config import RANGES
+
+    missing = [k for k in _numeric_keys() if k not in RANGES]
+    assert not missing, f"add these to gem_jax.config.RANGES: {missing}"
+    assert not [k for k in RANGES if k not in _numeric_keys()], "RANGES names a key the schema lacks"
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("train.learning_rate=-0.001", ["train.learning_rate", ">= 0", "-0.001"]),
+        ("train.checkpoint_every=-1", ["train.checkpoint_every", ">= 0", "-1"]),
+        ("train.learning_rate=nan", ["train.learning_rate", "finite"]),
+        ("train.max_minutes=inf", ["train.max_minutes", "finite"]),
+        ("train.keep_checkpoints=0", ["train.keep_checkpoints", ">= 1"]),
+        ("train.log_every=0", ["train.log_every", ">= 1"]),
+        ("train.clip_norm=0", ["train.clip_norm", "> 0"]),
+        ("model.dropout=1.0", ["model.dropout", "[0, 1)"]),
+        ("data.empty_history_fraction=1.5", ["data.empty_history_fraction", "[0, 1]"]),
+        ("parallel.mesh_shape=[0]", ["parallel.mesh_shape", "-1"]),
+        ("parallel.mesh_shape=[-2]", ["parallel.mesh_shape", ">= -1"]),
+        ("retrieval.temperature=0", ["retrieval.temperature", "> 0"]),
+        ("data.num_workers=-1", ["data.num_workers", ">= 0"]),
+    ],
+)
+def test_out_of_range_values_name_the_key(override, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_each_range_rejects_the_values_just_outside_it():
+    from gem_jax.config import RANGES
+
+    for key, valid in RANGES.items():
+        outside = []
+        if valid.low is not None:
+            outside.append(valid.low if valid.low_open else valid.low - 1)
+        if valid.high is not None:
+            outside.append(valid.high if valid.high_open else valid.high + 1)
+        for value in outside:
+            is_tuple = key in ("model.pyramid", "parallel.mesh_shape")
+            text = f"[{value}]" if is_tuple else str(value)
+            with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+                load_config(None, [f"{key}={text}"])
+
+
+def test_cli_out_of_range_exit_code_2(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path / "run")]
+        + ["--set", "train.learning_rate=-0.1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "train.learning_rate" in r.stderr and "tiny.toml" in r.stderr
+    assert not (tmp_path / "run").exists()

@@ -102,6 +102,42 @@ def test_malformed_line_names_file_line_and_content(tmp_path, loader, text, line
     assert repr(text.splitlines()[line - 1]) in message  # the bad content itself
 
 
+@pytest.mark.parametrize(
+    "loader, line, needle",
+    [(ix.load_pairs, 2, "does not fit int64"), (ix.load_user_lines, 2, "does not fit int64")],
+)
+def test_id_beyond_int64_names_file_and_line(tmp_path, loader, line, needle):
+    path = write(tmp_path, f"1 2 3\n{2**70} 4 5\n" if loader is ix.load_user_lines else f"1 2\n1 {2**70}\n")
+    with pytest.raises(ValueError) as err:
+        loader(path)
+    assert f"{path}:{line}:" in str(err.value) and needle in str(err.value)
+    ix.load_pairs(write(tmp_path, f"1 {2**63 - 1}\n1 2\n"))  # the largest int64 is still an id
+
+
+@pytest.mark.parametrize(
+    "content, line, needle",
+    [
+        (bytes(range(256)) * 40, 2, "not a UTF-8 text file (byte 0x80 at offset 128)"),
+        (b"1 2\n1 3\n\xff\xfe 4\n", 3, "not a UTF-8 text file"),
+        (b"1 2\n\x00\x00 3\n", 2, "NUL byte"),
+    ],
+)
+def test_binary_file_is_one_line_naming_the_file(tmp_path, content, line, needle):
+    path = tmp_path / "binary.bin"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        ix.load_interactions(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}:{line}:") and needle in message and "\n" not in message
+    assert len(message) < 300
+
+
+def test_long_bad_line_is_cut_in_the_message(tmp_path):
+    with pytest.raises(ValueError) as err:
+        ix.load_pairs(write(tmp_path, "1 2\n" + "x" * 100_000 + " 3\n"))
+    assert len(str(err.value)) < 400 and "(100000 characters)" in str(err.value)
+
+
 @pytest.mark.parametrize("text", ["", "\n  \n"])
 def test_empty_file_is_an_error(tmp_path, text):
     with pytest.raises(ValueError, match="no interactions"):

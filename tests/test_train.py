@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,7 +16,7 @@ from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
-from tests.helpers import small_config, stacks
+from tests.helpers import poison_loss, small_config, stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,14 +60,7 @@ def test_resume_gives_identical_parameters(tmp_path):
 
 
 def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
-    original = Trainer._train_step
-
-    def poisoned(self, state, batch):
-        new_state, metrics = original(self, state, batch)
-        metrics["loss"] = jnp.where(state.step >= 5, jnp.nan, metrics["loss"])
-        return new_state, metrics
-
-    monkeypatch.setattr(Trainer, "_train_step", poisoned)
+    poison_loss(monkeypatch, from_step=5)
     c = small_config("train.steps=20", "train.checkpoint_every=2", "train.log_every=100")
     with pytest.raises(loop.TrainingDiverged, match="step 6"):
         loop.train(make_task(c), tmp_path)

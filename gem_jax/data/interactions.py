@@ -7,9 +7,10 @@ Two text formats are read (see ``../shared/data/README.md``):
 
 Decisions (every one of them counted in :class:`Interactions`, nothing is dropped silently):
 
-* Ids are non-negative base-10 integers (ASCII digits only). Anything else, a wrong field
-  count, a negative id, or (``user_lines``) a uid repeated on a second line is a ``ValueError``
-  naming the file, the 1-based line number and the offending content.
+* Ids are non-negative base-10 integers (ASCII digits only) that fit int64. Anything else, a wrong
+  field count, a negative id, an id above 2**63 - 1, or (``user_lines``) a uid repeated on a second
+  line is a ``ValueError`` naming the file, the 1-based line number and the offending content (cut
+  to 80 characters). So is a file that is not UTF-8 text or holds NUL bytes (binary data).
 * Blank (whitespace-only) lines carry no interaction; they are skipped and counted
   (``blank_lines``).
 * ``pairs``: a user whose lines come in several non-contiguous blocks keeps all of them,
@@ -108,20 +109,45 @@ class Interactions:
         )
 
 
+MAX_ID = 2**63 - 1  # ids are held as int64
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """repr of a line or token, cut to `limit` characters (a binary file may hold one huge "line")."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
 def _parse_id(token: str, path: str, lineno: int, line: str) -> int:
     if token.isascii() and token.isdigit():
-        return int(token)
-    if token.startswith("-") and token[1:].isascii() and token[1:].isdigit():
-        problem = f"negative id {token!r}"
+        value = int(token)
+        if value <= MAX_ID:
+            return value
+        problem = f"id {_shown(token)} does not fit int64 (max {MAX_ID})"
+    elif token.startswith("-") and token[1:].isascii() and token[1:].isdigit():
+        problem = f"negative id {_shown(token)}"
     else:
-        problem = f"non-integer token {token!r}"
-    raise ValueError(f"{path}:{lineno}: {problem} in line {line!r}")
+        problem = f"non-integer token {_shown(token)}"
+    raise ValueError(f"{path}:{lineno}: {problem} in line {_shown(line)}")
 
 
 def _read_lines(path: str | os.PathLike) -> tuple[str, list[str]]:
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        return path, f.read().splitlines()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(
+            f"{path}:{lineno}: not a UTF-8 text file (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            "expected lines of integer ids"
+        ) from None
+    if "\x00" in text:
+        lineno = text.count("\n", 0, text.index("\x00")) + 1
+        raise ValueError(
+            f"{path}:{lineno}: NUL byte in the file (binary data?); expected lines of integer ids"
+        )
+    return path, text.splitlines()
 
 
 def _detect_format(path: str, lines: list[str]) -> str:
@@ -187,7 +213,7 @@ def _load_pairs(path: str, lines: list[str], detected: bool) -> Interactions:
             continue
         if len(fields) != 2:
             raise ValueError(
-                f"{path}:{lineno}: expected 2 fields 'user item', got {len(fields)} in line {line!r}{hint}"
+                f"{path}:{lineno}: expected 2 fields 'user item', got {len(fields)} in line {_shown(line)}{hint}"
             )
         users.append(_parse_id(fields[0], path, lineno, line))
         items.append(_parse_id(fields[1], path, lineno, line))
@@ -211,12 +237,12 @@ def _load_user_lines(path: str, lines: list[str]) -> Interactions:
         if len(fields) < 2:
             raise ValueError(
                 f"{path}:{lineno}: expected 'uid i1 i2 ...' (at least 2 fields), got "
-                f"{len(fields)} in line {line!r}"
+                f"{len(fields)} in line {_shown(line)}"
             )
         uid = _parse_id(fields[0], path, lineno, line)
         if uid in first_line:
             raise ValueError(
-                f"{path}:{lineno}: user {uid} already had line {first_line[uid]}, in line {line!r}"
+                f"{path}:{lineno}: user {uid} already had line {first_line[uid]}, in line {_shown(line)}"
             )
         first_line[uid] = lineno
         users.append(uid)

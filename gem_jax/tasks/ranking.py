@@ -25,6 +25,7 @@ from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids
 from gem_jax.parallel import num_batch_shards
+from gem_jax.train import interrupt
 from gem_jax.train.flops import train_step_flops
 from gem_jax.train.metrics import auc, normalized_entropy
 from gem_jax.train.task import Metrics
@@ -87,7 +88,9 @@ class RankingTask:
 
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
-            data = data.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers))
+            data = data.mp_prefetch(
+                grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=interrupt.worker_init
+            )
         return data
 
     def batch_counts(self, stack: JaggedBatch) -> dict[str, float]:

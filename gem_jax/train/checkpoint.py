@@ -1,16 +1,31 @@
-"""Orbax checkpoints: train state, grain iterator position and the loop's progress, async, keep-last-N.
+"""Orbax checkpoints: train state, grain iterator position and the loop's progress, async, keep-last-N,
+each step verified by a checksum manifest (gem_jax/train/integrity.py).
 
 A checkpoint is one orbax step directory holding up to three items: `state` (the sharded train
 state), `data` (the grain iterator's state, a small dict) and `progress` (the loop's JSON record:
 best validation metric so far, evaluations without improvement, training time spent...). All
-three commit together, so a resumed run continues exactly where the saved one was. Each process
-saves its own data position (grain); a run resumed on another number of processes merges them
-(`merge_process_states`), so a checkpoint written by 2 processes resumes in 1 and back.
+three commit together, so a resumed run continues exactly where the saved one was.
+
+After orbax has committed a step (at once for synchronous saves; for async ones, noticed by `poll()`
+between steps, or at the next `save`/`wait`/`close`), a background thread writes the step's manifest.
+`newest_intact()` is what a run restores: steps that fail their manifest are reported in one line
+each and, when an older intact step exists, moved to `<workdir>/corrupt/` (out of orbax's sight, so a
+replay can save those step numbers again; nothing is deleted). Temporary folders of saves that never
+finished (`*.orbax-checkpoint-tmp*`) are removed when a writing Checkpointer opens the directory,
+which the loop does only while it holds the workdir lock.
+
+Each process saves its own data position (grain); a run resumed on another number of processes
+merges them (`merge_process_states`), so a checkpoint written by 2 processes resumes in 1 and back.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +34,50 @@ import jax
 import orbax.checkpoint as ocp
 
 from gem_jax.config import TrainConfig
+from gem_jax.train import integrity
+from gem_jax.train.workdir_lock import WorkdirError
+
+CORRUPT_DIR = "corrupt"
+
+
+class NoIntactCheckpoint(WorkdirError):
+    """Every checkpoint step of a run fails its integrity check."""
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, config: TrainConfig, *, keep: int | None = None):
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep if keep is not None else config.keep_checkpoints,
-            enable_async_checkpointing=config.async_checkpointing,
-            create=True,
-        )
+    def __init__(
+        self, directory: Path, config: TrainConfig, *, keep: int | None = None, read_only: bool = False
+    ):
         self.directory = Path(directory).absolute()
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self.read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep if keep is not None else config.keep_checkpoints,
+            save_interval_steps=0 if read_only else 1,
+            enable_async_checkpointing=config.async_checkpointing,
+            create=not read_only,
+            read_only=read_only,
+            cleanup_tmp_directories=not read_only,
+        )
+        absl_log = logging.getLogger("absl")
+        level = absl_log.level
+        if read_only:  # orbax warns that the directory is read-only: that is what we asked for
+            absl_log.setLevel(logging.ERROR)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        finally:
+            absl_log.setLevel(level)
+        self._unsealed: list[int] = []  # saved by this process, manifest not written yet
+        self._sealing: list[Future] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gem-manifest")
+        self._primary = jax.process_index() == 0
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
+
+    # ------------------------------------------------------------------------- saving
 
     def save(
         self,
@@ -50,6 +92,98 @@ class Checkpointer:
         if progress is not None:
             items["progress"] = ocp.args.JsonSave(progress)
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._unsealed.append(step)
+        self.poll()
+
+    def poll(self) -> None:
+        """Starts writing the manifests of saves that have committed (cheap; call between steps)."""
+        if self._unsealed and not self.manager.is_saving_in_progress():
+            self._seal(self._unsealed)
+            self._unsealed = []
+
+    def _seal(self, steps: list[int]) -> None:
+        if not self._primary:
+            return
+        for step in steps:
+            self._sealing.append(self._executor.submit(self._write_manifest, step))
+
+    def _write_manifest(self, step: int) -> None:
+        step_dir = self.directory / str(step)
+        if step_dir.is_dir():  # orbax may already have removed it (keep-last-N)
+            try:
+                integrity.write_manifest(step_dir)
+            except FileNotFoundError:  # removed while hashing
+                pass
+
+    def wait(self) -> None:
+        """Waits for every save and its manifest."""
+        self.manager.wait_until_finished()
+        self._seal(self._unsealed)
+        self._unsealed = []
+        for f in self._sealing:
+            f.result()
+        self._sealing = []
+
+    def close(self) -> None:
+        self.wait()
+        self.manager.close()
+        self._executor.shutdown()
+
+    # ------------------------------------------------------------------------- verifying
+
+    def problem(self, step: int) -> str | None:
+        """None when `step` is saved and intact, else what is wrong with it."""
+        self.wait()
+        return integrity.problem(self.directory / str(step))
+
+    def newest_intact(
+        self, *, below: int | None = None, move_aside: bool | None = None, required: bool = True
+    ) -> int | None:
+        """The newest step (below `below`, if given) that passes its integrity check, or None if none exist.
+
+        Failed newer steps are reported (one line each); when an intact step is found and this
+        Checkpointer writes, they are moved to `<workdir>/corrupt/`. Steps that exist but none intact:
+        NoIntactCheckpoint and nothing is moved, unless `required=False` (best/: they are moved aside
+        and None is returned). Process 0 decides; every process gets its answer.
+        """
+        self.wait()
+        move_aside = not self.read_only if move_aside is None else move_aside
+        chosen, failed = _NONE, []
+        if self._primary:
+            for step in sorted(self.all_steps(), reverse=True):
+                if below is not None and step >= below:
+                    continue
+                problem = integrity.problem(self.directory / str(step))
+                if problem is None:
+                    chosen = step
+                    break
+                failed.append((step, problem))
+            if chosen == _NONE and failed and required:
+                chosen = _NONE_INTACT
+            for step, problem in failed:
+                fate = f"; moved to {self._move_aside(step)}" if chosen != _NONE_INTACT and move_aside else ""
+                print(
+                    f"checkpoint {self.directory / str(step)} is not intact: {problem}{fate}", file=sys.stderr
+                )
+        chosen = _agree(chosen)
+        if chosen != _NONE_INTACT and move_aside:
+            self.manager.reload()
+        if chosen == _NONE_INTACT:
+            listed = ", ".join(f"step {s} ({p})" for s, p in failed) or "see process 0's log"
+            raise NoIntactCheckpoint(
+                f"no intact checkpoint in {self.directory}: {listed}; nothing was changed "
+                "(move the workdir aside to start over)"
+            )
+        return None if chosen == _NONE else chosen
+
+    def _move_aside(self, step: int) -> Path:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{stamp}"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(self.directory / str(step), target)
+        return target
+
+    # ------------------------------------------------------------------------- restoring
 
     def restore(
         self, step: int, abstract_state, shardings, data_iterator: grain.DatasetIterator | None = None
@@ -75,11 +209,18 @@ class Checkpointer:
             data_iterator.set_state(merge_process_states([json.loads(f.read_text()) for f in files]))
         return restored["state"], (restored["progress"] if has_progress else None)
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
 
-    def close(self) -> None:
-        self.manager.close()
+_NONE, _NONE_INTACT = -1, -2  # newest_intact's answers besides a step
+
+
+def _agree(value: int) -> int:
+    """Process 0's answer on every process (they read the same files; only process 0 decides)."""
+    if jax.process_count() == 1:
+        return value
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 
 
 def merge_process_states(states: list[Any], path: str = "") -> Any:

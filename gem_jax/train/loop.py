@@ -1,14 +1,17 @@
 """The one training loop behind `python -m experiments train|eval`, for any Task.
 
-A run directory holds `config.toml` (resolved), `checkpoints/` (orbax: train state, data-iterator
-position and the loop's progress), `best/` (the checkpoint chosen on validation, when the task has
-a selection metric), `metrics.jsonl` (one JSON object per logged step or evaluation),
-`test.json` (tasks with a test split: scored once, for the chosen checkpoint) and, when
-tensorboardX is installed, TensorBoard event files.
+A run directory holds the run record (`config.toml`, `run.json`, `resumes.jsonl`: see
+gem_jax/train/run_record.py), `checkpoints/` (orbax: train state, data-iterator position and the
+loop's progress, each step with a checksum manifest), `best/` (the checkpoint chosen on validation,
+when the task has a selection metric), `metrics.jsonl` (one JSON object per logged step or
+evaluation), `test.json` (tasks with a test split: scored once, for the chosen checkpoint), when
+tensorboardX is installed `tensorboard/`, and `.lock` (the workdir lock; gem_jax/train/workdir_lock.py).
 
-What the loop does for every task: resume from the latest checkpoint (state, step, RNG, data
-position, best-so-far, time spent) at any step; stop on NaN/Inf without saving (the last good
-checkpoint survives); turn SIGINT/SIGTERM into a checkpoint and a clean exit; evaluate where the
+What the loop does for every task: refuse a re-run whose config or data differ from the run record,
+and a second trainer on the same workdir, before writing anything; resume from the newest intact
+checkpoint (state, step, RNG, data position, best-so-far, time spent) at any step, dropping the
+metrics records past it; stop on NaN/Inf without saving (the last intact checkpoint survives); turn
+SIGINT/SIGTERM into a checkpoint and a clean exit (gem_jax/train/interrupt.py); evaluate where the
 task says (`eval_due`), keep the best checkpoint and stop early after `train.patience` evaluations
 without improvement; stop at the first task boundary past `train.max_minutes` (with a last
 evaluation); log throughput, MFU and norms; show a progress bar.
@@ -16,10 +19,10 @@ evaluation); log throughput, MFU and norms; show a progress bar.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
-import signal
 import sys
 import time
 from pathlib import Path
@@ -27,14 +30,16 @@ from typing import Any
 
 import jax
 
-from gem_jax.config import config_to_toml
 from gem_jax.distributed import process_zero_says
 from gem_jax.parallel import describe_mesh
-from gem_jax.train.checkpoint import Checkpointer
+from gem_jax.train import files, interrupt
+from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.profiling import TraceWindow
+from gem_jax.train.run_record import RunRecord, data_fingerprint
 from gem_jax.train.step import Trainer
 from gem_jax.train.task import Task, flatten, higher_is_better
+from gem_jax.train.workdir_lock import WorkdirError, WorkdirLock, check_usable
 
 
 class TrainingDiverged(RuntimeError):
@@ -45,19 +50,28 @@ class TrainingDiverged(RuntimeError):
 
 
 class MetricsWriter:
-    """metrics.jsonl (always) and TensorBoard events (if tensorboardX is installed); process 0 only."""
+    """metrics.jsonl (always) and TensorBoard events (if tensorboardX is installed); process 0 only.
 
-    def __init__(self, workdir: Path):
+    A run resumed from step S first drops the records past S (written after the checkpoint it resumes
+    from, and about to be written again): metrics.jsonl is rewritten atomically without them, and
+    TensorBoard is told to hide events from step S + 1 on (`purge_step`).
+    """
+
+    def __init__(self, workdir: Path, resume_step: int = 0):
         self.enabled = jax.process_index() == 0
-        self.file = open(workdir / "metrics.jsonl", "a") if self.enabled else None  # noqa: SIM115 (closed in close())
+        self.file = None
         self.tb = None
-        if self.enabled:
-            try:
-                from tensorboardX import SummaryWriter
+        if not self.enabled:
+            return
+        path = workdir / "metrics.jsonl"
+        drop_records_after(path, resume_step)
+        self.file = open(path, "a")  # noqa: SIM115 (closed in close())
+        try:
+            from tensorboardX import SummaryWriter
 
-                self.tb = SummaryWriter(str(workdir / "tensorboard"))
-            except ImportError:
-                pass
+            self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
+        except ImportError:
+            pass
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
@@ -77,37 +91,22 @@ class MetricsWriter:
             self.tb.close()
 
 
-def read_json(path: Path) -> dict[str, Any] | None:
-    return json.loads(path.read_text()) if path.exists() else None
-
-
-def write_json(path: Path, value: dict[str, Any]) -> None:
-    """Writes atomically (a crash leaves the old file or the new one, never half of one)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(value, indent=1))
-    tmp.replace(path)
-
-
-class _StopRequest:
-    """Turns SIGINT/SIGTERM into a flag the loop checks between steps (so it can checkpoint)."""
-
-    def __init__(self):
-        self.signal: int | None = None
-        self._previous = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signal is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
-        self.signal = signum
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+def drop_records_after(path: Path, step: int) -> None:
+    """Rewrites metrics.jsonl (atomically) without records past `step` and without a line cut by a crash."""
+    if not path.exists():
+        return
+    text = path.read_text()
+    lines = text.splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= step:
+            kept.append(line)
+    if len(kept) != len(lines) or (text and not text.endswith("\n")):
+        files.write_text(path, "".join(line + "\n" for line in kept))
 
 
 # ----------------------------------------------------------------------------- progress
@@ -141,10 +140,14 @@ class Progress:
 def _check_finite(metrics: dict[str, Any], step: int, checkpointer: Checkpointer) -> dict[str, float]:
     values = {k: float(v) for k, v in metrics.items()}
     if not (math.isfinite(values["loss"]) and math.isfinite(values["param_norm"])):
-        checkpointer.wait()
+        try:  # name only a checkpoint that passes its integrity check now
+            good = checkpointer.newest_intact(move_aside=False)
+        except NoIntactCheckpoint:
+            good = None
+        last = "there is no intact checkpoint" if good is None else f"the last good checkpoint is step {good}"
         raise TrainingDiverged(
             f"loss = {values['loss']}, param norm = {values['param_norm']} at step {step}: stopping "
-            f"without saving; the last good checkpoint is step {checkpointer.latest_step()}"
+            f"without saving; {last}"
         )
     return values
 
@@ -189,33 +192,56 @@ def train(
 
     `stop_after` ends this invocation (with a checkpoint) after that global step, as a preemption
     would; re-running resumes. `profile_steps=(A, B)` traces global steps A..B-1 into
-    `workdir/profile` (gem_jax/train/profiling.py).
+    `workdir/profile` (gem_jax/train/profiling.py). Raises WorkdirError (the workdir is unusable,
+    locked by another trainer, holds a run with other settings, or no intact checkpoint) before
+    writing anything.
     """
-    t_start = time.perf_counter()
-    config, tc = task.config, task.config.train
     workdir = Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_usable(workdir)
+    record = RunRecord(workdir)
+    fingerprint = data_fingerprint(task.config)
+    record.check(task.config, fingerprint)  # reads only: a refused re-run leaves the workdir as it was
+    lock = WorkdirLock(workdir) if jax.process_index() == 0 else contextlib.nullcontext()
+    with interrupt.INTERRUPTS.handling() as interrupts, lock:
+        plan = record.check(task.config, fingerprint)  # again: no other trainer can write now
+        checkpoints = Checkpointer(workdir / "checkpoints", task.config.train)  # removes unfinished saves
+        best = Checkpointer(workdir / "best", task.config.train, keep=1) if task.select_metric else None
+        try:
+            latest = checkpoints.newest_intact()
+            if best is not None:
+                best.newest_intact(required=False)
+            if jax.process_index() == 0:
+                record.write(plan, task.config, fingerprint, resumed_from=latest)
+            return _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps)
+        finally:
+            checkpoints.close()
+            if best is not None:
+                best.close()
+
+
+def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    tc = task.config.train
     if jax.process_index() == 0:
-        (workdir / "config.toml").write_text(config_to_toml(config))
-        print(describe_mesh(task.mesh, config.parallel), file=sys.stderr)
+        print(describe_mesh(task.mesh, task.config.parallel), file=sys.stderr)
     if task.describe():
         print(task.describe(), file=sys.stderr)
     trainer = Trainer(task, task.mesh)
     evaluate = task.evaluator(trainer)
-    data_iter = iter(task.train_data(jax.process_index(), jax.process_count()))
-    checkpoints = Checkpointer(workdir / "checkpoints", tc)
-    best = Checkpointer(workdir / "best", tc, keep=1) if task.select_metric else None
-    latest = checkpoints.latest_step()
-    if latest is not None:
-        state, saved = checkpoints.restore(latest, *trainer.saved_target, data_iter)
-        state = trainer.from_saved_form(state)
-        progress = Progress.from_dict(saved)
-        print(f"resumed from step {latest} {_where(task, latest)}in {workdir}", file=sys.stderr)
-    else:
-        state, progress = trainer.init_state(), Progress()
-    step = start = int(state.step)
     total = task.total_steps()
-    writer = MetricsWriter(workdir)
+    with interrupt.blocked():  # grain worker processes start in here: Ctrl-C must not reach them
+        data_iter = iter(task.train_data(jax.process_index(), jax.process_count()))
+        if latest is not None:
+            state, saved = checkpoints.restore(latest, *trainer.saved_target, data_iter)
+            state = trainer.from_saved_form(state)
+            progress = Progress.from_dict(saved)
+            print(f"resumed from step {latest} {_where(task, latest)}in {workdir}", file=sys.stderr)
+        else:
+            state, progress = trainer.init_state(), Progress()
+        step = start = int(state.step)
+        will_train = step < total and progress.stopped is None and (stop_after is None or step < stop_after)
+        first = next(data_iter) if will_train else None
+    writer = MetricsWriter(workdir, resume_step=start)
     peak = device_peak_flops(jax.devices()[0].device_kind)
     throughput = _Throughput()
     t_train = time.perf_counter() - progress.train_time_s  # the time budget spans resumptions
@@ -236,18 +262,26 @@ def train(
         saved_step = step
 
     try:
-        with _StopRequest() as stop:
+        # Until this invocation's first step is done (compiled) there is nothing to save, and a signal
+        # ends the process at once; from then on it asks for a checkpoint (gem_jax/train/interrupt.py).
+        with contextlib.ExitStack() as protect:
             previous: tuple[int, dict] | None = None  # metrics checked one step late (overlap)
-            while step < total and progress.stopped is None and stop.signal is None:
+            while step < total and progress.stopped is None and interrupts.requested is None:
                 if stop_after is not None and step >= stop_after:
                     break
                 window.before(step)
-                with jax.profiler.TraceAnnotation("data"):  # host-side labels in traces
-                    stack = next(data_iter)
+                if first is not None:  # fetched before the loop (gem_jax/train/interrupt.py: blocked())
+                    stack, first = first, None
+                else:
+                    with jax.profiler.TraceAnnotation("data"):  # host-side labels in traces
+                        stack = next(data_iter)
                 throughput.add(task.batch_counts(stack))
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     state, metrics = trainer.train_step(state, trainer.to_device(stack))
                 step += 1
+                if step == start + 1:
+                    protect.enter_context(interrupts.saving())
+                checkpoints.poll()
                 window.after(step, metrics)
                 if previous is not None:
                     last_values = _check_finite(previous[1], previous[0], checkpoints)
@@ -292,22 +326,20 @@ def train(
                 last_values = _check_finite(previous[1], previous[0], checkpoints)
             if saved_step != step and step > start:
                 save()
-            signalled = stop.signal is not None
+            checkpoints.wait()
+            if best is not None:
+                best.wait()
+        signalled = interrupts.requested is not None
         finished = progress.stopped is not None or step >= total
         test = (
             _score_test(task, evaluate, trainer, best, checkpoints, progress, workdir, writer)
-            if finished
+            if finished and not signalled
             else None
         )
     finally:
         window.close()
         if bar is not None:
             bar.close()
-        checkpoints.wait()
-        checkpoints.close()
-        if best is not None:
-            best.wait()
-            best.close()
         writer.close()
     return {
         "workdir": str(workdir),
@@ -396,42 +428,62 @@ def _score_test(
     if "test" not in evaluate.splits:
         return None
     path = workdir / "test.json"
-    recorded = read_json(path)
+    recorded = files.read_json(path)
     if recorded is None:
-        source = best if best is not None and progress.best_step is not None else checkpoints
-        step = progress.best_step if source is best else source.latest_step()
-        source.wait()
+        source, step = checkpoints, None
+        if best is not None and progress.best_step is not None:
+            problem = best.problem(progress.best_step)
+            if problem is None:
+                source, step = best, progress.best_step
+            else:
+                print(
+                    f"the chosen checkpoint (step {progress.best_step}) is {problem}: scoring the newest "
+                    "intact checkpoint instead",
+                    file=sys.stderr,
+                )
+        if step is None:
+            step = checkpoints.newest_intact(move_aside=False)
         state, _ = source.restore(step, *trainer.saved_target)
         state = trainer.from_saved_form(state)
         recorded = {
             "step": step,
             **task.position(step),
+            "checkpoint": "best" if source is best else "checkpoints",
             "valid": evaluate(state, "valid"),
             "test": evaluate(state, "test"),
         }
         if jax.process_index() == 0:
-            write_json(path, recorded)
+            files.write_json(path, recorded)
         writer.write({"split": "test", **recorded})
     return recorded["test"]
 
 
 def evaluate_run(task: Task, workdir: str | Path) -> dict[str, Any]:
     """Validation metrics of a run's chosen checkpoint (else its latest), and the recorded test
-    metrics (`python -m experiments eval`; the test split is never scored again here)."""
+    metrics (`python -m experiments eval`; the test split is never scored again here).
+
+    Reads only (no lock, nothing written), so it may run beside the trainer; each checkpoint is
+    verified against its manifest first, and a failed one is reported and skipped.
+    """
     workdir = Path(workdir)
-    trainer = Trainer(task, task.mesh)
     for sub in ("best", "checkpoints"):
-        checkpoints = Checkpointer(workdir / sub, task.config.train)
-        step = checkpoints.latest_step()
+        if not (workdir / sub).is_dir():
+            continue
+        checkpoints = Checkpointer(workdir / sub, task.config.train, read_only=True)
+        try:
+            step = checkpoints.newest_intact()
+        except NoIntactCheckpoint:
+            step = None
         if step is not None:
             break
         checkpoints.close()
     else:
-        raise FileNotFoundError(f"no checkpoint in {workdir / 'best'} or {workdir / 'checkpoints'}")
+        raise WorkdirError(f"no intact checkpoint in {workdir / 'best'} or {workdir / 'checkpoints'}")
+    trainer = Trainer(task, task.mesh)
     state, _ = checkpoints.restore(step, *trainer.saved_target)
     state = trainer.from_saved_form(state)
     checkpoints.close()
-    recorded = read_json(workdir / "test.json")
+    recorded = files.read_json(workdir / "test.json")
     return {
         "workdir": str(workdir),
         "step": step,

@@ -1,0 +1,260 @@
+"""The run record: what a run directory's checkpoints mean, written once and checked on every re-run.
+
+Files (all written atomically):
+
+* `config.toml`: the resolved config of the run, written once when the run starts.
+* `run.json`: written once beside it: the data fingerprint (synthetic data: its generator settings;
+  an interactions file: its path, size and sha256), the code version (package version, git commit
+  and whether the tree had uncommitted changes, jax version), the creation time and host.
+* `resumes.jsonl`: one line per later invocation: time, host, code version, the checkpoint step it
+  resumed from, and the settings in `MAY_CHANGE` that differ from `config.toml` (its effective
+  overrides; `eval --workdir` applies the last line's).
+
+A re-run compares its config and data with the record before anything in the workdir is written.
+Any difference outside `MAY_CHANGE`, or data whose content changed, is refused with one line naming
+the differing keys (`RecordMismatch`, exit code 2): a changed model would fail to restore, changed
+data or a changed optimizer would silently continue a different run. A workdir with no checkpoint
+yet holds no state to protect: a re-run there starts the run over and writes a new record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from gem_jax.config import Config, ConfigError, load_config
+from gem_jax.train import files
+from gem_jax.train.workdir_lock import WorkdirError
+
+CONFIG_FILE = "config.toml"
+RECORD_FILE = "run.json"
+RESUMES_FILE = "resumes.jsonl"
+FORMAT = 1
+
+# Settings that may differ between invocations of one run, because they change how long, how often
+# or how verbosely it trains, or where it reads identical data, not what a checkpoint holds or how the
+# next step is computed. Every other key must equal the record. Documented in README ("Resuming").
+MAY_CHANGE = (
+    "train.steps",  # a longer or shorter run (ranking: the learning-rate schedule follows it)
+    "retrieval.epochs",  # the same for next-item runs
+    "train.max_minutes",
+    "train.patience",
+    "train.log_every",
+    "train.progress",
+    "train.eval_every",
+    "retrieval.eval_every_epochs",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.async_checkpointing",
+    "data.num_workers",  # grain worker processes: the same examples in the same order
+    "model.attention_implementation",  # the same function computed by another kernel (e.g. GPU -> CPU)
+    "data.path",  # only when the file's content (size and sha256) is the recorded one
+)
+
+# data.* settings that do not change which examples the synthetic generator produces.
+_NOT_DATA_IDENTITY = ("path", "num_workers", "examples_per_shard", "tokens_per_shard", "eval_examples")
+
+
+class RecordMismatch(WorkdirError):
+    """The workdir holds a run whose config or data differ from this invocation's."""
+
+
+# ----------------------------------------------------------------------------- fingerprints
+
+
+def data_fingerprint(config: Config) -> dict[str, Any]:
+    """What identifies the training data: the file's path, size and hash, or the generator settings.
+
+    Hashing takes about 0.1 s for the 20-30 MB interaction files, so it is done on every start, not cached.
+    """
+    d = config.data
+    if d.kind == "interactions":
+        from gem_jax.data.next_item import resolve_data_path
+
+        path = resolve_data_path(d.path).resolve()
+        return {"kind": d.kind, "path": str(path), "size": path.stat().st_size, "sha256": files.sha256(path)}
+    settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_DATA_IDENTITY}
+    return {"kind": d.kind, "generator": settings}
+
+
+def code_version() -> dict[str, Any]:
+    """Package version, git commit (and whether the tree had uncommitted changes), jax version."""
+    import importlib.metadata
+
+    import jax
+
+    try:
+        package = importlib.metadata.version("gem-jax")
+    except importlib.metadata.PackageNotFoundError:
+        package = None
+    out: dict[str, Any] = {"package": package, "jax": jax.__version__, "git": None, "dirty": None}
+    root = Path(__file__).resolve().parents[2]
+    if (root / ".git").exists():
+        try:
+            git = ["git", "-C", str(root)]
+            out["git"] = subprocess.run(
+                [*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+            ).stdout.strip()
+            status = subprocess.run(
+                [*git, "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+            out["dirty"] = bool(status.strip())
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return out
+
+
+# ----------------------------------------------------------------------------- comparing
+
+
+def _flat(config: Config) -> dict[str, Any]:
+    """{"model.model_dim": 64, ...}; nested tables compare as whole values."""
+    return {f"{s}.{k}": v for s, values in config.to_dict().items() for k, v in values.items()}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def differences(recorded: Config, new: Config) -> dict[str, tuple[Any, Any]]:
+    """Keys whose values differ: key -> (recorded value, new value)."""
+    a, b = _flat(recorded), _flat(new)
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
+def _same_data(recorded: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    if recorded is None:  # a run that predates run records: nothing to compare
+        return True
+    if new.get("kind") == "interactions" and recorded.get("kind") == "interactions":
+        return (recorded.get("size"), recorded.get("sha256")) == (new["size"], new["sha256"])
+    return recorded == new
+
+
+# ----------------------------------------------------------------------------- the record
+
+
+@dataclasses.dataclass
+class Plan:
+    """What `RunRecord.check` found: a new run, or a resume with these allowed changes."""
+
+    new: bool
+    changed: dict[str, tuple[Any, Any]]  # allowed keys that differ from config.toml
+    record: dict[str, Any] | None  # run.json as found (None: new run, or a run from before run records)
+
+
+class RunRecord:
+    def __init__(self, workdir: Path):
+        self.workdir = Path(workdir)
+        self.config_path = self.workdir / CONFIG_FILE
+        self.record_path = self.workdir / RECORD_FILE
+        self.resumes_path = self.workdir / RESUMES_FILE
+
+    def has_run(self) -> bool:
+        """Whether the workdir holds a run to protect: a record and at least one checkpoint step."""
+        if not self.config_path.exists():
+            return False
+        return any(
+            p.name.isdigit()
+            for sub in ("checkpoints", "best")
+            if (self.workdir / sub).is_dir()
+            for p in (self.workdir / sub).iterdir()
+        )
+
+    def recorded_config(self, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+        """config.toml with the last resume's changes, then `overrides` (`--set key=value`)."""
+        if not self.config_path.exists():
+            raise ConfigError(f"{self.config_path} not found: is {self.workdir} a run directory?")
+        changes = []
+        if self.resumes_path.exists():
+            lines = [line for line in self.resumes_path.read_text().splitlines() if line.strip()]
+            for line in reversed(lines):
+                try:
+                    last = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by a crash: the one before it holds
+                    continue
+                changes = [f"{k}={json.dumps(v[1])}" for k, v in last.get("changed", {}).items()]
+                break
+        return load_config(self.config_path, [*changes, *overrides])
+
+    def check(self, config: Config, fingerprint: dict[str, Any]) -> Plan:
+        """Compares with the record (reads only); raises RecordMismatch naming every refused key."""
+        if not self.has_run():
+            return Plan(new=True, changed={}, record=None)
+        try:
+            recorded = load_config(self.config_path)
+        except ConfigError as e:
+            raise RecordMismatch(
+                f"the recorded config of {self.workdir} does not load with this code ({e}); "
+                "evaluate it with the code that wrote it, or start a fresh run in another --workdir"
+            ) from None
+        record = files.read_json(self.record_path)
+        same_data = _same_data(None if record is None else record.get("data"), fingerprint)
+        diff = differences(recorded, config)
+        refused = [k for k in diff if k not in MAY_CHANGE or (k == "data.path" and not same_data)]
+        parts = [f"{k} {_short(diff[k][0])} -> {_short(diff[k][1])}" for k in refused]
+        if not same_data:
+            was, now = record["data"], fingerprint
+            if was.get("kind") == "interactions" and now.get("kind") == "interactions":
+                parts.append(
+                    f"data file content (size {was.get('size')} sha256 {str(was.get('sha256'))[:12]} -> "
+                    f"size {now['size']} sha256 {now['sha256'][:12]}, {now['path']})"
+                )
+            elif "data.kind" not in refused:
+                parts.append("data fingerprint")
+        if parts:
+            raise RecordMismatch(
+                f"{self.workdir} holds a run with other settings, which would not resume correctly: "
+                f"{'; '.join(parts)}. Resume with the recorded settings ({self.config_path}), or start a "
+                "fresh run in another --workdir"
+            )
+        return Plan(new=False, changed={k: diff[k] for k in diff}, record=record)
+
+    def write(
+        self, plan: Plan, config: Config, fingerprint: dict[str, Any], resumed_from: int | None
+    ) -> None:
+        """Writes the record of a new run, or appends this resume (call with the workdir lock held)."""
+        from gem_jax.config import config_to_toml
+
+        now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        code = code_version()
+        if plan.new or plan.record is None:
+            if plan.new:
+                files.write_text(self.config_path, config_to_toml(config))
+                if self.resumes_path.exists():
+                    self.resumes_path.unlink()  # resumes of an earlier attempt that never saved a step
+            files.write_json(
+                self.record_path,
+                {
+                    "format": FORMAT,
+                    "created": now,
+                    "host": socket.gethostname(),
+                    "data": fingerprint,
+                    "code": code,
+                    **({} if plan.new else {"note": "recorded at a resume: the run predates run records"}),
+                },
+            )
+            if plan.new:
+                return
+        line = {
+            "time": now,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "resumed_from_step": resumed_from,
+            "code": code,
+            "changed": {k: [a, b] for k, (a, b) in plan.changed.items()},
+        }
+        with open(self.resumes_path, "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,91 @@
+"""The attention fuzzer (experiments/fuzz.py): a few cases of the kernel in interpret mode pass, and a
+deliberately wrong kernel is caught with a replayable case."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import fuzz
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_interpreted_kernel_passes_a_few_cases():
+    report = fuzz.fuzz(seconds=600, max_cases=3, max_families=1, log=lambda line: None)
+    assert report.failures == [] and report.cases == 3
+    family = report.families[0]  # the first family switches everything on
+    assert (
+        family.dtype == "bfloat16" and family.targets and family.window and family.num_pos and family.num_time
+    )
+    assert {name for name, _ in report.worst} == set(fuzz.CHECKS)
+    for whole, per_seq in report.worst.values():
+        assert 0 < whole <= fuzz.TOLERANCE["bfloat16"][0] and 0 < per_seq <= fuzz.TOLERANCE["bfloat16"][1]
+
+
+def test_cases_cover_empty_single_full_and_unused_rows():
+    family = fuzz.make_family(0, 0, "cpu")
+    lengths = np.concatenate([np.diff(fuzz.make_case(family, 0, 0, c).offsets) for c in range(40)])
+    assert {0, 1, family.max_seq_len} <= set(lengths.tolist())
+    case = fuzz.make_case(family, 0, 0, 0)
+    assert np.isnan(case.q[case.offsets[-1] :]).all() and np.isfinite(case.q[: case.offsets[-1]]).all()
+
+
+def _broken(how: str):
+    real = fuzz.jagged_attention
+
+    def attention(*args, implementation, **kw):
+        if implementation != "broken":
+            return real(*args, implementation=implementation, **kw)
+        if how == "window":  # forgets the attention window
+            return real(*args, implementation="reference", **{**kw, "max_attn_len": 0})
+        out = real(*args, implementation="reference", **kw)
+        unused = jnp.arange(out.shape[0])[:, None, None] >= args[3][-1]
+        return jnp.where(unused, jnp.nan, out).astype(out.dtype)  # leaks NaN into unused capacity rows
+
+    return attention
+
+
+@pytest.mark.parametrize("how, words", [("window", ["WRONG out", "rel L2"]), ("nan", ["past offsets[B]"])])
+def test_a_wrong_kernel_is_caught_with_a_replayable_case(monkeypatch, how, words):
+    monkeypatch.setattr(fuzz, "jagged_attention", _broken(how))
+    report = fuzz.fuzz(
+        seconds=600, max_cases=2, max_families=1, implementation="broken", log=lambda line: None
+    )
+    assert report.failures, "the broken kernel passed"
+    for w in words:
+        assert any(w in f for f in report.failures), report.failures
+    assert all("--seed 0 --replay 0:" in f for f in report.failures)
+    case = int(re.search(r"--replay 0:(\d+)", report.failures[0]).group(1))
+    replay = fuzz.fuzz(seconds=600, implementation="broken", replay=(0, case), log=lambda line: None)
+    assert replay.cases == 1 and replay.failures[0] == report.failures[0]
+
+
+def test_cli_prints_the_table_and_exit_code():
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments", "fuzz", "attention", "--seconds", "120", "--max-cases", "2"]
+        + ["--max-families", "1", "--implementation", "reference"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 cases in" in r.stdout and "| out | bfloat16 |" in r.stdout and "failures: 0" in r.stdout
+
+
+def test_a_crashing_kernel_is_reported_and_ends_the_sweep(monkeypatch):
+    def crash(*args, implementation, **kw):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(fuzz, "jagged_attention", crash)
+    report = fuzz.fuzz(seconds=600, implementation="broken", log=lambda line: None)
+    assert report.cases == 0 and len(report.failures) == fuzz.MAX_CRASHES_IN_A_ROW
+    assert all(f.startswith("CRASH RuntimeError: boom (") and "--replay" in f for f in report.failures)
+    assert report.crashed == set(range(fuzz.MAX_CRASHES_IN_A_ROW))  # each family skipped after its crash
