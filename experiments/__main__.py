@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         from experiments import sweep
 
         return sweep.run(args)
+    if args.command == "fuzz":
+        from experiments import fuzz
+
+        return fuzz.main([args.target, *args.args])
 
     from gem_jax import distributed
 
@@ -132,10 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     except distributed.DistributedError as e:
         print(f"distributed: {e}", file=sys.stderr)
         return 2
-    if args.command == "fuzz":
-        from experiments import fuzz
-
-        return fuzz.main([args.target, *args.args])
 
     from gem_jax.config import ConfigError, load_config
     from gem_jax.tasks import make_task
