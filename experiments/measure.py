@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             "traceback": traceback.format_exc()[-4000:],
         }
     if args.out:
-        from gem_jax.train.loop import write_json
+        from gem_jax.train.files import write_json
 
         write_json(Path(args.out), record)
     print(json.dumps({k: v for k, v in record.items() if k != "traceback"}, indent=1))
