@@ -91,14 +91,22 @@ def test_two_axis_mesh_runs():
     c = small_config(
         "parallel.mesh_axes=['dcn','data']",
         "parallel.mesh_shape=[2,4]",
-        "parallel.rules={shard=['dcn','data'], rows=['data']}",
+        "parallel.rules={shard=['dcn','data']}",
         "model.num_layers=1",
         "model.wukong_layers=1",
+        # The item table row-sharded over the in-host axis, copied across "dcn" (embeddings' two_d).
+        "embeddings.tables.items={rows=512, dim=16, sharding='two_d'}",
+        "embeddings.tables.actions={rows=16, dim=16}",
+        "embeddings.tables.sparse={rows=256, dim=16}",
+        "embeddings.features.items={table='items', pooling='none'}",
+        "embeddings.features.actions={table='actions', pooling='none'}",
+        "embeddings.features.sparse={table='sparse', pooling='mean'}",
     )
     task = make_task(c)
     t = Trainer(task, task.mesh)
     state = t.init_state()
-    assert set(state.embeddings) >= {"items", "sparse"}  # the tables live in the sparse embeddings
+    spec = state.embeddings["items"]["table"].sharding.spec
+    assert "data" in str(spec) and "dcn" not in str(spec), spec
     batch = jax.device_put(next(stacks(c, shards=8)), t.batch_sharding)
     _, m = t.train_step(state, batch)
     assert np.isfinite(float(m["loss"]))

@@ -87,11 +87,11 @@ class NextItemTask:
 
     # ------------------------------------------------------------------------- loss
 
-    def embedding_ids(self, pack: NextItemPack) -> dict:
-        return {}  # no sparse tables (see __init__)
+    def embedding_ids(self, pack: NextItemPack) -> dict[str, Any]:
+        return {}  # no sparse tables: the item table is a dense parameter of the model (see __init__)
 
     def pack_loss(
-        self, model: NextItemModel, pack: NextItemPack, embedded: dict, rng: jax.Array | None
+        self, model: NextItemModel, pack: NextItemPack, embedded: dict[str, jax.Array], rng: jax.Array | None
     ) -> dict[str, jax.Array]:
         dropout_key, negative_key = jax.random.split(rng)
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import fnmatch
 import json
 import os
 import socket
@@ -55,7 +56,22 @@ MAY_CHANGE = (
     "data.num_workers",  # grain worker processes: the same examples in the same order
     "model.attention_implementation",  # the same function computed by another kernel (e.g. GPU -> CPU)
     "data.path",  # only when the file's content (size and sha256) is the recorded one
+    # Another mesh or embedding plan: checkpoints hold every array in a device-count-free form (tables
+    # as [rows, dim]), so a run resumes on another number of devices (the global batch follows it).
+    "parallel.mesh_shape",
+    "parallel.mesh_axes",
+    "parallel.slow_axes",
+    "parallel.rules",
+    "embeddings.tables.*.sharding",
+    "embeddings.fast_axes",
+    "embeddings.device_memory_gib",
+    "embeddings.memory_fraction",
 )
+
+
+def may_change(key: str) -> bool:
+    return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE)
+
 
 # data.* settings that do not change which examples the synthetic generator produces.
 _NOT_DATA_IDENTITY = ("path", "num_workers", "examples_per_shard", "tokens_per_shard", "eval_examples")
@@ -118,8 +134,18 @@ def code_version() -> dict[str, Any]:
 
 
 def _flat(config: Config) -> dict[str, Any]:
-    """{"model.model_dim": 64, ...}; nested tables compare as whole values."""
-    return {f"{s}.{k}": v for s, values in config.to_dict().items() for k, v in values.items()}
+    """{"model.model_dim": 64, ...}; named tables one level deeper ("embeddings.tables.items.rows"),
+    other nested tables compare as whole values."""
+    out = {}
+    for section, values in config.to_dict().items():
+        for key, value in values.items():
+            named = isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values())
+            if named:
+                for name, fields in value.items():
+                    out.update({f"{section}.{key}.{name}.{f}": v for f, v in fields.items()})
+            else:
+                out[f"{section}.{key}"] = value
+    return out
 
 
 def _short(value: Any) -> str:
@@ -201,7 +227,7 @@ class RunRecord:
         record = files.read_json(self.record_path)
         same_data = _same_data(None if record is None else record.get("data"), fingerprint)
         diff = differences(recorded, config)
-        refused = [k for k in diff if k not in MAY_CHANGE or (k == "data.path" and not same_data)]
+        refused = [k for k in diff if not may_change(k) or (k == "data.path" and not same_data)]
         parts = [f"{k} {_short(diff[k][0])} -> {_short(diff[k][1])}" for k in refused]
         if not same_data:
             was, now = record["data"], fingerprint
