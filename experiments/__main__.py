@@ -1,10 +1,15 @@
-"""`python -m experiments {train,eval,bench,profile}`: the user-facing entry point.
+"""`python -m experiments {train,eval,bench,profile,sweep}`: the user-facing entry point.
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
   python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
   python -m experiments profile [--config C] [--set ...] [--steps N] [--out DIR]   (docs/profiling.md)
   python -m experiments fuzz attention --seconds S   (randomized kernel-vs-reference sweep)
+  python -m experiments sweep --config C --grid GRID.toml [--out DIR]   (see experiments/sweep.py)
+
+Multi-process runs (several hosts, or CPU processes with gloo): give train/eval `--coordinator
+HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+JAX_PROCESS_ID), or `--distributed` to let jax detect the cluster (SLURM, Open MPI, TPU...).
 
 Config errors (unknown keys, wrong types, bad values, unreadable data) and workdir errors (a file, not
 writable, locked by another trainer, holding a run with other settings, no intact checkpoint) print
@@ -66,6 +71,16 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="evaluate the latest checkpoint of a run")
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    for p in (train, ev):
+        group = p.add_argument_group("multi-process (see gem_jax/distributed.py)")
+        group.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
+        group.add_argument("--num-processes", type=int, default=None)
+        group.add_argument("--process-id", type=int, default=None)
+        group.add_argument("--distributed", action="store_true", help="detect the cluster (SLURM, MPI, TPU)")
+        group.add_argument("--cluster-detection", default=None, help='a jax detection method, e.g. "mpi4py"')
+    from experiments import sweep
+
+    sweep.add_arguments(sub.add_parser("sweep", help="run a grid of configs, one subprocess per point"))
     bench = sub.add_parser("bench", help="kernel benchmarks (GPU)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER)
@@ -99,10 +114,28 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+    if args.command == "sweep":
+        from experiments import sweep
+
+        return sweep.run(args)
     if args.command == "fuzz":
         from experiments import fuzz
 
         return fuzz.main([args.target, *args.args])
+
+    from gem_jax import distributed
+
+    try:
+        distributed.initialize(
+            args.coordinator,
+            args.num_processes,
+            args.process_id,
+            auto=args.distributed,
+            cluster_detection=args.cluster_detection,
+        )
+    except distributed.DistributedError as e:
+        print(f"distributed: {e}", file=sys.stderr)
+        return 2
 
     from gem_jax.config import ConfigError, load_config
     from gem_jax.tasks import make_task

@@ -95,7 +95,8 @@ class EmbeddingConfig:
     learning_rate: float = 0.05
     adagrad_eps: float = 1e-8
     adagrad_initial_accumulator: float = 0.0
-    # Planner: the fast mesh axes (inside a host); empty = the last data-parallel axis. two_d tables are
+    # Planner: the fast mesh axes (inside a host); empty = the data-parallel axes that `parallel` does
+    # not list in `slow_axes` (when it lists some), else the last data-parallel axis. two_d tables are
     # row-sharded over them and replicated over the others (the slow axes).
     fast_axes: tuple[str, ...] = ()
     device_memory_gib: float = 0.0  # per-device budget; 0: the device's own limit (16 GiB where unknown)
@@ -159,11 +160,18 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Device mesh and the logical-axis -> mesh-axis rules table."""
+    """Device mesh (following the network) and the logical-axis -> mesh-axis rules table.
 
-    # Mesh axes, slow (across hosts) to fast (inside a host). -1: all remaining devices.
+    `mesh_axes` lists the axes slow to fast with their sizes in `mesh_shape` (-1: all remaining
+    devices). The leading `slow_axes` of them cross hosts or slices (DCN, InfiniBand): their sizes
+    multiply to the number of hosts. The others are fast (NVLink, ICI, inside one host or slice):
+    their sizes multiply to the devices of one host. On a single host every axis lives inside it
+    (a slow axis is then emulated by contiguous groups of devices). See `gem_jax/parallel.py`.
+    """
+
     mesh_axes: tuple[str, ...] = ("data",)
     mesh_shape: tuple[int, ...] = (-1,)
+    slow_axes: tuple[str, ...] = ()  # a prefix of mesh_axes, e.g. ("dcn",); empty: one host or slice
     # Logical axis name -> mesh axes (empty = replicated). Unlisted names are replicated.
     # "shard" is the leading axis of a batch (one jagged pack per data-parallel shard).
     rules: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"shard": ("data",)})
@@ -389,6 +397,15 @@ def validate(config: Config, source: str) -> Config:
                 raise ConfigError(
                     f"{source}: `parallel.rules.{name}` maps to mesh axis {axis!r}, not in {p.mesh_axes}"
                 )
+    if p.slow_axes != p.mesh_axes[: len(p.slow_axes)]:
+        raise ConfigError(
+            f"{source}: `parallel.slow_axes` {p.slow_axes} must be the leading axes of "
+            f"`parallel.mesh_axes` {p.mesh_axes} (axes are listed slow to fast)"
+        )
+    if p.mesh_shape.count(-1) > 1 or any(n == 0 or n < -1 for n in p.mesh_shape):
+        raise ConfigError(
+            f"{source}: `parallel.mesh_shape` {p.mesh_shape} must hold positive sizes and at most one -1"
+        )
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
@@ -686,24 +703,27 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return validate(config, source)
 
 
+def toml_value(v: Any) -> str:
+    """One value as TOML (inline tables for dicts), as `--set key=VALUE` and config files read it."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return (
+            "{ " + ", ".join(f"{toml_value(str(k))} = {toml_value(x)}" for k, x in v.items()) + " }"
+            if v
+            else "{}"
+        )
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)
+
+
 def config_to_toml(config: Config) -> str:
     """Writes the resolved config as TOML (the run directory keeps it beside the checkpoints)."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-        if isinstance(v, (list, tuple)):
-            return "[" + ", ".join(fmt(x) for x in v) + "]"
-        if isinstance(v, dict):
-            if not v:
-                return "{}"
-            return "{ " + ", ".join(f"{fmt(k)} = {fmt(x)}" for k, x in v.items()) + " }"
-        if isinstance(v, float):
-            return repr(v)
-        return str(v)
-
     lines = []
     for section, values in config.to_dict().items():
         lines.append(f"[{section}]")
@@ -712,8 +732,8 @@ def config_to_toml(config: Config) -> str:
             if isinstance(v, dict):
                 tables[k] = v
             else:
-                lines.append(f"{k} = {fmt(v)}")
+                lines.append(f"{k} = {toml_value(v)}")
         for k, table in tables.items():
-            lines.append(f"{k} = {fmt(table)}")
+            lines.append(f"{k} = {toml_value(table)}")
         lines.append("")
     return "\n".join(lines)

@@ -55,7 +55,7 @@ def stacks(config: Config, shards: int, start: int = 0):
         num_sparse_features=d.num_sparse_features,
         max_bag_size=d.max_bag_size,
         prefix=m.num_context_tokens,
-        shards_per_step=shards,
+        shards=shards,
         process_index=0,
         process_count=1,
     )

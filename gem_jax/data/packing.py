@@ -8,9 +8,9 @@ task) and `greedy_groups` to a list of known lengths (an epoch of next-item user
 
 grain's own packers (`FirstFitPackIterDataset`, ...) pack into fixed-length *rows* with segment ids,
 the LM layout; our batch is one flat jagged buffer with offsets per pack, so the packer is ours.
-A step's batch is a stack of `shards` packs (one per data-parallel shard of this process); a short
-last stack (end of a finite dataset or of an epoch) is padded with empty packs (all zeros: offsets
-0, no targets), which every task treats as padding.
+A step's batch is a stack of packs (one per data-parallel shard of this process); a short last
+stack (end of a finite dataset or of an epoch) is padded with empty packs (all zeros: offsets 0, no
+targets), which every task treats as padding.
 """
 
 from __future__ import annotations
@@ -150,6 +150,67 @@ class PackIterDataset(grain.IterDataset):
         return _PackIterator(self._parent.__iter__(), self)
 
 
-def stacked(packs: grain.IterDataset, shards: int) -> grain.IterDataset:
-    """Stacks of `shards` packs; a short last stack is padded with empty packs."""
-    return packs.batch(shards, drop_remainder=False).map(lambda stack: pad_stack(stack, shards))
+class _ShardStackIterator(grain.DatasetIterator):
+    def __init__(self, dataset: ShardStacks):
+        super().__init__([it.__iter__() for it in dataset.streams.values()])
+        self._ds = dataset
+        self._shards = [str(g) for g in dataset.streams]
+
+    def __next__(self) -> Any:
+        packs = []
+        for it in self._parents:
+            try:
+                packs.append(next(it))
+            except StopIteration:
+                packs.append(None)
+        live = [p for p in packs if p is not None]
+        if not live:
+            raise StopIteration
+        empty = jax.tree.map(np.zeros_like, live[0])  # all zeros: offsets 0, no targets (padding)
+        return stack_packs([p if p is not None else empty for p in packs])
+
+    def get_state(self) -> dict[str, Any]:
+        return {"shards": {g: it.get_state() for g, it in zip(self._shards, self._parents, strict=True)}}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Takes this process's shards from `state`, which may hold other processes' shards too
+        (a checkpoint written by a different number of processes, see `train/checkpoint.py`); a
+        state of another number of batch shards goes through the dataset's `reshard`."""
+        saved = state["shards"]
+        if sorted(saved, key=int) != [str(g) for g in range(self._ds.shards)] and self._ds.reshard:
+            for g, it in zip(self._shards, self._parents, strict=True):
+                it.set_state(self._ds.reshard(saved, int(g)))
+            return
+        for g, it in zip(self._shards, self._parents, strict=True):
+            if g not in saved:
+                raise ValueError(
+                    f"the data state holds no position for batch shard {g}: {sorted(state['shards'])}"
+                )
+            it.set_state(state["shards"][g])
+
+
+class ShardStacks(grain.IterDataset):
+    """One stack per step from several pack streams, one per data-parallel shard (keyed by its global
+    shard index): stream g's packs always land in batch shard g, whichever process reads it, so a
+    global batch does not depend on the number of processes. A finite stream that ends first is
+    padded with empty packs until every stream has ended."""
+
+    def __init__(
+        self,
+        streams: dict[int, grain.IterDataset],
+        shards: int,
+        reshard: Callable[[dict[str, Any], int], Any] | None = None,
+    ):
+        """Args:
+        streams: global batch shard index -> its pack stream (this process's shards).
+        shards: batch shards of a step, all processes.
+        reshard: `(positions saved with another number of shards, shard) -> its position`; None:
+          such a state is an error.
+        """
+        super().__init__(list(streams.values()))
+        self.streams = streams
+        self.shards = shards
+        self.reshard = reshard
+
+    def __iter__(self) -> _ShardStackIterator:
+        return _ShardStackIterator(self)

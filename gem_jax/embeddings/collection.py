@@ -130,18 +130,22 @@ class EmbeddingCollection:
         cls, config: Config, mesh: Mesh, extra_tables: Mapping[str, TableConfig] | None = None
     ) -> EmbeddingCollection:
         """The collection the config describes (`extra_tables`: e.g. a model's data-sized table)."""
-        from gem_jax.parallel import shard_axes
+        from gem_jax.parallel import fast_axes, shard_axes
 
         e = config.embeddings
+        batch_axes = shard_axes(config.parallel)
+        fast = e.fast_axes
+        if not fast and config.parallel.slow_axes:  # the topology says which axes stay inside a host
+            fast = tuple(a for a in fast_axes(config.parallel) if a in batch_axes)
         tables = {**e.resolved_tables(), **(extra_tables or {})}
         gib = e.device_memory_gib * (1 << 30) if e.device_memory_gib else device_memory_bytes()
         return cls(
             tables,
             e.resolved_features(),
             mesh,
-            shard_axes(config.parallel),
+            batch_axes,
             optimizer=optimizer_from_config(e.optimizer, e.adagrad_eps, e.adagrad_initial_accumulator),
-            fast_axes=e.fast_axes,
+            fast_axes=fast,
             budget_bytes=int(gib * e.memory_fraction),
         )
 

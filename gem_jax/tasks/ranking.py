@@ -64,8 +64,6 @@ class RankingTask:
 
     def _dataset(self, *, num_examples: int | None, start: int, process_index: int, process_count: int):
         d, m = self.config.data, self.config.model
-        if self.shards % process_count:
-            raise ValueError(f"{self.shards} batch shards do not split over {process_count} processes")
         return packed_dataset(
             self.generator.example,
             num_examples=num_examples,
@@ -75,7 +73,7 @@ class RankingTask:
             num_sparse_features=d.num_sparse_features,
             max_bag_size=d.max_bag_size,
             prefix=m.num_context_tokens,
-            shards_per_step=self.shards // process_count,
+            shards=self.shards,
             process_index=process_index,
             process_count=process_count,
         )

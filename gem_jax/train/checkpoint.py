@@ -13,10 +13,14 @@ each and, when an older intact step exists, moved to `<workdir>/corrupt/` (out o
 replay can save those step numbers again; nothing is deleted). Temporary folders of saves that never
 finished (`*.orbax-checkpoint-tmp*`) are removed when a writing Checkpointer opens the directory,
 which the loop does only while it holds the workdir lock.
+
+Each process saves its own data position (grain); a run resumed on another number of processes
+merges them (`merge_process_states`), so a checkpoint written by 2 processes resumes in 1 and back.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import sys
@@ -189,12 +193,20 @@ class Checkpointer:
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state, shardings
         )
         items = {"state": ocp.args.StandardRestore(target)}
-        if data_iterator is not None:
+        data_dir = self.directory / str(step) / "data"
+        own_data = data_dir / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if data_iterator is not None and own_data.exists():
             items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
         has_progress = (self.directory / str(step) / "progress").exists()
         if has_progress:
             items["progress"] = ocp.args.JsonRestore()
         restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+        if data_iterator is not None and not own_data.exists():
+            # Written by another number of processes: every process's position, merged.
+            files = sorted(data_dir.glob("process_*-of-*.json"))
+            if not files:
+                raise FileNotFoundError(f"{data_dir}: no data-iterator position saved")
+            data_iterator.set_state(merge_process_states([json.loads(f.read_text()) for f in files]))
         return restored["state"], (restored["progress"] if has_progress else None)
 
 
@@ -209,3 +221,20 @@ def _agree(value: int) -> int:
     from jax.experimental import multihost_utils
 
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
+
+
+def merge_process_states(states: list[Any], path: str = "") -> Any:
+    """One data-iterator position from every process's: the union of their keys, where a value two
+    processes both hold must agree. Positions that are global (next-item: epoch and step) or keyed by
+    global batch shard (ranking: `packing.ShardStacks`) merge; per-worker positions of grain's
+    multiprocess prefetch do not (resume with the number of processes that wrote them)."""
+    if all(isinstance(s, dict) for s in states):
+        keys = dict.fromkeys(k for s in states for k in s)
+        return {k: merge_process_states([s[k] for s in states if k in s], f"{path}/{k}") for k in keys}
+    if any(s != states[0] for s in states):
+        raise ValueError(
+            f"data positions of different processes disagree at {path or '/'} ({states[0]!r} vs "
+            f"{next(s for s in states if s != states[0])!r}): this checkpoint's data position cannot be "
+            "restored on another number of processes"
+        )
+    return states[0]

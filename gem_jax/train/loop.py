@@ -30,6 +30,8 @@ from typing import Any
 
 import jax
 
+from gem_jax.distributed import process_zero_says
+from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
@@ -220,6 +222,8 @@ def train(
 def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps) -> dict[str, Any]:
     t_start = time.perf_counter()
     tc = task.config.train
+    if jax.process_index() == 0:
+        print(describe_mesh(task.mesh, task.config.parallel), file=sys.stderr)
     if task.describe():
         print(task.describe(), file=sys.stderr)
     trainer = Trainer(task, task.mesh)
@@ -286,7 +290,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 out_of_time = (
                     bool(tc.max_minutes)
                     and task.is_boundary(step)
-                    and time.perf_counter() - t_train >= 60 * tc.max_minutes
+                    and process_zero_says(time.perf_counter() - t_train >= 60 * tc.max_minutes)
                 )
                 eval_now = task.eval_due(step) or out_of_time
                 save_now = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or eval_now

@@ -1,0 +1,107 @@
+"""Joining a multi-process run (several hosts, or several processes on one machine).
+
+`initialize` wraps `jax.distributed.initialize` and must run before anything touches a device. It
+is called when asked: an explicit coordinator / process count / process id (flags, or the
+environment variables below), or auto-detection of the cluster (SLURM, Open MPI, Cloud TPU,
+Kubernetes... as jax implements it; `cluster_detection="mpi4py"` for other MPI launchers).
+
+Environment variables (the flags win): JAX_COORDINATOR_ADDRESS (host:port of process 0),
+JAX_NUM_PROCESSES, JAX_PROCESS_ID; JAX_LOCAL_DEVICE_IDS (read by jax) restricts a process to some of
+its machine's accelerators. On CPU, processes exchange collectives through gloo and each gets
+`XLA_FLAGS=--xla_force_host_platform_device_count=N` fake devices (set before jax is imported).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+
+ENV = {
+    "coordinator": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
+
+
+class DistributedError(RuntimeError):
+    """The multi-process settings are incomplete or inconsistent; the message names the flag."""
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    cluster_detection: str | None = None,
+) -> bool:
+    """Joins the multi-process run if one is asked for; returns whether it did.
+
+    Args:
+      coordinator: "host:port" of process 0 (`--coordinator`).
+      num_processes, process_id: `--num-processes`, `--process-id`.
+      auto: `--distributed`: let jax detect the cluster for whatever is not given.
+      cluster_detection: a jax cluster detection method by name (e.g. "mpi4py", "slurm").
+    """
+    coordinator = coordinator or os.environ.get(ENV["coordinator"]) or None
+    num_processes = num_processes if num_processes is not None else _env_int(ENV["num_processes"])
+    process_id = process_id if process_id is not None else _env_int(ENV["process_id"])
+    explicit = (coordinator, num_processes, process_id)
+    if not (auto or cluster_detection or any(v is not None for v in explicit)):
+        return False
+    if not (auto or cluster_detection) and None in explicit:
+        missing = [
+            f"--{flag.replace('_', '-')} (or {ENV[flag]})"
+            for flag, v in zip(ENV, explicit, strict=True)
+            if v is None
+        ]
+        raise DistributedError(
+            f"a multi-process run needs {', '.join(missing)} too, or --distributed to detect the cluster"
+        )
+    if num_processes is not None and process_id is not None and not 0 <= process_id < num_processes:
+        raise DistributedError(f"--process-id {process_id} is not in [0, --num-processes {num_processes})")
+    # gloo carries CPU processes' collectives (already jax 0.10's default; named so that a site-wide
+    # setting cannot leave CPU processes without cross-process collectives).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            cluster_detection_method=cluster_detection,
+        )
+    except ValueError as e:  # jax's message for a cluster it could not detect
+        raise DistributedError(
+            f"jax.distributed.initialize: {e} (no cluster environment detected? pass --coordinator, "
+            "--num-processes and --process-id)"
+        ) from None
+    print(
+        f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} local "
+        f"{jax.devices()[0].platform} device(s), {jax.device_count()} in all",
+        file=sys.stderr,
+    )
+    return True
+
+
+def process_zero_says(flag: bool) -> bool:
+    """Process 0's `flag`, on every process: for decisions all processes must take at the same step
+    (stopping at a wall-clock budget: each process's own clock could stop them a step apart, and the
+    one still training would wait forever in its collectives). With one process, `flag` itself."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))

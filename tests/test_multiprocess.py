@@ -1,0 +1,158 @@
+"""Multi-process training: 2 local CPU processes (4 fake devices each, gloo collectives) started with
+`python -m experiments train --coordinator ... --num-processes 2 --process-id i` give the same loss
+curve and validation metrics as one process on the same global mesh (dcn=2 slow x data=4 fast, 8
+batch shards), for the ranking and the next-item task; the checkpoint they write resumes in one
+process and finishes with the single-process run's curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from gem_jax.config import config_to_toml, load_config
+from gem_jax.tasks import make_task
+from gem_jax.train import loop
+from tests.helpers import SMALL
+from tests.test_retrieval import SMALL_ARGS, write_cyclic_pairs
+
+ROOT = Path(__file__).resolve().parent.parent
+MESH = [
+    'parallel.mesh_axes=["dcn", "data"]',
+    "parallel.mesh_shape=[2, 4]",
+    'parallel.slow_axes=["dcn"]',
+    'parallel.rules={shard=["dcn", "data"]}',
+]
+LEAN = ["model.num_layers=1", "model.wukong_layers=1", "train.log_every=1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_two_processes(workdir: Path, config, stop_after: int) -> None:
+    config_path = workdir.parent / f"{workdir.name}.toml"
+    config_path.write_text(config_to_toml(config))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    port = _free_port()
+    procs = []
+    for i in range(2):
+        args = [
+            sys.executable,
+            "-m",
+            "experiments",
+            "train",
+            "--config",
+            str(config_path),
+            "--workdir",
+            str(workdir),
+        ]
+        args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+        args += ["--stop-after", str(stop_after)]
+        log = open(workdir.parent / f"{workdir.name}.{i}.log", "w")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    try:
+        codes = [p.wait(timeout=600) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+            log.close()
+    logs = [(workdir.parent / f"{workdir.name}.{i}.log").read_text() for i in range(2)]
+    assert codes == [0, 0], "\n\n".join(text[-3000:] for text in logs)
+    assert "process 1 of 2: 4 local cpu device(s), 8 in all" in logs[1]
+    # The device order, printed once: the second host-sized row of the mesh is process 1's devices.
+    assert re.search(r"dcn=1: \[\d+ \d+ \d+ \d+\] \(process 1\)", logs[0]), logs[0][-3000:]
+    assert "device ids in mesh order" not in logs[1]
+
+
+def _records(workdir: Path) -> list[dict]:
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r and "split" not in r}
+
+
+def _evals(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r["valid"] for r in records if r.get("split") == "valid"}
+
+
+def _same_run(reference: Path, resumed: Path, total: int) -> None:
+    ref, got = _records(reference), _records(resumed)
+    ref_losses, got_losses = _losses(ref), _losses(got)
+    assert sorted(got_losses) == list(range(1, total + 1)) == sorted(ref_losses)
+    np.testing.assert_allclose(
+        [got_losses[s] for s in range(1, total + 1)], [ref_losses[s] for s in range(1, total + 1)], rtol=1e-5
+    )
+    ref_evals, got_evals = _evals(ref), _evals(got)
+    assert sorted(got_evals) == sorted(ref_evals) and ref_evals
+    for step, metrics in ref_evals.items():
+        flat_ref, flat_got = _flat(metrics), _flat(got_evals[step])
+        assert flat_ref.keys() == flat_got.keys()
+        np.testing.assert_allclose([flat_got[k] for k in flat_ref], list(flat_ref.values()), rtol=1e-4)
+
+
+def _flat(metrics: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in metrics.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+@pytest.mark.slow
+def test_ranking_two_processes_match_one_and_resume_in_one(tmp_path):
+    assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
+    overrides = [*SMALL, *MESH, *LEAN, "train.steps=6", "train.eval_every=4", "train.checkpoint_every=0"]
+    overrides.append("train.max_minutes=1000")  # every step asks process 0 whether time is up (no)
+    config = load_config(None, overrides)
+    loop.train(make_task(config), tmp_path / "one")
+    _train_two_processes(tmp_path / "two", config, stop_after=4)
+    assert sorted(_losses(_records(tmp_path / "two"))) == [1, 2, 3, 4]
+    summary = loop.train(make_task(config), tmp_path / "two")  # resumes at step 4 in this one process
+    assert summary["step"] == 6
+    _same_run(tmp_path / "one", tmp_path / "two", total=6)
+
+
+@pytest.mark.slow
+def test_next_item_two_processes_match_one_and_resume_in_one(tmp_path):
+    data = write_cyclic_pairs(tmp_path / "cyclic.txt", num_users=96)
+    overrides = [
+        *SMALL_ARGS,
+        *MESH,
+        f"data.path={data}",
+        "data.examples_per_shard=4",
+        "model.num_layers=1",
+        "retrieval.epochs=2",
+        "retrieval.eval_every_epochs=1",
+        "train.log_every=1",
+        "train.checkpoint_every=0",
+    ]
+    config = load_config(None, overrides)
+    task = make_task(config)
+    per_epoch = task._epochs.steps_in_epoch(0)
+    assert per_epoch >= 2, "two steps per epoch at least, so the run stops mid-epoch 2"
+    loop.train(task, tmp_path / "one")
+    _train_two_processes(tmp_path / "two", config, stop_after=per_epoch + 1)  # evaluates epoch 1
+    summary = loop.train(make_task(config), tmp_path / "two")
+    assert summary["epoch"] == 2 and not summary["interrupted"]
+    _same_run(tmp_path / "one", tmp_path / "two", total=task.total_steps())
+    one, two = (json.loads((tmp_path / w / "test.json").read_text()) for w in ("one", "two"))
+    assert one["step"] == two["step"]
+    np.testing.assert_allclose(
+        list(_flat(two["test"]).values()), list(_flat(one["test"]).values()), rtol=1e-4
+    )
