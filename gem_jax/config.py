@@ -143,6 +143,9 @@ class ModelConfig:
     num_position_buckets: int = 64  # 0 disables the relative position bias
     num_time_buckets: int = 32  # 0 disables the relative time bias
     dropout: float = 0.0
+    # Dropout on the attention weights (SASRec and HSTU drop them). The kernels have no weight dropout,
+    # so a training step with it > 0 runs the padded jnp attention (O(B N^2) memory: short sequences).
+    attention_dropout: float = 0.0
     num_context_tokens: int = 2  # non-sequence summaries prepended to the sequence (cross)
     num_summary_tokens: int = 2  # sequence summaries fed to the interaction stack (cross)
     wukong_layers: int = 2
@@ -233,7 +236,9 @@ class RetrievalConfig:
     format: str = "auto"  # "auto" | "pairs" (SASRec files) | "user_lines" (ICLRec files)
     max_len: int = 50  # each user's most recent items kept as model input
     position_embedding: bool = True  # learned absolute (distance-from-last) positions, as SASRec
-    loss: str = "sampled_softmax"  # "bce" (SASRec: one sampled negative per position) | "sampled_softmax"
+    # "bce" (SASRec: one sampled negative per position) | "sampled_softmax" | "full_softmax" (every item)
+    loss: str = "sampled_softmax"
+    label_smoothing: float = 0.0  # full softmax: weight spread uniformly over all items
     negatives: str = "uniform"  # sampled softmax negatives: "uniform" | "in_batch" (the pack's targets)
     num_negatives: int = 128  # uniform negatives per pack, shared by its positions (sampled softmax)
     temperature: float = 0.05  # sampled softmax logits are score / temperature
@@ -452,6 +457,11 @@ def _validate_long_history(config: Config, source: str) -> None:
         if m.pyramid:
             raise ConfigError(f"{source}: `model.pyramid` {m.pyramid} needs `model.long_history = true`")
         return
+    if m.attention_dropout > 0:
+        raise ConfigError(
+            f"{source}: `model.attention_dropout` ({m.attention_dropout}) is not implemented for "
+            "`model.long_history = true` (it needs the padded attention; histories there are long)"
+        )
     if m.block_size > 128 and m.attention_implementation != "reference":
         raise ConfigError(
             f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
@@ -535,11 +545,15 @@ def _validate_retrieval(config: Config, source: str) -> None:
     r, d = config.retrieval, config.data
     choices = {
         "retrieval.format": (r.format, ("auto", "pairs", "user_lines")),
-        "retrieval.loss": (r.loss, ("bce", "sampled_softmax")),
+        "retrieval.loss": (r.loss, ("bce", "sampled_softmax", "full_softmax")),
         "retrieval.negatives": (r.negatives, ("uniform", "in_batch")),
         "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
     }
     _check_choices(choices, source)
+    if r.label_smoothing > 0 and r.loss != "full_softmax":
+        raise ConfigError(
+            f'{source}: `retrieval.label_smoothing` ({r.label_smoothing}) needs `retrieval.loss = "full_softmax"`'
+        )
     if not d.path:
         raise ConfigError(
             f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'
@@ -621,6 +635,7 @@ RANGES: dict[str, Range] = {
     "model.num_position_buckets": AT_LEAST_0,
     "model.num_time_buckets": AT_LEAST_0,
     "model.dropout": BELOW_1,
+    "model.attention_dropout": BELOW_1,
     "model.num_context_tokens": AT_LEAST_0,
     "model.num_summary_tokens": AT_LEAST_1,
     "model.wukong_layers": AT_LEAST_0,
@@ -651,6 +666,7 @@ RANGES: dict[str, Range] = {
     "retrieval.max_len": AT_LEAST_1,
     "retrieval.num_negatives": AT_LEAST_1,
     "retrieval.temperature": POSITIVE,
+    "retrieval.label_smoothing": BELOW_1,
     "retrieval.epochs": AT_LEAST_1,
     "retrieval.eval_every_epochs": AT_LEAST_1,
     "retrieval.eval_negatives": AT_LEAST_1,

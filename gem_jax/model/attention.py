@@ -1,14 +1,18 @@
 """The model's one attention entry point: every jagged attention in gem_jax goes through here.
 
 It forwards to `pallas_kernels.jagged_attention` (DESIGN.md's signature); `implementation="auto"`
-picks the Pallas kernel on GPU/TPU and the jnp reference on CPU.
+picks the Pallas kernel on GPU/TPU and the jnp reference on CPU. Dropout on the attention weights
+(`weight_dropout` with an rng, training only) exists only in the padded jnp reference, which then runs
+whatever the implementation: O(B N^2) memory, fine for the short sequences of next-item training.
 """
 
 from __future__ import annotations
 
+import jax
 from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels.jagged_attention import jagged_attention
+from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 
 
 def attention(
@@ -25,7 +29,25 @@ def attention(
     timestamps: Int[ArrayLike, " T"] | None = None,
     pos_bias: Float[ArrayLike, "H P"] | None = None,
     time_bias: Float[ArrayLike, "H NT"] | None = None,
+    weight_dropout: float = 0.0,
+    rng: jax.Array | None = None,
 ) -> Float[ArrayLike, "T H Dv"]:
+    if weight_dropout > 0 and rng is not None:
+        return jagged_attention_reference(
+            q,
+            k,
+            v,
+            offsets,
+            max_seq_len=max_seq_len,
+            activation=activation,
+            num_targets=num_targets,
+            max_attn_len=max_attn_len,
+            timestamps=timestamps,
+            pos_bias=pos_bias,
+            time_bias=time_bias,
+            weight_dropout=weight_dropout,
+            dropout_rng=rng,
+        )
     return jagged_attention(
         q,
         k,

@@ -66,6 +66,7 @@ class HSTULayer(nnx.Module):
         with jax.named_scope(f"{self.name}/uvqk"):
             uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
             u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
+        attention_rng = None if rng is None else jax.random.fold_in(rng, 1)
         with jax.named_scope(f"{self.name}/attention"):
             a = self.attend(
                 q.reshape(t, h, dqk),
@@ -75,13 +76,14 @@ class HSTULayer(nnx.Module):
                 num_targets,
                 timestamps,
                 max_seq_len=max_seq_len,
+                rng=attention_rng,
             )
         with jax.named_scope(f"{self.name}/output"):
             y = self.attn_norm(a.reshape(t, h * dv)) * u
             return x + dropout(self.out(y), c.dropout, rng)
 
-    def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int):
-        """Full jagged attention over every sequence."""
+    def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int, rng: jax.Array | None):
+        """Full jagged attention over every sequence (weight dropout with `rng`, if configured)."""
         c = self.config
         return attention(
             q,
@@ -96,14 +98,17 @@ class HSTULayer(nnx.Module):
             timestamps=timestamps if self.time_bias is not None else None,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
             time_bias=self.time_bias[...] if self.time_bias is not None else None,
+            weight_dropout=c.attention_dropout,
+            rng=rng,
         )
 
 
 class LongHistoryLayer(HSTULayer):
     """The HSTU layer (same parameters and precision) with long-history attention."""
 
-    def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int):
-        """BlockAttention over the older history, full jagged attention over the recent part."""
+    def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int, rng: jax.Array | None):
+        """BlockAttention over the older history, full jagged attention over the recent part (no weight
+        dropout: the config refuses `model.attention_dropout` with `model.long_history`)."""
         c = self.config
         return long_history_attention(
             q,

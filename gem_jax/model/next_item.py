@@ -1,4 +1,4 @@
-"""Next-item (retrieval) sequence model and its two training losses.
+"""Next-item (retrieval) sequence model and its training losses.
 
 Item embedding (dense ids, row 0 = padding) x sqrt(d) + optional learned position embedding ->
 dropout -> the HSTU tower (the ads model's tower, activation "softmax" for SASRec or "silu" for
@@ -138,4 +138,26 @@ def sampled_softmax_loss(
     keep = (neg_ids != targets[:, None]) & (neg_ids > 0)
     logits = jnp.concatenate([pos[:, None], jnp.where(keep, neg, -jnp.inf)], axis=1) / temperature
     per = jax.nn.logsumexp(logits, axis=1) - logits[:, 0]
+    return jnp.sum(per * mask), jnp.sum(mask)
+
+
+def full_softmax_loss(
+    user: Float[ArrayLike, "T d"],
+    table: Float[ArrayLike, "N1 d"],
+    targets: Int[ArrayLike, " T"],
+    temperature: float,
+    label_smoothing: float = 0.0,
+) -> tuple[Array, Array]:
+    """Cross-entropy of the target against every item 1..N (row 0, padding, is never a class).
+
+    With `label_smoothing` e, the target distribution is (1 - e) on the target plus e / N on every
+    item. Memory is T x N logits: fine for 10^4-10^5 items, the sampled loss is for larger tables.
+    """
+    mask = (targets > 0).astype(jnp.float32)
+    logits = (user @ table[1:].T) / temperature  # [T, N]
+    lse = jax.nn.logsumexp(logits, axis=1)
+    target_logit = jnp.take_along_axis(logits, jnp.maximum(targets - 1, 0)[:, None], axis=1)[:, 0]
+    per = lse - (1.0 - label_smoothing) * target_logit
+    if label_smoothing > 0:
+        per = per - label_smoothing * jnp.mean(logits, axis=1)
     return jnp.sum(per * mask), jnp.sum(mask)

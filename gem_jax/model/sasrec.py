@@ -3,7 +3,9 @@
 Per block, as the authors' code does it: Xn = LN(X); A = attention(Xn Wq, X Wk, X Wv) (causal
 softmax, keys and values from the un-normalised input); H = Xn + A; Hn = LN(H);
 Y = Hn + dropout(W2 dropout(ReLU(W1 Hn))). No output projection. The authors drop attention
-weights; our attention kernel has no weight dropout, so the block drops its attention output instead.
+weights: with `model.attention_dropout` > 0 the block does that (through the padded jnp attention, which
+the kernels lack) and leaves the attention output alone, as their code; with 0 (the kernels' case) it
+drops the attention output with `model.dropout` instead.
 The attention goes through the same `gem_jax.model.attention.attention` entry as HSTU's layer.
 """
 
@@ -65,6 +67,7 @@ class SASRecLayer(nnx.Module):
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         rngs = [None] * 3 if rng is None else list(jax.random.split(rng, 3))
+        attention_rng = None if rng is None else jax.random.fold_in(rng, 3)
         xn = self.attn_norm(x)
         k, v = jnp.split(self.kv(x), [h * dqk], axis=-1)
         q = self.q(xn)
@@ -79,7 +82,10 @@ class SASRecLayer(nnx.Module):
                 implementation=c.attention_implementation,
                 num_targets=num_targets,
                 max_attn_len=c.max_attn_len,
+                weight_dropout=c.attention_dropout,
+                rng=attention_rng,
             )
-        hn = self.ffn_norm(xn + dropout(a.reshape(t, h * dv).astype(xn.dtype), c.dropout, rngs[0]))
+        a = a.reshape(t, h * dv).astype(xn.dtype)
+        hn = self.ffn_norm(xn + (a if c.attention_dropout > 0 else dropout(a, c.dropout, rngs[0])))
         f = dropout(jax.nn.relu(self.ffn_in(hn)), c.dropout, rngs[1])
         return hn + dropout(self.ffn_out(f), c.dropout, rngs[2])

@@ -3,8 +3,9 @@
 * Data: leave-one-out users (gem_jax/data/next_item.py); one epoch visits every training user
   once; a run is `retrieval.epochs` epochs.
 * Losses (`retrieval.loss`): SASRec's BCE with one negative per position (drawn on the host,
-  uniformly from items the user never had in training) or HSTU's sampled softmax (uniform
-  negatives drawn on device, one set per pack shared by its positions, or the pack's own targets).
+  uniformly from items the user never had in training), HSTU's sampled softmax (uniform
+  negatives drawn on device, one set per pack shared by its positions, or the pack's own targets),
+  or the full softmax over every item (optionally label-smoothed).
 * Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
   time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
   and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
@@ -25,7 +26,7 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config
 from gem_jax.data.next_item import NextItemEpochs, NextItemPack, eval_stacks, load_next_item_data
-from gem_jax.model.next_item import NextItemModel, bce_loss, sampled_softmax_loss
+from gem_jax.model.next_item import NextItemModel, bce_loss, full_softmax_loss, sampled_softmax_loss
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train.retrieval_metrics import (
     RetrievalAccumulator,
@@ -103,6 +104,8 @@ class NextItemTask:
         table = model.item_table()
         if r.loss == "bce":
             total, count = bce_loss(user, table, pack.targets, pack.negatives)
+        elif r.loss == "full_softmax":
+            total, count = full_softmax_loss(user, table, pack.targets, r.temperature, r.label_smoothing)
         else:
             if r.negatives == "in_batch":
                 negatives = pack.targets
@@ -219,16 +222,19 @@ class NextItemEvaluator:
                 acc.update(ranks, np.arange(EVAL_CHUNK) < b - a)
             results.update({f"sampled/{k}": v for k, v in acc.compute().items()})
         if r.eval_protocol in ("full", "both"):
-            # "full/": as configured; with exclude_history, "full_incl_history/" also keeps the user's items.
-            variants = {"full": eval_set.exclude}
+            # "full/": as configured; with exclude_history, "full_incl_history/" also keeps the user's
+            # items and "full_zeroed/" scores them 0 (the published baselines' code: see full_ranking_ranks).
+            variants = {"full": (eval_set.exclude, False)}
             if eval_set.exclude is not None:
-                variants["full_incl_history"] = None
-            for prefix, exclude in variants.items():
+                variants["full_incl_history"] = (None, False)
+                variants["full_zeroed"] = (eval_set.exclude, True)
+            for prefix, (exclude, zero_excluded) in variants.items():
                 ranks = full_ranking_ranks(
                     jnp.asarray(users),
                     table,
                     jnp.asarray(eval_set.targets),
                     None if exclude is None else jnp.asarray(exclude),
+                    zero_excluded=zero_excluded,
                 )
                 acc = RetrievalAccumulator(FULL_KS)
                 acc.update(ranks)

@@ -102,8 +102,8 @@ def hr_ndcg(
     return {name: total / count for name, total in _batch_sums(ranks, valid, ks).items()}
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size",))
-def _full_ranking(user_vecs, item_table, targets, exclude, chunk_size):
+@functools.partial(jax.jit, static_argnames=("chunk_size", "zero_excluded"))
+def _full_ranking(user_vecs, item_table, targets, exclude, chunk_size, zero_excluded):
     num_users = user_vecs.shape[0]
     num_chunks = -(-num_users // chunk_size)
     pad = num_chunks * chunk_size - num_users
@@ -124,6 +124,9 @@ def _full_ranking(user_vecs, item_table, targets, exclude, chunk_size):
         # ids outside 0..N are ignored (negative ones would otherwise wrap around).
         ex = jnp.where(ex < 0, scores.shape[1], ex)
         masked = jnp.zeros(scores.shape, bool).at[rows, ex].set(True, mode="drop")
+        if zero_excluded:  # their score becomes 0, the target's too when it is listed
+            scores = jnp.where(masked, 0.0, scores)
+            return target_rank(jnp.where(is_padding_item, -jnp.inf, scores), t)
         masked = (masked | is_padding_item) & (jnp.arange(scores.shape[1]) != t[:, None])
         return target_rank(jnp.where(masked, -jnp.inf, scores), t)
 
@@ -142,6 +145,7 @@ def full_ranking_ranks(
     targets: Int[ArrayLike, " B"],
     exclude: Int[ArrayLike, "B L"] | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    zero_excluded: bool = False,
 ) -> Int[ArrayLike, " B"]:
     """Rank of each target among all items 1..N by dot-product score (ICLRec protocol).
 
@@ -153,6 +157,10 @@ def full_ranking_ranks(
         items, padded with 0). The target itself is never dropped, even if listed (a repeat
         interaction); off by default, as in ICLRec.
       chunk_size: users scored at once; memory is chunk_size x (N + 1) fp32 scores.
+      zero_excluded: instead of dropping the `exclude` items, set their scores to 0 and keep them,
+        the target included when listed: the masking of ICLRec's, ICSRec's and BSARec's evaluation
+        code (`rating_pred[train_matrix[users].toarray() > 0] = 0`). An excluded item can then still
+        outrank a target with a negative score, and a repeated target scores 0.
 
     Returns:
       int32[B] 0-based ranks (ties pessimistic, see the module docstring). Scores are computed
@@ -177,6 +185,7 @@ def full_ranking_ranks(
         jnp.asarray(targets, jnp.int32),
         jnp.asarray(exclude, jnp.int32),
         chunk_size,
+        zero_excluded,
     )
 
 

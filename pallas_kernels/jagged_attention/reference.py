@@ -61,11 +61,14 @@ def jagged_attention_reference(
     timestamps: Int[ArrayLike, " T"] | None = None,
     pos_bias: Float[ArrayLike, "H P"] | None = None,
     time_bias: Float[ArrayLike, "H NT"] | None = None,
+    weight_dropout: float = 0.0,
+    dropout_rng: jax.Array | None = None,
 ) -> Float[ArrayLike, "T H Dv"]:
     """Jagged causal attention with SiLU (HSTU) or softmax, targets, window and relative bias.
 
     Every sequence must satisfy offsets[b+1] - offsets[b] <= max_seq_len; longer ones are truncated.
-    Returns [T, H, Dv] in v.dtype; rows past offsets[B] are zero.
+    Returns [T, H, Dv] in v.dtype; rows past offsets[B] are zero. `weight_dropout` (with
+    `dropout_rng`) drops attention weights in training, as SASRec/HSTU do; no kernel implements it.
     """
     t, h, dqk = q.shape
     n = max_seq_len
@@ -109,6 +112,11 @@ def jagged_attention_reference(
         p = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
     else:
         raise ValueError(f"activation must be 'silu' or 'softmax', got {activation!r}")
+    if weight_dropout > 0:
+        if dropout_rng is None:
+            raise ValueError(f"weight_dropout={weight_dropout} needs dropout_rng")
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - weight_dropout, p.shape)
+        p = jnp.where(keep, p / (1.0 - weight_dropout), 0.0)
     out = jnp.einsum("bhij,bjhd->bihd", p, vp)  # [B, N, H, Dv]
     scatter_rows = jnp.where(in_seq, rows, t)  # out-of-sequence slots are dropped
     flat = jnp.zeros((t, h, v.shape[-1]), jnp.float32)
