@@ -66,6 +66,8 @@ def test_stale_delayed_scale_saturates_the_layer_without_nan():
     """A delayed scale from small amaxes meets a 1000x larger input: outputs clip, never NaN/Inf."""
     layer = fp8.FP8Matmul(fp8.FP8Recipe("delayed", 2))
     layer.amax_history[...] = jnp.full((3, 2), 1.0)
+    for name, scale in fp8.scales_from_history(layer.amax_history[...], 0).items():
+        getattr(layer, name).set_value(scale)  # as the trainer's update_meta keeps them
     x = jnp.full((16, 16), 1000.0)
     w = jnp.full((16, 16), 0.5)
     y, vjp = jax.vjp(lambda x, w: layer(x, w), x, w)
@@ -77,14 +79,15 @@ def test_stale_delayed_scale_saturates_the_layer_without_nan():
 
 
 def _split(layer: nnx.Module):
-    """(graphdef, params, histories, probes) as the trainer splits a model; the last three as pure dicts."""
-    graphdef, *states = nnx.split(layer, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+    """(graphdef, params, meta, probes) as the trainer splits a model (meta: the FP8Meta state, amax
+    histories and scales); the last three as pure dicts."""
+    graphdef, *states = nnx.split(layer, nnx.Param, fp8.FP8Meta, fp8.AmaxProbe)
     return graphdef, *(nnx.to_pure_dict(s) for s in states)
 
 
 def test_delayed_steps_use_the_previous_history():
     """Three steps by hand: step t quantises with scales from the amaxes of steps < t, and its own
-    amaxes (the probe's cotangent) are rolled in after it."""
+    amaxes (the probe's cotangent) are rolled in after it, with the scales of step t + 1."""
     layer = fp8.FP8Matmul(fp8.FP8Recipe("delayed", 2))
     graphdef, _, histories, probes = _split(layer)
     key = jax.random.key(0)
@@ -97,7 +100,11 @@ def test_delayed_steps_use_the_previous_history():
         y, vjp = jax.vjp(run, probes, x, w)
         probe_grads, _, _ = vjp(g)
         h = np.asarray(histories["amax_history"])
-        sx, sw = (h[i].max() / 448.0 if h[i].max() > 0 else 1.0 for i in range(2))
+        sx, sw, sg = (
+            h[i].max() / m if h[i].max() > 0 else 1.0 for i, m in enumerate((448.0, 448.0, 57344.0))
+        )
+        # The stored scales are those of the history (computed at the end of the step before).
+        np.testing.assert_allclose([histories[k] for k in fp8.SCALES], [sx, sw, sg], rtol=1e-7)
         xq = fp8.quantize(x, jnp.float32(sx), fp8.E4M3).astype(jnp.float32) * sx
         wq = fp8.quantize(w, jnp.float32(sw), fp8.E4M3).astype(jnp.float32) * sw
         np.testing.assert_allclose(y, xq @ wq, rtol=1e-6, atol=1e-6)
@@ -312,8 +319,9 @@ def test_gem_model_gemms_with_fp8_on():
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
     assert all((np.asarray(a) > 0).all() for a in jax.tree.leaves(amaxes))
     new = fp8.update_meta(histories, amaxes)  # nnx.List indices as keys, nested layers
-    leaves = jax.tree.leaves(new)
-    assert len(leaves) == len(_fp8_layers(model)) and all((np.asarray(h)[:, 0] > 0).all() for h in leaves)
+    leaves = jax.tree.leaves(new)  # per layer: amax_history and the three scales
+    assert len(leaves) == 4 * len(_fp8_layers(model))
+    assert all((np.asarray(h)[:, 0] > 0).all() if h.ndim == 2 else np.asarray(h) > 0 for h in leaves)
 
 
 # ----------------------------------------------------------------------------- the global-max rule
@@ -338,7 +346,8 @@ def test_amax_history_gets_the_global_max_over_packs_and_shards():
             return self.b(jax.nn.silu(self.a(x)))
 
     graphdef, params, histories, probes = _split(Two())
-    histories = jax.tree.map(lambda h: h.at[:, 0].set(1.0), histories)  # a previous step's amaxes
+    ones = {layer: {"fp8": {"amax_probe": jnp.ones(3)}} for layer in ("a", "b")}
+    histories = fp8.update_meta(histories, ones)  # a previous step's amaxes, and its scales
     key = jax.random.key(0)
     mags = jnp.exp(jax.random.normal(key, (packs, 1, 1)))  # every pack its own magnitude
     xs = mags * jax.random.normal(jax.random.fold_in(key, 1), (packs, 24, 16))

@@ -1,5 +1,6 @@
-"""FP8 in the real train step: the amax histories live in the train state, roll every step with
-the global batch's amaxes, survive checkpoint/resume bitwise, and an FP8 run learns like BF16."""
+"""FP8 in the real train step: the amax histories and the scales live in the train state, roll every
+step with the global batch's amaxes, reach the GEMMs as parameters of the step, survive
+checkpoint/resume bitwise, and an FP8 run learns like BF16."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from experiments.fp8_gemms import fp8_dots
+from gem_jax.model import fp8
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
@@ -41,13 +44,83 @@ def test_histories_roll_with_the_global_amax_on_8_devices():
     state = trainer.init_state()
     assert state.fp8, "precision.fp8=true must give the state FP8 histories"
     batch = trainer.to_device(next(stacks(c, shards=8)))
+    layers = _fp8_layers(state.fp8)
+    assert layers and all(
+        np.asarray(m[k]) == 1.0 for m in layers.values() for k in fp8.SCALES
+    )  # step 1: s = 1
     for step in (1, 2):
         state, metrics = trainer.train_step(state, batch)
         assert np.isfinite(float(metrics["loss"]))
-        for history in jax.tree.leaves(state.fp8):
-            h = np.asarray(history)
+        for meta in _fp8_layers(state.fp8).values():
+            h = np.asarray(meta["amax_history"])
             assert (h[:, :step] > 0).all() and not h[:, step:].any(), h[:, :3]
-            assert history.sharding.is_fully_replicated
+            # The scales the next step will use: those of the rolled history, stored beside it.
+            for key, scale in fp8.scales_from_history(meta["amax_history"], c.precision.fp8_margin).items():
+                assert np.asarray(meta[key]) == np.asarray(scale) != 1.0, key
+            assert all(leaf.sharding.is_fully_replicated for leaf in meta.values())
+
+
+def _fp8_layers(meta: dict, prefix: str = "") -> dict[str, dict]:
+    """The FP8 state of every layer by its path in `TrainState.fp8` (jax.tree_util.keystr form)."""
+    if "amax_history" in meta:
+        return {prefix: meta}
+    return {k: v for key, sub in meta.items() for k, v in _fp8_layers(sub, f"{prefix}[{key!r}]").items()}
+
+
+# The scales each FP8 GEMM multiplies its operands by, by the operands' formats.
+_GEMM_SCALES = {
+    ("f8E4M3FN", "f8E4M3FN"): ("x_scale", "w_scale"),  # Y = X W
+    ("f8E5M2", "f8E4M3FN"): ("g_scale", "w_scale"),  # dX = dY W^T
+    ("f8E4M3FN", "f8E5M2"): ("x_scale", "g_scale"),  # dW = X^T dY
+}
+
+
+def _lowered_step(*overrides: str):
+    """The lowered train step on 2 devices x 2 packs (shard_map and vmap, as on a real mesh), and
+    its FP8 state."""
+    c = small_config(*FP8, "parallel.mesh_shape=[2]", *overrides)
+    task = make_task(c)
+    trainer = Trainer(task, task.mesh)
+    state = trainer.init_state()
+    batch = trainer.to_device(next(stacks(c, shards=4)))
+    return trainer.train_step.lower(state, batch), state
+
+
+def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters():
+    """XLA rewrote a dot into a cuBLASLt FP8 GEMM on the H200 only when its dequantisation scales were
+    entry parameters of the jitted program (docs/fp8.md). Follow the scales of every FP8 dot of the
+    lowered train step back through shard_map, vmap, calls and the custom VJP: each must be the
+    TrainState.fp8 leaf of its own layer and operand, with no arithmetic on the way. (The step that
+    computed the scales from the histories inside it fails here: the scale is a select.)"""
+    lowered, state = _lowered_step()
+    dots, total = fp8_dots(lowered)
+    layers = _fp8_layers(state.fp8)
+    assert len(layers) == 3 and total > len(dots)  # uvqk, out, fm_mlp; and the bf16 dots are not counted
+    seen = []
+    for dot in dots:
+        formats = (dot.lhs.format, dot.rhs.format)
+        assert dot.has_pattern and formats in _GEMM_SCALES, dot
+        names = []
+        for operand, key in zip((dot.lhs, dot.rhs), _GEMM_SCALES[formats]):
+            assert operand.scale_arg is not None, (
+                f"{formats}: the {key} is computed in the step ({operand.scale_op})"
+            )
+            layer, _, leaf = operand.scale_arg.removeprefix("state.fp8").rpartition("[")
+            assert operand.scale_arg.startswith("state.fp8[") and leaf == f"{key!r}]", operand.scale_arg
+            names.append(layer)
+        assert names[0] == names[1] and names[0] in layers, names  # both scales of the same layer
+        seen.append((names[0], formats))
+    assert sorted(seen) == sorted((layer, f) for layer in layers for f in _GEMM_SCALES)  # Y, dX, dW each once
+
+
+def test_current_scaling_computes_its_scales_in_the_step():
+    """What the current recipe cannot do (and the check above can fail): its scales come from the
+    tensors themselves, and under the packs' vmap they are not even rank 0, so no FP8 dot of its
+    step has the cuBLASLt pattern with parameter scales."""
+    lowered, state = _lowered_step("precision.fp8_recipe=current")
+    dots, _ = fp8_dots(lowered)
+    assert not state.fp8 and len(dots) == 9
+    assert not any(d.scales_are_arguments for d in dots)
 
 
 @pytest.mark.slow

@@ -71,7 +71,7 @@ def _dense_pair(recipe: str, k: int, n: int) -> tuple[Dense, Dense]:
 
 def _train_step(layer: Dense):
     """(jitted value_and_grad of sum(layer(x) * c) -> ((loss, y), (dparams, dprobes, dx)), state)."""
-    graphdef, *states = nnx.split(layer, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+    graphdef, *states = nnx.split(layer, nnx.Param, fp8.FP8Meta, fp8.AmaxProbe)
     params, histories, probes = (nnx.to_pure_dict(s) for s in states)
 
     def loss(params, probes, histories, x, c):
@@ -176,7 +176,7 @@ def trainer_shaped_calls(shape: GemmShape, recipe: str, packs_per_device: int) -
     packs of one device under shard_map, per-pack probes, gradients for params, probes and x.
     Compiled from abstract shapes (no memory)."""
     layer, _ = _dense_pair(recipe, shape.k, shape.n)
-    graphdef, *states = nnx.split(layer, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+    graphdef, *states = nnx.split(layer, nnx.Param, fp8.FP8Meta, fp8.AmaxProbe)
     params, histories, probes = (nnx.to_pure_dict(s) for s in states)
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:1])
 

@@ -3,16 +3,30 @@
 Times (1) the input pipeline alone (host: packs per second) and (2) the jitted train step alone on
 batches already on the device (median of repeated steps over a few rotating batches), and reports
 both with the analytic TFLOP/s and MFU, so a run's throughput can be attributed to host or device.
+
+The step is compiled once, ahead of time (`compile_s`), and the GEMM custom calls of its optimised HLO
+are counted (`gemm_calls`: cuBLASLt FP8, cuBLASLt, cuBLAS; GPU only). With `precision.fp8=true` it
+also reports the FP8 dots of the lowered step (`fp8`: experiments/fp8_gemms.py, dots that read FP8,
+those in the cuBLASLt FP8 pattern, those whose scales are step parameters) and, on a GPU, exits 1 when
+fewer `__cublas$lt$matmul$f8` calls than FP8-pattern dots came out: XLA did not reach the FP8 GEMMs.
+`--hlo-out PATH` writes the optimised HLO (gzip if PATH ends in .gz).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 
 import jax
 import numpy as np
+
+GEMM_TARGETS = {
+    "cublas_lt_f8": "__cublas$lt$matmul$f8",
+    "cublas_lt": "__cublas$lt$matmul",
+    "cublas": "__cublas$gemm",
+}
 
 
 def main(argv: list[str]) -> int:
@@ -22,8 +36,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batches", type=int, default=4, help="distinct device batches to rotate over")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--pipeline-steps", type=int, default=20, help="host batches to time")
+    parser.add_argument("--hlo-out", default=None, help="write the optimised HLO here (.gz: gzip)")
     args = parser.parse_args(argv)
 
+    from experiments.fp8_gemms import fp8_dots, summary
     from gem_jax.config import load_config
     from gem_jax.tasks import make_task
     from gem_jax.train.flops import device_peak_flops, train_step_flops
@@ -41,13 +57,23 @@ def main(argv: list[str]) -> int:
     flops = [train_step_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     tokens = [float(h.offsets[:, -1].sum()) for h in host[: args.batches]]
     state = trainer.init_state()
-    for b in batches:  # compile + warm up
-        state, m = trainer.train_step(state, b)
+    lowered = trainer.train_step.lower(state, batches[0])
+    t0 = time.perf_counter()
+    step = lowered.compile()
+    compile_s = time.perf_counter() - t0
+    hlo = step.as_text()
+    if args.hlo_out:
+        with (gzip.open if args.hlo_out.endswith(".gz") else open)(args.hlo_out, "wt") as f:
+            f.write(hlo)
+    gemm_calls = {name: hlo.count(f'custom_call_target="{target}"') for name, target in GEMM_TARGETS.items()}
+    fp8 = summary(*fp8_dots(lowered)) if config.precision.fp8 else None
+    for b in batches:  # warm up
+        state, m = step(state, b)
     jax.block_until_ready(m["loss"])
     times = []
     for i in range(args.steps):
         t = time.perf_counter()
-        state, m = trainer.train_step(state, batches[i % len(batches)])
+        state, m = step(state, batches[i % len(batches)])
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t)
     step_s = float(np.median(times))
@@ -66,6 +92,15 @@ def main(argv: list[str]) -> int:
         "tokens_per_s_device_only": float(np.mean(tokens)) / step_s,
         "tflops_per_device": tflops,
         "mfu": (tflops * 1e12 / peak) if peak else None,
+        "compile_s": compile_s,
+        "gemm_calls": gemm_calls if jax.default_backend() == "gpu" else None,
+        "fp8": fp8,
     }
     print(json.dumps(result, indent=1))
+    if fp8 and jax.default_backend() == "gpu" and gemm_calls["cublas_lt_f8"] < fp8["fp8_pattern"]:
+        print(
+            f"CHECK FAILED: {gemm_calls['cublas_lt_f8']} cuBLASLt FP8 GEMMs in the compiled step for "
+            f"{fp8['fp8_pattern']} dots in the FP8 pattern ({fp8['scales_are_arguments']} with parameter scales)"
+        )
+        return 1
     return 0

@@ -16,7 +16,8 @@ that the amax lands `margin` binades below the format's largest value. Saturatio
 - "delayed": amax = the max of the last N steps' amaxes (the amax history, newest first); a step's
   own amax is recorded after the step. As TE's DelayedScaling(amax_compute_algo="max") and flax.
   Non-finite entries (a diverging step) are left out of that max, and an all-zero history (the first
-  step) gives s = 1. TE keeps the previous scale instead; we store no scale, only the history.
+  step) gives s = 1 (TE keeps the previous scale instead). The scale a step uses is computed at the
+  end of the step before (from the history after it) and stored in the layer's state.
 
 GEMM pattern. XLA rewrites a dot into a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) only when each
 operand is `convert(f8 -> f32) * broadcast(rank-0 f32 scale)` and the dot's result is f32; a bf16
@@ -24,14 +25,19 @@ dequantisation silently falls back to a bf16 GEMM. The forward (Y = X W) and bot
 (dX = dY W^T with dY in e5m2 and W in e4m3; dW = X^T dY) are written exactly so (`_dequantize`).
 
 State and its update (what the trainer does). The delayed recipe keeps, per FP8 layer, an
-`AmaxHistory` f32[3, N] (rows: input, weight, output gradient) and an `AmaxProbe` f32[3] of zeros.
-The probe's value is never read; its cotangent is defined as the three amaxes this call observed
-(the gradient's amax is only known in the backward pass). The trainer gives every pack its own copy
-of the probes (`pack_probes`, sharded and vmapped like the batch), so no sum over packs or shards
-ever touches them; it reduces the per-pack cotangents with max (`combine_meta_grads`: the exact amax
-over the global batch) and rolls them into the histories (`update_meta`). Histories are ordinary
-replicated train state (checkpointed with it); the optimizer never sees them (not `nnx.Param`).
-A layer must be called once per forward for its probe to hold its amaxes (two calls would add).
+`AmaxHistory` f32[3, N] (rows: input, weight, output gradient), three `DequantScale` scalars
+(`x_scale`, `w_scale`, `g_scale`: the scales this step uses) and an `AmaxProbe` f32[3] of zeros.
+The scales are stored, not computed in the step, because XLA's cuBLASLt FP8 rewrite was found to fire
+on the H200 only when each dequantisation scale is an entry parameter of the jitted program: the
+GEMMs multiply by the stored scalars directly, one leaf per operand (docs/fp8.md). The probe's value
+is never read; its cotangent is defined as the three amaxes this call observed (the gradient's amax
+is only known in the backward pass). The trainer gives every pack its own copy of the probes
+(`pack_probes`, sharded and vmapped like the batch), so no sum over packs or shards ever touches
+them; it reduces the per-pack cotangents with max (`combine_meta_grads`: the exact amax over the
+global batch), rolls them into the histories and computes the next step's scales from the rolled
+histories (`update_meta`). Histories and scales (`FP8Meta`) are ordinary replicated train state
+(checkpointed with it); the optimizer never sees them (not `nnx.Param`). A layer must be called once
+per forward for its probe to hold its amaxes (two calls would add).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344, more ran
 RECIPES = ("delayed", "current")
 _ROWS = ("input", "weight", "grad")  # rows of an AmaxHistory / entries of an AmaxProbe
 _FORMATS = (E4M3, E4M3, E5M2)
+SCALES = ("x_scale", "w_scale", "g_scale")  # the DequantScale attributes of an FP8Matmul, one per row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +74,21 @@ class FP8Recipe:
             raise ValueError(f"FP8 amax_history must be >= 1 and margin >= 0, got {self}")
 
 
-class AmaxHistory(nnx.Variable):
+class FP8Meta(nnx.Variable):
+    """FP8 train state of a delayed-scaling layer (histories and scales): replicated, checkpointed,
+    never optimised. The trainer splits the model with this filter."""
+
+
+class AmaxHistory(FP8Meta):
     """The last N amaxes of a layer's input, weight and output gradient, newest first: train state."""
+
+
+class DequantScale(FP8Meta):
+    """A rank-0 f32 dequantisation scale the next step's GEMMs multiply by: train state.
+
+    Always `scale_from_history` of its row of the layer's `AmaxHistory` (1 before the first step);
+    `update_meta` keeps them in step. One leaf per operand, so that each reaches the GEMM as a
+    parameter of the jitted step (a slice of a stacked array would not)."""
 
 
 class AmaxProbe(nnx.Variable):
@@ -104,6 +124,11 @@ def scale_from_amax(a: Float[Array, "..."], dtype, margin: int) -> Float[Array, 
 def scale_from_history(history: Float[Array, " hist"], dtype, margin: int) -> Float[Array, ""]:
     """Delayed scaling: the scale of the history's largest finite amax."""
     return scale_from_amax(jnp.max(jnp.where(jnp.isfinite(history), history, 0.0)), dtype, margin)
+
+
+def scales_from_history(history: Float[Array, "3 hist"], margin: int) -> dict[str, Float[Array, ""]]:
+    """The `DequantScale`s of a layer whose `AmaxHistory` is `history`, by name (`SCALES`)."""
+    return {key: scale_from_history(history[i], _FORMATS[i], margin) for i, key in enumerate(SCALES)}
 
 
 def roll_history(history: Float[Array, "... hist"], new: Float[Array, "..."]) -> Float[Array, "... hist"]:
@@ -147,52 +172,59 @@ class _Static:
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_matmul(static: _Static, x, w, history, probe):
-    return _fp8_matmul_fwd(static, x, w, history, probe)[0]
+def _fp8_matmul(static: _Static, x, w, scales, probe):
+    return _fp8_matmul_fwd(static, x, w, scales, probe)[0]
 
 
-def _fp8_matmul_fwd(static: _Static, x, w, history, probe):
+def _fp8_matmul_fwd(static: _Static, x, w, scales, probe):
     r = static.recipe
     x_amax, w_amax = amax(x), amax(w)
-    if history is None:  # current scaling
+    if scales is None:  # current scaling
         x_scale, w_scale = scale_from_amax(x_amax, E4M3, r.margin), scale_from_amax(w_amax, E4M3, r.margin)
         g_scale = None
-    else:
-        x_scale, w_scale, g_scale = (scale_from_history(history[i], _FORMATS[i], r.margin) for i in range(3))
+    else:  # delayed: the stored scales, used as they come in (see DequantScale)
+        x_scale, w_scale, g_scale = scales
     xq, wq = quantize(x, x_scale, E4M3), quantize(w, w_scale, E4M3)
     y = _dot(_dequantize(xq, x_scale), _dequantize(wq, w_scale), (1, 0), jax.lax.Precision.DEFAULT)
     # Residuals are the FP8 operands (a quarter of f32), their scales and the forward amaxes.
-    return y, (xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax, history)
+    return y, (xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax)
 
 
 def _fp8_matmul_bwd(static: _Static, res, g):
-    xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax, history = res
+    xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax = res
     g_amax = amax(g)
-    if g_scale is None:
+    delayed = g_scale is not None
+    if not delayed:
         g_scale = scale_from_amax(g_amax, E5M2, static.recipe.margin)
     gq = quantize(g, g_scale, E5M2)
     hi = jax.lax.Precision.HIGHEST
     dx = _dot(_dequantize(gq, g_scale), _dequantize(wq, w_scale), (1, 1), hi)  # dY W^T: [M, K]
     dw = _dot(_dequantize(xq, x_scale), _dequantize(gq, g_scale), (0, 0), hi)  # X^T dY: [K, N]
-    if history is None:
+    if not delayed:
         return dx.astype(static.x_dtype), dw.astype(static.w_dtype), None, None
     probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])
-    return dx.astype(static.x_dtype), dw.astype(static.w_dtype), jnp.zeros_like(history), probe_cotangent
+    no_scale_grads = tuple(jnp.zeros((), jnp.float32) for _ in SCALES)  # scales are state, not parameters
+    return dx.astype(static.x_dtype), dw.astype(static.w_dtype), no_scale_grads, probe_cotangent
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 class FP8Matmul(nnx.Module):
-    """The FP8 GEMM of one Dense layer (x @ w, f32 result) and, for delayed scaling, its amax state."""
+    """The FP8 GEMM of one Dense layer (x @ w, f32 result) and, for delayed scaling, its state:
+    `amax_history`, the scales `x_scale`, `w_scale`, `g_scale` and the `amax_probe`."""
 
     def __init__(self, recipe: FP8Recipe):
         self.recipe = recipe
         if recipe.kind == "delayed":
             self.amax_history = AmaxHistory(jnp.zeros((len(_ROWS), recipe.amax_history), jnp.float32))
+            self.x_scale, self.w_scale, self.g_scale = (
+                DequantScale(jnp.ones((), jnp.float32)) for _ in SCALES
+            )
             self.amax_probe = AmaxProbe(jnp.zeros((len(_ROWS),), jnp.float32))
         else:
             self.amax_history = self.amax_probe = None
+            self.x_scale = self.w_scale = self.g_scale = None
 
     def __call__(
         self, x: Float[ArrayLike, "rows din"], w: Float[ArrayLike, "din dout"]
@@ -201,9 +233,10 @@ class FP8Matmul(nnx.Module):
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
             raise ValueError(f"FP8Matmul wants x [rows, din] and w [din, dout], got {x.shape} and {w.shape}")
         static = _Static(self.recipe, x.dtype, w.dtype)
-        if self.amax_history is None:
+        if self.amax_probe is None:
             return _fp8_matmul(static, x, w, None, None)
-        return _fp8_matmul(static, x, w, self.amax_history[...], self.amax_probe[...])
+        scales = (self.x_scale.get_value(), self.w_scale.get_value(), self.g_scale.get_value())
+        return _fp8_matmul(static, x, w, scales, self.amax_probe[...])
 
 
 # ----------------------------------------------------------------------------- the trainer's part
@@ -226,25 +259,28 @@ def combine_meta_grads(probe_grads: dict) -> dict:
     return jax.tree.map(lambda g: jnp.max(g, axis=0), probe_grads)
 
 
-def update_meta(histories: dict, amaxes: dict) -> dict:
-    """The histories after a step: each layer's global amaxes (from `combine_meta_grads`) rolled in.
+def update_meta(meta: dict, amaxes: dict, margin: int = 0) -> dict:
+    """The FP8 state after a step: each layer's global amaxes (from `combine_meta_grads`) rolled into
+    its history, and the scales the next step will use computed from the rolled history.
 
-    `histories` is `nnx.to_pure_dict(nnx.state(model, AmaxHistory))`; `amaxes` has the same nesting
-    with an "amax_probe" leaf beside each "amax_history" leaf.
+    `meta` is `nnx.to_pure_dict(nnx.state(model, FP8Meta))`: per layer an "amax_history" leaf and the
+    `SCALES` leaves beside it; `amaxes` has the same nesting with an "amax_probe" leaf instead.
+    `margin` is the recipe's (`precision.fp8_margin`).
     """
 
-    def walk(h: dict, a: dict, path: str) -> dict:
+    def walk(m: dict, a: dict, path: str) -> dict:
+        if "amax_history" in m:
+            missing = [k for k in ("amax_probe",) if k not in a] + [k for k in SCALES if k not in m]
+            if missing:
+                raise KeyError(f"update_meta: no {', '.join(missing)} beside {path or '.'}/amax_history")
+            history = roll_history(m["amax_history"], a["amax_probe"])
+            return dict(m, amax_history=history, **scales_from_history(history, margin))
         out = {}
-        for key, value in h.items():
+        for key, value in m.items():
             where = f"{path}/{key}" if path else str(key)
-            if key == "amax_history":
-                if "amax_probe" not in a:
-                    raise KeyError(f"update_meta: no amax_probe beside {where}")
-                out[key] = roll_history(value, a["amax_probe"])
-            else:
-                if key not in a:
-                    raise KeyError(f"update_meta: amaxes have no entry {where}")
-                out[key] = walk(value, a[key], where)
+            if key not in a:
+                raise KeyError(f"update_meta: amaxes have no entry {where}")
+            out[key] = walk(value, a[key], where)
         return out
 
-    return walk(histories, amaxes, "")
+    return walk(meta, amaxes, "")

@@ -9,12 +9,14 @@ to partition them:
    travel to the devices owning their rows and the rows come back (all-to-all); no table is ever
    gathered whole;
 2. `jax.vjp` of the per-pack loss sums (vmapped over the device's packs) w.r.t. the dense
-   parameters, the looked-up activations and the FP8 amax probes;
+   parameters, the looked-up activations and the FP8 amax probes (the FP8 layers multiply by the
+   scales stored in the state, which enter the step as parameters: docs/fp8.md);
 3. the sums are psum'ed, `task.loss` turns them into the loss, and its gradient w.r.t. the sums is
    pulled back: dense gradients (psum'ed), activation gradients (the sparse optimizer routes them
    to the rows' owners and updates only the rows looked up), FP8 amaxes (max over the global batch).
 
-Outside the shard_map optax updates the dense parameters and the FP8 histories roll. What differs
+Outside the shard_map optax updates the dense parameters, the FP8 histories roll and the next
+step's FP8 scales are computed from them. What differs
 between tasks (model, ids, per-pack loss) comes from the Task and is chosen when the step is built.
 """
 
@@ -45,7 +47,7 @@ class TrainState:
     opt_state: Any  # optax state of `params`
     rng: jax.Array  # base key; step keys are fold_in(rng, step), so resumption replays them exactly
     embeddings: Any  # sparse tables + row-wise optimizer state (EmbeddingCollection.init); {} if none
-    fp8: Any  # FP8 amax histories of the delayed-scaling layers (gem_jax/model/fp8.py); {} if none
+    fp8: Any  # FP8 amax histories and this step's scales of the delayed-scaling layers (fp8.FP8Meta); {} if none
 
 
 class Trainer:
@@ -61,7 +63,7 @@ class Trainer:
         self.batch_spec = P(self.axes if self.axes else None)
         abstract_model = nnx.eval_shape(task.build_model)
         self.graphdef, abstract_params, _, abstract_probes = nnx.split(
-            abstract_model, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe
+            abstract_model, nnx.Param, fp8.FP8Meta, fp8.AmaxProbe
         )
         self.probe_template = nnx.to_pure_dict(abstract_probes)  # shapes of one pack's probes
         schedule_steps = max(task.schedule_steps(), 1)
@@ -126,9 +128,9 @@ class Trainer:
             lambda x: jax.make_array_from_process_local_data(self.batch_sharding, x), local_stack
         )
 
-    def _model(self, params, histories, probes=None) -> nnx.Module:
+    def _model(self, params, fp8_meta, probes=None) -> nnx.Module:
         probes = probes if probes is not None else jax.tree.map(jnp.zeros_like, self.probe_template)
-        return nnx.merge(self.graphdef, params, histories, probes)
+        return nnx.merge(self.graphdef, params, fp8_meta, probes)
 
     def _lookup(self, emb_state, packs, rngs=None):
         """The packs' embeddings (inside the shard_map): activations with a leading pack axis."""
@@ -142,8 +144,8 @@ class Trainer:
         and replicated on every device (evaluation outputs are small)."""
         emb_specs = self.embeddings.state_specs() if self.embeddings else {}
 
-        def local(params, histories, emb_state, packs):
-            model = self._model(params, histories)
+        def local(params, fp8_meta, emb_state, packs):
+            model = self._model(params, fp8_meta)
             acts, _ = self._lookup(emb_state, packs)
             return jax.vmap(lambda pack, act: fn(model, pack, act))(packs, acts)
 
@@ -160,7 +162,7 @@ class Trainer:
     def model_fn(self, fn: Callable[[nnx.Module], Any]) -> Callable[[TrainState], Any]:
         """jit of `state -> fn(model)`, replicated (e.g. the item table of a retrieval model)."""
         run = jax.jit(
-            lambda params, histories: fn(self._model(params, histories)), out_shardings=self.replicated
+            lambda params, fp8_meta: fn(self._model(params, fp8_meta)), out_shardings=self.replicated
         )
         return lambda state: run(state.params, state.fp8)
 
@@ -168,7 +170,7 @@ class Trainer:
 
     def _init_state(self) -> TrainState:
         model = self.task.build_model()
-        _, params, histories, _ = nnx.split(model, nnx.Param, fp8.AmaxHistory, fp8.AmaxProbe)
+        _, params, fp8_meta, _ = nnx.split(model, nnx.Param, fp8.FP8Meta, fp8.AmaxProbe)
         params = nnx.to_pure_dict(params)
         seed = self.config.train.seed
         return TrainState(
@@ -177,10 +179,10 @@ class Trainer:
             opt_state=self.optimizer.init(params),
             rng=jax.random.key_data(jax.random.key(seed + 1)),
             embeddings=self.embeddings.init(jax.random.key(seed + 2)) if self.embeddings else {},
-            fp8=nnx.to_pure_dict(histories),
+            fp8=nnx.to_pure_dict(fp8_meta),
         )
 
-    def _local_step(self, params, histories, emb_state, packs, rng):
+    def _local_step(self, params, fp8_meta, emb_state, packs, rng):
         """One device's part of the step (inside the shard_map): see the module docstring."""
         index = jax.lax.axis_index(self.axes) if self.axes else 0
         n = jax.tree.leaves(packs)[0].shape[0]
@@ -191,7 +193,7 @@ class Trainer:
 
         def sums(params, acts, probes):
             def one(pack, act, probe, key):
-                return self.task.pack_loss(self._model(params, histories, probe), pack, act, key)
+                return self.task.pack_loss(self._model(params, fp8_meta, probe), pack, act, key)
 
             out = jax.vmap(one, in_axes=(0, 0, 0, 0 if keys is not None else None))(packs, acts, probes, keys)
             return jax.tree.map(lambda x: x.sum(0), out)
@@ -227,7 +229,9 @@ class Trainer:
         with jax.named_scope("optimizer"):  # named scopes label ops for `experiments profile`
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
-            histories = fp8.update_meta(state.fp8, amaxes) if state.fp8 else state.fp8
+            # Roll the histories and compute the scales the next step's GEMMs will multiply by.
+            margin = self.config.precision.fp8_margin
+            fp8_meta = fp8.update_meta(state.fp8, amaxes, margin) if state.fp8 else state.fp8
         with jax.named_scope("metrics"):
             metrics = {
                 "loss": loss,
@@ -238,6 +242,6 @@ class Trainer:
                 "learning_rate": self.schedule(state.step),
             }
         new_state = state.replace(
-            step=state.step + 1, params=params, opt_state=opt_state, embeddings=emb_state, fp8=histories
+            step=state.step + 1, params=params, opt_state=opt_state, embeddings=emb_state, fp8=fp8_meta
         )
         return new_state, metrics
