@@ -4,12 +4,15 @@ One base class, subclassed per backend. Relative L2 error on fresh random inputs
 bf16 inputs < 1e-2 (vs a float32 reference on the same rounded inputs); NaN never passes.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.extend import core as jcore
 
 from experiments.benchmarks import shapes
 from pallas_kernels.jagged_attention import jagged_attention
@@ -138,6 +141,51 @@ class _Base:
         )
 
 
+def _with_excess_precision(fn):
+    """fn evaluated as XLA on GPU may compile it: a float32 -> bf16 -> float32 round trip is dropped.
+
+    XLA's SimplifyFPConversions (on with xla_allow_excess_precision, the GPU default) replaces convert(convert(x,
+    bf16), float32) by x, while a Pallas call still reads the rounded bf16 array. The CPU compiler does not, so
+    this replays the rewrite on fn's jaxpr (nested jits included) to test kernels against it.
+    """
+
+    def run(jaxpr, args, wide):
+        env, unrounded = {}, {}
+        read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+        for var, val in zip(jaxpr.jaxpr.constvars, jaxpr.consts):
+            env[var] = val
+        for var, val, w in zip(jaxpr.jaxpr.invars, args, wide):
+            env[var], unrounded[var] = val, w
+        for eqn in jaxpr.jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            ws = [None if isinstance(v, jcore.Literal) else unrounded.get(v) for v in eqn.invars]
+            if eqn.primitive.name in ("jit", "pjit"):
+                outs, out_ws = run(eqn.params["jaxpr"], ins, ws)
+            elif eqn.primitive.name == "convert_element_type":
+                new = jnp.dtype(eqn.params["new_dtype"])
+                src = eqn.invars[0].aval.dtype
+                if ws[0] is not None and new == jnp.float32:
+                    outs, out_ws = [ws[0]], [None]  # the round trip, dropped
+                else:
+                    outs = [eqn.primitive.bind(*ins, **eqn.params)]
+                    out_ws = [ins[0] if (src, new) == (jnp.float32, jnp.bfloat16) else None]
+            else:
+                out = eqn.primitive.bind(*ins, **eqn.params)
+                outs = out if eqn.primitive.multiple_results else [out]
+                out_ws = [None] * len(outs)
+            for var, val, w in zip(eqn.outvars, outs, out_ws):
+                env[var], unrounded[var] = val, w
+        outvars = jaxpr.jaxpr.outvars
+        return [read(v) for v in outvars], [
+            None if isinstance(v, jcore.Literal) else unrounded[v] for v in outvars
+        ]
+
+    def wrapped(*args):
+        return run(jax.make_jaxpr(fn)(*args), args, [None] * len(args))[0]
+
+    return wrapped
+
+
 class TestInterpretGPU(_Base):
     IMPLEMENTATION = "gpu_interpret"
 
@@ -153,6 +201,49 @@ class TestInterpretGPU(_Base):
             bias=True,
             options=KernelOptions(pos_expanded=False),
         )
+
+    def test_bf16_softmax_delta_matches_kernel_do(self):
+        # Fuzz family 2 on the H200 (bf16 softmax, targets, window, time bias): dq/dk/dtime of ~1 where the
+        # reference is exactly 0 (sequences that are all targets: each row sees only itself, so P = 1 and
+        # dScore = dP - delta = 0). The backward took delta = rowsum(dO * O) from XLA, which on GPU read the
+        # unrounded float32 cotangent (_with_excess_precision), while dP used the kernel's bf16 dO.
+        rng = np.random.default_rng(11)
+        lengths = [0, 1, 60, 41, 2]
+        offsets = jnp.asarray(_offsets(lengths))
+        q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)) * s, jnp.bfloat16) for s in (3, 1, 1))
+        do = jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32)
+        ts = jnp.asarray(np.sort(rng.integers(0, 10**6, size=CAPACITY)), jnp.int32)
+        time_bias = jnp.asarray(rng.standard_normal((H, 30)) * 0.3, jnp.float32)
+
+        def grads(impl, targets, q, k, v):
+            def loss(q, k, v, tb):
+                o = jagged_attention(
+                    q, k, v, offsets, max_seq_len=N, activation="softmax", num_targets=targets,
+                    max_attn_len=20, timestamps=ts, time_bias=tb, implementation=impl,
+                )  # fmt: skip
+                return jnp.sum(o.astype(jnp.float32) * do)
+
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, time_bias)
+
+        f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+        # every sequence all targets (more targets than rows too): the reference's dq, dk, dtime are exactly 0
+        all_targets = jnp.asarray([0, 1, 60, 44, 2], jnp.int32)
+        got = _with_excess_precision(functools.partial(grads, self.IMPLEMENTATION, all_targets))(q, k, v)
+        want = grads("reference", all_targets, *f32)
+        scale = np.linalg.norm(np.asarray(want[2]))  # dv: the size of a gradient here
+        for name, a, b in zip(("dq", "dk", "dtime"), (got[0], got[1], got[3]), (want[0], want[1], want[3])):
+            assert not np.asarray(b).any()
+            err = np.linalg.norm(np.asarray(a, np.float32))
+            assert err < 1e-4 * scale, (
+                f"{name}: |{name}| {err:.2e} where the reference is 0 (|dv| {scale:.2e})"
+            )
+        assert _rel(got[2], want[2]) < 1e-2
+        # and a mix of histories and targets, against the reference at the bf16 tolerance
+        mixed = jnp.asarray([0, 0, 3, 41, 1], jnp.int32)
+        got = _with_excess_precision(functools.partial(grads, self.IMPLEMENTATION, mixed))(q, k, v)
+        want = grads("reference", mixed, *f32)
+        for name, a, b in zip(("dq", "dk", "dv", "dtime"), got, want):
+            assert _rel(a, b) < 1e-2, f"{name}: rel err {_rel(a, b):.2e}"
 
 
 class TestInterpretTPU(_Base):

@@ -63,8 +63,12 @@ def _timestamps(ts_ref, start, lo, size, ok):
     return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
 
 
-def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static):
-    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta."""
+def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static, o_ref=None):
+    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta.
+
+    Softmax delta (rowsum(dO * O)): loaded from delta_ref, or, given o_ref (the dQ kernel), computed here from
+    the very dO tile that dP = dO V^T uses (_delta).
+    """
     rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
     row_ok = rows < length
     q = _rows(q_ref, start, q_lo, bq, row_ok, h)
@@ -73,8 +77,23 @@ def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, 
     lse = delta = None
     if do_ref is not None and s.activation == "softmax":
         lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-        delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
+        if o_ref is not None:
+            delta = _delta(do, _rows(o_ref, start, q_lo, bq, row_ok, h))
+        else:
+            delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
     return rows, row_ok, q, do, ts_q, lse, delta
+
+
+def _delta(do, o):
+    """Softmax backward's delta_i = sum_d dO_id O_id in float32, from the kernel's own dO and O tiles.
+
+    It must come from the same dO values as dP = dO V^T: dScore = P (dP - delta) is a difference of two nearly
+    equal terms (exactly equal for a row that sees one key: a target whose history is empty). Computed in XLA
+    from `do.astype(float32)`, XLA on GPU is free to drop the float32 -> bf16 -> float32 round trip of an
+    upstream float32 cotangent (SimplifyFPConversions, xla_allow_excess_precision), so delta used the unrounded
+    dO while the kernel read the bf16 one: dScore off by bf16 rounding, dq/dk/dtime noise where they are 0.
+    """
+    return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
 
 
 def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static):
@@ -500,13 +519,14 @@ def _dq_kernel(
     time_ref,
     do_ref,
     lse_ref,
-    delta_ref,
+    o_ref,
     dpos_in_ref,
     dtime_in_ref,
     dq_ref,
     dpos_ref,
     dfar_ref,
     dtime_ref,
+    delta_ref,
     *,
     s: Static,
     heads: int,
@@ -527,8 +547,10 @@ def _dq_kernel(
         start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
         q_lo = m * bq
         rows, row_ok, q, do, ts_q, lse, delta = _q_side(
-            q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s
+            q_ref, do_ref, ts_ref, lse_ref, None, start, q_lo, bq, length, h, s, o_ref=o_ref
         )
+        if s.activation == "softmax":  # for the dK/dV kernel, which runs after this one
+            plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], delta, mask=row_ok)
         lo, hi = _kv_range(q_lo, bq, length, first_target, s)
         pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
         lowest, step, _ = _pos_offsets(s, bq, bk)
@@ -689,10 +711,9 @@ def backward(residuals, do, s: Static):
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = residuals
     t, heads, _ = q.shape
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-    if s.activation == "softmax":
-        delta = jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1).T  # [H, T]
-    else:
-        delta = jnp.zeros((1, 1), jnp.float32)
+    # softmax: the dQ kernel computes delta = rowsum(dO * O) from its own dO tiles (_delta) and hands it,
+    # [H, T] float32 written on every row of a sequence, to the dK/dV kernel
+    delta_shape = (heads, t) if s.activation == "softmax" else (1, 1)
     bq, bk = s.blocks.block_q, s.blocks.block_k
     wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
     num_zero = cdiv(t, ZERO_TILES * bq)
@@ -706,7 +727,7 @@ def backward(residuals, do, s: Static):
     )
     time_acc = jnp.zeros((grid if s.has_time else 1, time_tab.shape[1]), jnp.float32)
     # Grid: (work item, head) over query tiles, then tail-zeroing programs.
-    dq, pos_acc, far, time_acc = pl.pallas_call(
+    dq, pos_acc, far, time_acc, delta = pl.pallas_call(
         kernel,
         grid=(grid,),
         out_shape=(
@@ -714,6 +735,7 @@ def backward(residuals, do, s: Static):
             jax.ShapeDtypeStruct(pos_acc.shape, jnp.float32),
             jax.ShapeDtypeStruct((grid,), jnp.float32),
             jax.ShapeDtypeStruct(time_acc.shape, jnp.float32),
+            jax.ShapeDtypeStruct(delta_shape, jnp.float32),
         ),
         input_output_aliases={15: 1, 16: 3},
         compiler_params=params,
@@ -734,7 +756,7 @@ def backward(residuals, do, s: Static):
         time_tab,
         do,
         lse,
-        delta,
+        o,
         pos_acc,
         time_acc,
     )
