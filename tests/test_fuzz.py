@@ -89,3 +89,16 @@ def test_a_crashing_kernel_is_reported_and_ends_the_sweep(monkeypatch):
     assert report.cases == 0 and len(report.failures) == fuzz.MAX_CRASHES_IN_A_ROW
     assert all(f.startswith("CRASH RuntimeError: boom (") and "--replay" in f for f in report.failures)
     assert report.crashed == set(range(fuzz.MAX_CRASHES_IN_A_ROW))  # each family skipped after its crash
+
+
+def test_zero_reference_gradient_is_judged_against_the_case_scale():
+    """dq is exactly zero when every row is a target seeing only itself: float32 noise must pass and
+    an error of the size the old softmax-delta bug made (|dq| 0.76 at |dv| 450) must fail."""
+    zero = np.zeros((6, 2, 4))
+    offsets = np.array([0, 6])
+    floor = fuzz.ZERO_REFERENCE_FLOOR * 450.0
+    noise = np.full_like(zero, 5e-5 / np.sqrt(zero.size))
+    bug = np.full_like(zero, 0.76 / np.sqrt(zero.size))
+    assert max(fuzz._errors(noise, zero, offsets, floor)) < 0.01
+    assert min(fuzz._errors(bug, zero, offsets, floor)) > 1.0
+    assert fuzz._errors(noise, zero, offsets)[0] > 1e20  # without the floor: noise / 1e-30
