@@ -32,27 +32,7 @@ def attention(
     weight_dropout: float = 0.0,
     rng: jax.Array | None = None,
 ) -> Float[ArrayLike, "T H Dv"]:
-    if weight_dropout > 0 and rng is not None:
-        return jagged_attention_reference(
-            q,
-            k,
-            v,
-            offsets,
-            max_seq_len=max_seq_len,
-            activation=activation,
-            num_targets=num_targets,
-            max_attn_len=max_attn_len,
-            timestamps=timestamps,
-            pos_bias=pos_bias,
-            time_bias=time_bias,
-            weight_dropout=weight_dropout,
-            dropout_rng=rng,
-        )
-    return jagged_attention(
-        q,
-        k,
-        v,
-        offsets,
+    common = dict(
         max_seq_len=max_seq_len,
         activation=activation,
         num_targets=num_targets,
@@ -60,5 +40,11 @@ def attention(
         timestamps=timestamps,
         pos_bias=pos_bias,
         time_bias=time_bias,
-        implementation=None if implementation == "auto" else implementation,
+    )
+    if weight_dropout > 0 and rng is not None:
+        return jagged_attention_reference(
+            q, k, v, offsets, **common, weight_dropout=weight_dropout, dropout_rng=rng
+        )
+    return jagged_attention(
+        q, k, v, offsets, **common, implementation=None if implementation == "auto" else implementation
     )
