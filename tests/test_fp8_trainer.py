@@ -139,8 +139,9 @@ def test_fp8_state_survives_resume_bitwise(tmp_path):
 
 @pytest.mark.slow
 def test_fp8_run_reaches_the_auc_bar_of_the_default_config(tmp_path):
-    """The README's main job with FP8 on (the tolerant HSTU and Wukong layers): click AUC >= 0.70,
-    the bar the BF16 run is held to (tests/test_train.py)."""
+    """The README's main job with FP8 on (the tolerant HSTU and Wukong layers), cut to 250 of its 400
+    steps (the suite's time budget; the schedule follows): click AUC >= 0.70, the bar the full BF16 run
+    is held to (tests/test_train.py). Measured 0.728 on CPU."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
@@ -156,6 +157,8 @@ def test_fp8_run_reaches_the_auc_bar_of_the_default_config(tmp_path):
             "train.progress=false",
             "--set",
             "precision.fp8=true",
+            "--set",
+            "train.steps=250",
         ],
         cwd=ROOT,
         env=env,

@@ -103,24 +103,35 @@ def test_a_point_that_runs_too_long_is_recorded_not_fatal(tmp_path):
     assert record["status"] == "timeout" and "killed after 1 s" in record["error"]
 
 
-def _sweep(out: Path) -> subprocess.CompletedProcess:
+CPU_GRID = "configs/sweeps/cpu8.toml"
+
+
+def _one_batch_size_grid(tmp_path: Path) -> Path:
+    """CI's grid at its smaller batch size only: the same points per sharding, half the compiles (the
+    suite's time budget); `test_every_grid_file_loads_and_names_its_command` loads the whole file."""
+    text = (ROOT / CPU_GRID).read_text()
+    assert '"data.examples_per_shard" = [4, 8]' in text
+    path = tmp_path / "cpu8_one_batch.toml"
+    path.write_text(text.replace('"data.examples_per_shard" = [4, 8]', '"data.examples_per_shard" = [4]'))
+    return path
+
+
+def _sweep(out: Path, grid: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     args = [sys.executable, "-m", "experiments", "sweep", "--config", "configs/tiny.toml"]
-    args += ["--grid", "configs/sweeps/cpu8.toml", "--out", str(out)]
+    args += ["--grid", str(grid), "--out", str(out)]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
 @pytest.mark.slow
 def test_cpu_grid_runs_records_and_resumes(tmp_path):
-    out = tmp_path / "sweep"
-    run = _sweep(out)
+    out, grid = tmp_path / "sweep", _one_batch_size_grid(tmp_path)
+    run = _sweep(out, grid)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [r["status"] for r in rows] == ["ok"] * 4 + ["invalid"] * 2, [
-        (r["name"], r["error"]) for r in rows
-    ]
+    assert [r["status"] for r in rows] == ["ok"] * 2 + ["invalid"], [(r["name"], r["error"]) for r in rows]
     assert "needs 16 devices" in rows[-1]["error"] and "parallel.mesh_shape" in rows[-1]["error"]
-    for r in rows[:4]:
+    for r in rows[:2]:
         assert r["devices"] == "8" and float(r["step_ms"]) > 0 and float(r["tokens_per_s"]) > 0
         assert float(r["compile_s"]) > 0 and float(r["mem_estimate_gib"]) > 0 and r["loss"]
     by_name = {r["name"]: r for r in rows}
@@ -134,11 +145,11 @@ def test_cpu_grid_runs_records_and_resumes(tmp_path):
     log = out / "results.jsonl"
     lines = log.read_text().splitlines()
     log.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])  # the last record torn, as by a kill
-    again = _sweep(out)
+    again = _sweep(out, grid)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stderr.count("skipped") == 5 and "[6/6] misfit16 examples_per_shard=8 ..." in again.stderr
+    assert again.stderr.count("skipped") == 2 and "[3/3] misfit16 examples_per_shard=4 ..." in again.stderr
     records = [json.loads(line) for line in log.read_text().splitlines() if line.endswith("}")]
-    assert len({r["id"] for r in records}) == 6
+    assert len({r["id"] for r in records}) == 3
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs" / "sweeps").glob("*.toml")), ids=lambda p: p.name)
