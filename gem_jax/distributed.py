@@ -76,6 +76,10 @@ def initialize(
     # gloo carries CPU processes' collectives (already jax 0.10's default; named so that a site-wide
     # setting cannot leave CPU processes without cross-process collectives).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # jax's preemption service would take SIGTERM for itself (a C++ handler that only records it, for
+    # `multihost_utils.reached_preemption_sync_point`): the trainer's own handler must get it, as in
+    # a one-process run (gem_jax/train/interrupt.py); the loop then agrees on the step to stop at.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -105,3 +109,23 @@ def process_zero_says(flag: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+
+
+def any_process_says(flag: bool) -> bool:
+    """Whether `flag` is set on any process, on every process: for stops that one process alone may
+    ask for (a SIGTERM to one process, or to each at a different step) but that all must take at the
+    same step. With one process, `flag` itself (no collective, no host sync)."""
+    return agree(anyone=flag)[0]
+
+
+def agree(*, anyone: bool = False, process_zero: bool = False) -> tuple[bool, bool]:
+    """`any_process_says(anyone)` and `process_zero_says(process_zero)` in one collective (one
+    all-gather of two integers from every process). With one process, the flags themselves."""
+    if jax.process_count() == 1:
+        return anyone, process_zero
+    from jax.experimental import multihost_utils
+
+    # Process 0's second flag travels as is and the others' as 0, so that no row order is assumed.
+    mine = np.asarray([anyone, process_zero and jax.process_index() == 0], dtype=np.int32)
+    flags = np.asarray(multihost_utils.process_allgather(mine))  # (process_count, 2)
+    return bool(flags[:, 0].any()), bool(flags[:, 1].any())

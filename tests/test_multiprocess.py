@@ -2,16 +2,20 @@
 `python -m experiments train --coordinator ... --num-processes 2 --process-id i` give the same loss
 curve and validation metrics as one process on the same global mesh (dcn=2 slow x data=4 fast, 8
 batch shards), for the ranking and the next-item task; the checkpoint they write resumes in one
-process and finishes with the single-process run's curve."""
+process and finishes with the single-process run's curve. A SIGTERM to one process stops both after
+the same step, with one checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -21,6 +25,7 @@ import pytest
 from gem_jax.config import config_to_toml, load_config
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
+from gem_jax.train.checkpoint import Checkpointer
 from tests.helpers import SMALL
 from tests.test_retrieval import SMALL_ARGS, write_cyclic_pairs
 
@@ -40,7 +45,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _train_two_processes(workdir: Path, config, stop_after: int) -> None:
+def _start_two_processes(workdir: Path, config, extra: list[str]) -> list[subprocess.Popen]:
+    """`python -m experiments train` as processes 0 and 1 of a 2-process run; output in workdir.{i}.log."""
     config_path = workdir.parent / f"{workdir.name}.toml"
     config_path.write_text(config_to_toml(config))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -59,22 +65,53 @@ def _train_two_processes(workdir: Path, config, stop_after: int) -> None:
             str(workdir),
         ]
         args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-        args += ["--stop-after", str(stop_after)]
-        log = open(workdir.parent / f"{workdir.name}.{i}.log", "w")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        with open(workdir.parent / f"{workdir.name}.{i}.log", "w") as log:
+            procs.append(
+                subprocess.Popen([*args, *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+            )
+    return procs
+
+
+def _wait_two_processes(workdir: Path, procs: list[subprocess.Popen], timeout: float) -> list[str]:
+    """Waits for both (killing them past `timeout`: a hung run fails here); asserts exit codes 0; the logs."""
+    deadline = time.monotonic() + timeout
+    codes = []
     try:
-        codes = [p.wait(timeout=600) for p, _ in procs]
+        for p in procs:
+            try:
+                codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
+            except subprocess.TimeoutExpired:
+                codes.append(f"still running after {timeout:.0f} s (killed)")
     finally:
-        for p, log in procs:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
-            log.close()
+                p.wait()
     logs = [(workdir.parent / f"{workdir.name}.{i}.log").read_text() for i in range(2)]
-    assert codes == [0, 0], "\n\n".join(text[-3000:] for text in logs)
+    assert codes == [0, 0], "\n\n".join(
+        f"process {i}: {c}\n{t[-3000:]}" for i, (c, t) in enumerate(zip(codes, logs))
+    )
+    return logs
+
+
+def _train_two_processes(workdir: Path, config, stop_after: int) -> None:
+    procs = _start_two_processes(workdir, config, ["--stop-after", str(stop_after)])
+    logs = _wait_two_processes(workdir, procs, timeout=600)
     assert "process 1 of 2: 4 local cpu device(s), 8 in all" in logs[1]
     # The device order, printed once: the second host-sized row of the mesh is process 1's devices.
     assert re.search(r"dcn=1: \[\d+ \d+ \d+ \d+\] \(process 1\)", logs[0]), logs[0][-3000:]
     assert "device ids in mesh order" not in logs[1]
+
+
+def _last_logged_step(path: Path) -> int:
+    """The last training step in a metrics.jsonl being written (0 if none; a cut last line is skipped)."""
+    step = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if "loss" in record and "split" not in record:
+                step = max(step, record["step"])
+    return step
 
 
 def _records(workdir: Path) -> list[dict]:
@@ -156,3 +193,42 @@ def test_next_item_two_processes_match_one_and_resume_in_one(tmp_path):
     np.testing.assert_allclose(
         list(_flat(two["test"]).values()), list(_flat(one["test"]).values()), rtol=1e-4
     )
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
+    """A SIGTERM to process 1 alone: both processes agree to stop after the same step, save one complete
+    checkpoint together and exit 0 (each deciding alone, process 1 would wait in the save's collectives
+    and process 0 in the next step's: a hang, which the timeout turns into a failure here). The
+    checkpoint resumes in one process on the uninterrupted run's curve."""
+    overrides = [*SMALL, *MESH, *LEAN, "train.steps=100000", "train.eval_every=2", "train.checkpoint_every=0"]
+    overrides += ["train.progress=false", "train.async_checkpointing=false"]
+    config = load_config(None, overrides)
+    workdir = tmp_path / "two"
+    procs = _start_two_processes(workdir, config, [])
+    metrics = workdir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    # Step 2 logged by process 0: process 1 has started step 2, so it is past its first step, where a
+    # signal asks for a checkpoint (before it, a signal ends the process at once).
+    while _last_logged_step(metrics) < 2:
+        assert all(p.poll() is None for p in procs), "a process ended before training got under way"
+        assert time.monotonic() < deadline, "no step 2 after 300 s"
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = _wait_two_processes(workdir, procs, timeout=120)
+    assert "SIGTERM: saving a checkpoint after this step" in logs[1]
+    steps = [int(re.search(r"== \S+ at step (\d+)", text).group(1)) for text in logs]
+    assert steps[0] == steps[1] >= 2, steps
+    assert all("interrupted (checkpoint saved)" in text for text in logs)
+    stop = steps[0]
+    checkpoints = Checkpointer(workdir / "checkpoints", config.train, read_only=True)
+    try:
+        assert checkpoints.all_steps()[-1] == stop  # (and the evaluations' saves before it)
+        assert checkpoints.newest_intact() == stop
+    finally:
+        checkpoints.close()
+    end = stop + 2
+    summary = loop.train(make_task(config), workdir, stop_after=end)  # resumes at `stop` in one process
+    assert summary["step"] == end
+    loop.train(make_task(config), tmp_path / "one", stop_after=end)
+    _same_run(tmp_path / "one", workdir, total=end)

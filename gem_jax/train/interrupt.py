@@ -16,7 +16,9 @@ So a signal is one of two things, depending on what the process is doing:
 * inside `saving()` (the training loop, and its last save): the first signal sets `requested`;
   the loop saves a checkpoint after the current step and returns normally. A second signal ends
   the process at once, as above: a save in flight leaves an orbax temporary folder, which the next
-  start removes.
+  start removes. In a multi-process run the processes agree once per step whether any of them has
+  a pending signal, and all stop after the same step (gem_jax/train/loop.py; jax's own SIGTERM
+  handler, its preemption service, is turned off in gem_jax/distributed.py).
 
 Grain worker processes (`data.num_workers`) are started with SIGINT and SIGTERM blocked
 (`blocked()` around the data iterator's start): Ctrl-C in a terminal signals the whole process

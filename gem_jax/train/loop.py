@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from gem_jax.distributed import process_zero_says
+from gem_jax.distributed import agree
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
@@ -266,7 +266,16 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
         # ends the process at once; from then on it asks for a checkpoint (gem_jax/train/interrupt.py).
         with contextlib.ExitStack() as protect:
             previous: tuple[int, dict] | None = None  # metrics checked one step late (overlap)
-            while step < total and progress.stopped is None and interrupts.requested is None:
+            # Multi-process runs stop on a signal only when all processes agree to (`agree` below):
+            # a process that left the loop alone would wait in the checkpoint save's collectives
+            # while the others wait for it in the next step's. One process reads its own flag.
+            multi = jax.process_count() > 1
+            agreed_signal = False
+
+            def signal_pending() -> bool:
+                return agreed_signal if multi else interrupts.requested is not None
+
+            while step < total and progress.stopped is None and not signal_pending():
                 if stop_after is not None and step >= stop_after:
                     break
                 window.before(step)
@@ -287,11 +296,22 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                     last_values = _check_finite(previous[1], previous[0], checkpoints)
                 previous = (step, metrics)
                 log_now = step % tc.log_every == 0 or step == total
-                out_of_time = (
+                time_up = (  # process 0's clock decides, at a task boundary (all processes alike)
                     bool(tc.max_minutes)
                     and task.is_boundary(step)
-                    and process_zero_says(time.perf_counter() - t_train >= 60 * tc.max_minutes)
+                    and time.perf_counter() - t_train >= 60 * tc.max_minutes
                 )
+                if multi:
+                    # One collective per step, in multi-process runs only: has any process a pending
+                    # signal, and is process 0's time up? Costs a host sync per step (the host waits
+                    # for the all-gather, which the devices run after this step, before dispatching
+                    # the next one); needed so that every process leaves the loop, and saves, at the
+                    # same step.
+                    agreed_signal, out_of_time = agree(
+                        anyone=interrupts.requested is not None, process_zero=time_up
+                    )
+                else:
+                    out_of_time = time_up
                 eval_now = task.eval_due(step) or out_of_time
                 save_now = bool(tc.checkpoint_every and step % tc.checkpoint_every == 0) or eval_now
                 if log_now or save_now:
@@ -329,7 +349,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
             checkpoints.wait()
             if best is not None:
                 best.wait()
-        signalled = interrupts.requested is not None
+        signalled = signal_pending()  # the agreed flag: every process then scores the test split, or none
         finished = progress.stopped is not None or step >= total
         test = (
             _score_test(task, evaluate, trainer, best, checkpoints, progress, workdir, writer)
