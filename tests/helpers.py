@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 from gem_jax.config import Config, load_config
 from gem_jax.data.pipeline import packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a CLI subprocess: one CPU device, as a user's machine (conftest's 8 fake
+    devices and compilation cache are inherited otherwise; the cache is kept)."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
 
 SMALL = [
     "data.num_items=500",

@@ -5,7 +5,6 @@ checkpoint/resume bitwise, and an FP8 run learns like BF16."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
-from tests.helpers import small_config, stacks
+from tests.helpers import cli_env, small_config, stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 FP8 = ("precision.fp8=true", "model.num_layers=1", "model.wukong_layers=1")
@@ -142,9 +141,6 @@ def test_fp8_run_reaches_the_auc_bar_of_the_default_config(tmp_path):
     """The README's main job with FP8 on (the tolerant HSTU and Wukong layers), cut to 250 of its 400
     steps (the suite's time budget; the schedule follows): click AUC >= 0.70, the bar the full BF16 run
     is held to (tests/test_train.py). Measured 0.728 on CPU."""
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run(
         [
             sys.executable,
@@ -161,7 +157,7 @@ def test_fp8_run_reaches_the_auc_bar_of_the_default_config(tmp_path):
             "train.steps=250",
         ],
         cwd=ROOT,
-        env=env,
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=1200,

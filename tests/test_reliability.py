@@ -31,7 +31,7 @@ from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.run_record import RecordMismatch, RunRecord, data_fingerprint
 from gem_jax.train.step import Trainer
 from gem_jax.train.workdir_lock import WorkdirError, WorkdirLock, WorkdirLocked
-from tests.helpers import poison_loss, small_config
+from tests.helpers import cli_env, poison_loss, small_config
 from tests.test_retrieval import small as small_next_item
 from tests.test_retrieval import write_cyclic_pairs
 
@@ -69,13 +69,6 @@ def _snapshot(directory: Path) -> dict[str, tuple]:
     return out
 
 
-def _cli_env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def _config_args(tmp_path: Path, *overrides: str) -> list[str]:
     """CLI arguments that load exactly `_config(*overrides)` (the CLI's default config is tiny.toml)."""
     path = tmp_path / f"small-{len(list(tmp_path.glob('small-*.toml')))}.toml"
@@ -87,7 +80,7 @@ def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "experiments", *args],
         cwd=ROOT,
-        env=_cli_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -99,7 +92,7 @@ def _start(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "experiments", *args],
         cwd=ROOT,
-        env=_cli_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

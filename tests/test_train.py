@@ -1,7 +1,6 @@
 """Whole-system tests: resume equivalence, NaN stop, sharded == single device, signals, the AUC bar."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
-from tests.helpers import poison_loss, small_config, stacks
+from tests.helpers import cli_env, poison_loss, small_config, stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -112,13 +111,6 @@ def test_two_axis_mesh_runs():
     assert np.isfinite(float(m["loss"]))
 
 
-def _cli_env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as a user's machine
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
-
-
 def test_sigterm_saves_a_checkpoint(tmp_path):
     args = [
         sys.executable,
@@ -141,7 +133,7 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
     for o in ("data.examples_per_shard=8", "data.tokens_per_shard=512", "model.num_layers=1"):
         args += ["--set", o]
     proc = subprocess.Popen(
-        args, cwd=ROOT, env=_cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        args, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 240
@@ -170,7 +162,7 @@ def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
             "train.progress=false",
         ],
         cwd=ROOT,
-        env=_cli_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=900,
@@ -181,7 +173,7 @@ def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "experiments", "eval", "--workdir", str(tmp_path)],
         cwd=ROOT,
-        env=_cli_env(),
+        env=cli_env(),
         capture_output=True,
         text=True,
         timeout=600,
