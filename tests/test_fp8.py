@@ -51,6 +51,35 @@ def test_scales_by_hand():
     assert float(fp8.quantize(x, s, fp8.E4M3)[1].astype(jnp.float32)) == -448.0
 
 
+def test_saturation_counts_the_tensors_whose_amax_outgrew_their_scale():
+    """fp8_saturated / fp8_overshoot by hand: a tensor clips when amax > scale x fp8_max."""
+    ones = {k: jnp.float32(1.0) for k in fp8.SCALES}
+    meta = {
+        "a": {"amax_history": jnp.zeros((3, 4)), **ones},  # scale 1: ranges 448, 448, 57344
+        "b": {
+            0: {
+                "amax_history": jnp.zeros((3, 4)),
+                "x_scale": jnp.float32(0.5),
+                "w_scale": jnp.float32(2.0),
+                "g_scale": jnp.float32(1e-3),
+            }
+        },
+    }
+    amaxes = {
+        "a": {"amax_probe": jnp.array([448.0, 100.0, 60000.0])},  # at the edge (no clip), inside, over
+        "b": {0: {"amax_probe": jnp.array([448.0, 900.0, 1.0])}},  # over 2x, over 900/896, 1/57.344
+    }
+    out = fp8.saturation(meta, amaxes)
+    assert float(out["fp8_saturated"]) == 3.0
+    np.testing.assert_allclose(float(out["fp8_overshoot"]), 448.0 / (0.5 * 448.0), rtol=1e-6)
+    calm = jax.tree.map(lambda a: a / 4, amaxes)
+    out = fp8.saturation(meta, calm)
+    assert float(out["fp8_saturated"]) == 0.0 and float(out["fp8_overshoot"]) <= 1.0
+    assert fp8.saturation({}, {}) == {}  # no FP8 layer: no metrics
+    with pytest.raises(KeyError, match="b/0"):
+        fp8.saturation(meta, {"a": amaxes["a"], "b": {0: {}}})
+
+
 def test_quantize_saturates_instead_of_nan_or_inf():
     x = jnp.array([1000.0, -1000.0, 3.0, jnp.inf, -1e30])
     q4 = fp8.quantize(x, jnp.float32(1.0), fp8.E4M3).astype(jnp.float32)

@@ -259,6 +259,40 @@ def combine_meta_grads(probe_grads: dict) -> dict:
     return jax.tree.map(lambda g: jnp.max(g, axis=0), probe_grads)
 
 
+def _layers(meta: dict, amaxes: dict, keys: tuple = ()):
+    """(keys, layer meta, layer amaxes) of every FP8 layer, walking `meta` and `amaxes` side by side."""
+    if "amax_history" in meta:
+        missing = [k for k in ("amax_probe",) if k not in amaxes] + [k for k in SCALES if k not in meta]
+        if missing:
+            where = "/".join(map(str, keys)) or "."
+            raise KeyError(f"update_meta: no {', '.join(missing)} beside {where}/amax_history")
+        yield keys, meta, amaxes
+        return
+    for key, value in meta.items():
+        if key not in amaxes:
+            raise KeyError(f"update_meta: amaxes have no entry {'/'.join(map(str, (*keys, key)))}")
+        yield from _layers(value, amaxes[key], (*keys, key))
+
+
+def saturation(meta: dict, amaxes: dict) -> dict[str, Float[Array, ""]]:
+    """How much a step's delayed scales clipped, for its metrics: `fp8_saturated`, how many FP8 tensors
+    (3 per layer: input, weight, output gradient) had an amax beyond their scale's range, so that their
+    largest values were clipped to the format's max; `fp8_overshoot`, the largest amax / (scale x
+    fp8_max) (<= 1: nothing clipped). `meta` holds the scales the step used, `amaxes` the amaxes it
+    observed (the arguments of `update_meta`). Why: the delayed recipe cannot see a tensor outgrow its
+    history (weights grow every step, activations jump), and clipping costs quality silently.
+    """
+    ratios = [
+        a["amax_probe"][i] / (m[key] * fp8_max(_FORMATS[i]))
+        for _, m, a in _layers(meta, amaxes)
+        for i, key in enumerate(SCALES)
+    ]
+    if not ratios:
+        return {}
+    ratios = jnp.stack(ratios).astype(jnp.float32)
+    return {"fp8_saturated": jnp.sum(ratios > 1.0).astype(jnp.float32), "fp8_overshoot": jnp.max(ratios)}
+
+
 def update_meta(meta: dict, amaxes: dict, margin: int = 0) -> dict:
     """The FP8 state after a step: each layer's global amaxes (from `combine_meta_grads`) rolled into
     its history, and the scales the next step will use computed from the rolled history.
@@ -267,20 +301,12 @@ def update_meta(meta: dict, amaxes: dict, margin: int = 0) -> dict:
     `SCALES` leaves beside it; `amaxes` has the same nesting with an "amax_probe" leaf instead.
     `margin` is the recipe's (`precision.fp8_margin`).
     """
+    new = {}
+    for keys, m, a in _layers(meta, amaxes):
+        history = roll_history(m["amax_history"], a["amax_probe"])
+        new[keys] = dict(m, amax_history=history, **scales_from_history(history, margin))
 
-    def walk(m: dict, a: dict, path: str) -> dict:
-        if "amax_history" in m:
-            missing = [k for k in ("amax_probe",) if k not in a] + [k for k in SCALES if k not in m]
-            if missing:
-                raise KeyError(f"update_meta: no {', '.join(missing)} beside {path or '.'}/amax_history")
-            history = roll_history(m["amax_history"], a["amax_probe"])
-            return dict(m, amax_history=history, **scales_from_history(history, margin))
-        out = {}
-        for key, value in m.items():
-            where = f"{path}/{key}" if path else str(key)
-            if key not in a:
-                raise KeyError(f"update_meta: amaxes have no entry {where}")
-            out[key] = walk(value, a[key], where)
-        return out
+    def rebuild(m: dict, keys: tuple) -> dict:
+        return new[keys] if keys in new else {k: rebuild(v, (*keys, k)) for k, v in m.items()}
 
-    return walk(meta, amaxes, "")
+    return rebuild(meta, ())

@@ -240,6 +240,7 @@ class Trainer:
                 "update_norm": optax.tree.norm(updates),
                 "param_norm": optax.tree.norm(params),
                 "learning_rate": self.schedule(state.step),
+                **(fp8.saturation(state.fp8, amaxes) if state.fp8 else {}),
             }
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state, embeddings=emb_state, fp8=fp8_meta
