@@ -51,8 +51,9 @@ def test_scales_by_hand():
     assert float(fp8.quantize(x, s, fp8.E4M3)[1].astype(jnp.float32)) == -448.0
 
 
-def test_saturation_counts_the_tensors_whose_amax_outgrew_their_scale():
-    """fp8_saturated / fp8_overshoot by hand: a tensor clips when amax > scale x fp8_max."""
+def test_saturation_counts_the_tensors_clipped_by_more_than_half_an_ulp():
+    """fp8_saturated / fp8_overshoot by hand: a tensor counts when amax > scale x fp8_max x (1 + eps/2)
+    (e4m3: 1 + 1/16, e5m2: 1 + 1/8); less than that, rounding would have moved its largest value as far."""
     ones = {k: jnp.float32(1.0) for k in fp8.SCALES}
     meta = {
         "a": {"amax_history": jnp.zeros((3, 4)), **ones},  # scale 1: ranges 448, 448, 57344
@@ -66,12 +67,16 @@ def test_saturation_counts_the_tensors_whose_amax_outgrew_their_scale():
         },
     }
     amaxes = {
-        "a": {"amax_probe": jnp.array([448.0, 100.0, 60000.0])},  # at the edge (no clip), inside, over
-        "b": {0: {"amax_probe": jnp.array([448.0, 900.0, 1.0])}},  # over 2x, over 900/896, 1/57.344
+        # x at the edge, w 1.06x (under 1 + 1/16 = 1.0625), g 1.22x (over 1 + 1/8)
+        "a": {"amax_probe": jnp.array([448.0, 475.0, 70000.0])},
+        # x 2x (clipped), w 900/896 (a weight that grew a little: not counted), g far inside
+        "b": {0: {"amax_probe": jnp.array([448.0, 900.0, 1.0])}},
     }
     out = fp8.saturation(meta, amaxes)
-    assert float(out["fp8_saturated"]) == 3.0
+    assert float(out["fp8_saturated"]) == 2.0
     np.testing.assert_allclose(float(out["fp8_overshoot"]), 448.0 / (0.5 * 448.0), rtol=1e-6)
+    over = jax.tree.map(lambda a: a * 1.1, amaxes)  # now every tensor but b's gradient is clipped
+    assert float(fp8.saturation(meta, over)["fp8_saturated"]) == 5.0
     calm = jax.tree.map(lambda a: a / 4, amaxes)
     out = fp8.saturation(meta, calm)
     assert float(out["fp8_saturated"]) == 0.0 and float(out["fp8_overshoot"]) <= 1.0

@@ -276,21 +276,23 @@ def _layers(meta: dict, amaxes: dict, keys: tuple = ()):
 
 def saturation(meta: dict, amaxes: dict) -> dict[str, Float[Array, ""]]:
     """How much a step's delayed scales clipped, for its metrics: `fp8_saturated`, how many FP8 tensors
-    (3 per layer: input, weight, output gradient) had an amax beyond their scale's range, so that their
-    largest values were clipped to the format's max; `fp8_overshoot`, the largest amax / (scale x
-    fp8_max) (<= 1: nothing clipped). `meta` holds the scales the step used, `amaxes` the amaxes it
-    observed (the arguments of `update_meta`). Why: the delayed recipe cannot see a tensor outgrow its
-    history (weights grow every step, activations jump), and clipping costs quality silently.
+    (3 per layer: input, weight, output gradient) had their largest values clipped by more than half an
+    ulp of the format (amax > scale x fp8_max x (1 + eps/2): less is what rounding would have done
+    anyway); `fp8_overshoot`, the largest amax / (scale x fp8_max) (<= 1: nothing clipped). `meta`
+    holds the scales the step used, `amaxes` the amaxes it observed (the arguments of `update_meta`).
+    Why: the delayed recipe cannot see a tensor outgrow its history (activations jump), and clipping
+    costs quality silently.
     """
-    ratios = [
-        a["amax_probe"][i] / (m[key] * fp8_max(_FORMATS[i]))
-        for _, m, a in _layers(meta, amaxes)
-        for i, key in enumerate(SCALES)
-    ]
+    ratios, limits = [], []
+    for _, m, a in _layers(meta, amaxes):
+        for i, key in enumerate(SCALES):
+            ratios.append(a["amax_probe"][i] / (m[key] * fp8_max(_FORMATS[i])))
+            limits.append(1.0 + float(jnp.finfo(_FORMATS[i]).eps) / 2)
     if not ratios:
         return {}
     ratios = jnp.stack(ratios).astype(jnp.float32)
-    return {"fp8_saturated": jnp.sum(ratios > 1.0).astype(jnp.float32), "fp8_overshoot": jnp.max(ratios)}
+    clipped = ratios > jnp.asarray(limits, jnp.float32)
+    return {"fp8_saturated": jnp.sum(clipped).astype(jnp.float32), "fp8_overshoot": jnp.max(ratios)}
 
 
 def update_meta(meta: dict, amaxes: dict, margin: int = 0) -> dict:
