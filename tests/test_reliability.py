@@ -159,11 +159,13 @@ def test_new_run_writes_the_record_and_manifests(trained):
 def test_changed_config_is_refused_and_the_workdir_is_untouched(trained, tmp_path):
     workdir = _copy(trained, tmp_path)
     before = _snapshot(workdir)
-    args = _config_args(tmp_path, "model.model_dim=48", "train.learning_rate=0.01")
+    # data.num_workers too: the worker count decides which examples a batch holds (run_record.MAY_CHANGE).
+    args = _config_args(tmp_path, "model.model_dim=48", "train.learning_rate=0.01", "data.num_workers=2")
     r = _cli("train", "--workdir", str(workdir), *args)
     assert r.returncode == 2
     line = _one_line_error(r.stderr)
     assert "model.model_dim 32 -> 48" in line and "train.learning_rate" in line and str(workdir) in line
+    assert "data.num_workers 0 -> 2" in line
     assert _snapshot(workdir) == before
     # `eval` reads the record, which the refused run did not touch, and writes nothing either.
     r = _cli("eval", "--workdir", str(workdir))

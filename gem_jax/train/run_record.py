@@ -53,7 +53,6 @@ MAY_CHANGE = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.async_checkpointing",
-    "data.num_workers",  # grain worker processes: the same examples in the same order
     "model.attention_implementation",  # the same function computed by another kernel (e.g. GPU -> CPU)
     "data.path",  # only when the file's content (size and sha256) is the recorded one
     # Another mesh or embedding plan: checkpoints hold every array in a device-count-free form (tables
@@ -67,6 +66,9 @@ MAY_CHANGE = (
     "embeddings.device_memory_gib",
     "embeddings.memory_fraction",
 )
+# Not `data.num_workers`: grain's worker processes each pack their own slice of the example stream, so
+# the worker count decides which examples a batch holds, and the saved data position is per worker (a
+# resume with another count failed inside grain's set_state).
 
 
 def may_change(key: str) -> bool:
