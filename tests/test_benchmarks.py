@@ -44,3 +44,29 @@ def test_benchmarks_use_public_names_only(path):
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in imported:
             assert not node.attr.startswith("_"), f"{path.name} uses {node.value.id}.{node.attr}"
+
+
+@pytest.mark.slow
+def test_bench_train_step_times_the_pipeline_after_every_workers_first_batch(monkeypatch):
+    """`bench train_step` on the CPU default with 2 data workers: one JSON report, the pipeline timed after
+    2 untimed batches (one per worker: their start-up is not throughput), a finite step time."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import cli_env
+
+    monkeypatch.delenv("GEM_JAX_TYPECHECK", raising=False)  # grain cannot pickle the checked functions
+    args = ["--steps", "2", "--batches", "1", "--pipeline-steps", "3", "--set", "data.num_workers=2"]
+    r = subprocess.run(
+        [sys.executable, "-m", "experiments", "bench", "train_step", *args],
+        cwd=BENCH_DIR.parent.parent,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout[r.stdout.index("{") :])
+    assert report["pipeline_batches"] == {"untimed": 2, "timed": 3}
+    assert report["pipeline_s_per_batch"] > 0 and report["device_step_s_median"] > 0

@@ -1,8 +1,9 @@
 """`python -m experiments bench train_step --config C`: where a train step's time goes.
 
-Times (1) the input pipeline alone (host: packs per second) and (2) the jitted train step alone on
-batches already on the device (median of repeated steps over a few rotating batches), and reports
-both with the analytic TFLOP/s and MFU, so a run's throughput can be attributed to host or device.
+Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker) and
+(2) the jitted train step alone on batches already on the device (median of repeated steps over a few
+rotating batches), and reports both with the analytic TFLOP/s and MFU, so a run's throughput can be
+attributed to host or device.
 
 The step is compiled once, ahead of time (`compile_s`), and the GEMM custom calls of its optimised HLO
 are counted (`gemm_calls`: cuBLASLt FP8, cuBLASLt, cuBLAS; GPU only). With `precision.fp8=true` it
@@ -49,7 +50,11 @@ def main(argv: list[str]) -> int:
     task = make_task(config)
     trainer = Trainer(task, task.mesh)
     it = iter(task.train_data(jax.process_index(), jax.process_count()))
-    next(it)  # start workers
+    # Every data worker's first batch is untimed: workers start at once and each packs whole batches of its
+    # own slice, so the first W batches measure their start-up, not the pipeline's rate.
+    warmup = max(1, config.data.num_workers)
+    for _ in range(warmup):
+        next(it)
     t0 = time.perf_counter()
     host = [next(it) for _ in range(args.pipeline_steps)]
     pipeline_s = (time.perf_counter() - t0) / args.pipeline_steps
@@ -86,6 +91,7 @@ def main(argv: list[str]) -> int:
         "jax": jax.__version__,
         "devices": jax.device_count(),
         "pipeline_s_per_batch": pipeline_s,
+        "pipeline_batches": {"untimed": warmup, "timed": args.pipeline_steps},
         "device_step_s_median": step_s,
         "device_step_s_min": float(np.min(times)),
         "tokens_per_step": float(np.mean(tokens)),
