@@ -265,12 +265,12 @@ def _layers(meta: dict, amaxes: dict, keys: tuple = ()):
         missing = [k for k in ("amax_probe",) if k not in amaxes] + [k for k in SCALES if k not in meta]
         if missing:
             where = "/".join(map(str, keys)) or "."
-            raise KeyError(f"update_meta: no {', '.join(missing)} beside {where}/amax_history")
+            raise KeyError(f"FP8 state: no {', '.join(missing)} beside {where}/amax_history")
         yield keys, meta, amaxes
         return
     for key, value in meta.items():
         if key not in amaxes:
-            raise KeyError(f"update_meta: amaxes have no entry {'/'.join(map(str, (*keys, key)))}")
+            raise KeyError(f"FP8 state: the amaxes have no entry {'/'.join(map(str, (*keys, key)))}")
         yield from _layers(value, amaxes[key], (*keys, key))
 
 
@@ -283,15 +283,19 @@ def saturation(meta: dict, amaxes: dict) -> dict[str, Float[Array, ""]]:
     Why: the delayed recipe cannot see a tensor outgrow its history (activations jump), and clipping
     costs quality silently.
     """
-    ratios, limits = [], []
-    for _, m, a in _layers(meta, amaxes):
-        for i, key in enumerate(SCALES):
-            ratios.append(a["amax_probe"][i] / (m[key] * fp8_max(_FORMATS[i])))
-            limits.append(1.0 + float(jnp.finfo(_FORMATS[i]).eps) / 2)
+    ratios = [
+        jnp.stack(
+            [
+                a["amax_probe"][i] / (m[key] * fp8_max(fmt))
+                for i, (key, fmt) in enumerate(zip(SCALES, _FORMATS))
+            ]
+        )
+        for _, m, a in _layers(meta, amaxes)
+    ]
     if not ratios:
         return {}
-    ratios = jnp.stack(ratios).astype(jnp.float32)
-    clipped = ratios > jnp.asarray(limits, jnp.float32)
+    ratios = jnp.stack(ratios).astype(jnp.float32)  # [layers, 3]
+    clipped = ratios > jnp.asarray([1.0 + float(jnp.finfo(fmt).eps) / 2 for fmt in _FORMATS], jnp.float32)
     return {"fp8_saturated": jnp.sum(clipped).astype(jnp.float32), "fp8_overshoot": jnp.max(ratios)}
 
 
