@@ -49,7 +49,8 @@ def test_benchmarks_use_public_names_only(path):
 @pytest.mark.slow
 def test_bench_train_step_times_the_pipeline_after_every_workers_first_batch(monkeypatch):
     """`bench train_step` on the CPU default with 2 data workers: one JSON report, the pipeline timed after
-    2 untimed batches (one per worker: their start-up is not throughput), a finite step time."""
+    2 untimed batches (one per worker: their start-up is not throughput) over two batches per worker, a finite
+    step time."""
     import json
     import subprocess
     import sys
@@ -68,5 +69,5 @@ def test_bench_train_step_times_the_pipeline_after_every_workers_first_batch(mon
     )
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout[r.stdout.index("{") :])
-    assert report["pipeline_batches"] == {"untimed": 2, "timed": 3}
+    assert report["pipeline_batches"] == {"untimed": 2, "timed": 4}  # at least two per worker
     assert report["pipeline_s_per_batch"] > 0 and report["device_step_s_median"] > 0

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jax.extend import core as jcore
 
 from experiments.benchmarks import shapes
-from pallas_kernels.jagged_attention import jagged_attention
+from pallas_kernels.jagged_attention import jagged_attention, reference
 from pallas_kernels.jagged_attention.options import KernelOptions
 
 H, D = shapes.SMALL.heads, shapes.SMALL.head_dim
@@ -201,6 +201,66 @@ class TestInterpretGPU(_Base):
             bias=True,
             options=KernelOptions(pos_expanded=False),
         )
+
+    @pytest.mark.parametrize(
+        "options, num_pos, sorted_ts",
+        [
+            (KernelOptions(bias_rows=False), 5, False),
+            (KernelOptions(bias_rows=False), 80, True),
+            (KernelOptions(bias_rows_max_bytes=0), 24, True),  # over the size limit: the same fallback
+            (KernelOptions(pos_grad_stores=False), 5, False),  # position gradient by atomics (bias_rows on)
+        ],
+    )
+    def test_bias_computed_in_kernel(self, options, num_pos, sorted_ts):
+        # without the bias_rows array each kernel computes the bias itself (clipped tiles, expanded position
+        # tiles, time-bucket range loops): the path taken when the array would be too large. Also the
+        # position gradient's atomic variant.
+        self._case(
+            9,
+            "silu",
+            jnp.float32,
+            targets=True,
+            window=20,
+            bias=True,
+            num_pos=num_pos,
+            sorted_ts=sorted_ts,
+            options=options,
+        )
+
+    def test_bias_rows_is_the_reference_bias(self):
+        # bias_rows[h, i, j] for row i of sequence b and column j < len_b: the DESIGN.md bias of (i, j)
+        from pallas_kernels.jagged_attention import gpu
+        from pallas_kernels.jagged_attention.block_sizes import BlockSizes
+        from pallas_kernels.jagged_attention.tiling import Static
+
+        rng = np.random.default_rng(12)
+        lengths = [0, 1, 37, 64, 20]
+        offsets = _offsets(lengths)
+        ts = rng.integers(0, 10**6, size=CAPACITY).astype(np.int32)  # unsorted: any bucket anywhere
+        pos, tim = (
+            rng.standard_normal((H, 24)).astype(np.float32),
+            rng.standard_normal((H, 30)).astype(np.float32),
+        )
+        s = Static(N, "silu", 1.0, 0, False, True, True, 24, 30, True, BlockSizes(block_k=16, block_k_dkv=32))
+        inputs = gpu.to_kernel_layout(
+            *(jnp.zeros((CAPACITY, H, D)),) * 3,
+            jnp.asarray(offsets),
+            None,
+            jnp.asarray(ts),
+            jnp.asarray(pos),
+            jnp.asarray(tim),
+            s,
+        )
+        got = np.asarray(
+            gpu.bias_rows(inputs[3], inputs[5], inputs[6], inputs[7], s, CAPACITY, H, jnp.float32)
+        )
+        assert got.shape == (H, CAPACITY, 128)  # max_seq_len rounded up to 128 (and to the key tiles)
+        for b, length in enumerate(lengths):
+            i, j = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
+            row, col = offsets[b] + i, offsets[b] + j
+            tb = np.asarray(reference.time_buckets(jnp.asarray(ts[row] - ts[col]), 30))
+            want = pos[:, np.clip(i - j, 0, 23)] + tim[:, tb]
+            np.testing.assert_allclose(got[:, row, j], want, rtol=1e-6, err_msg=f"sequence {b}")
 
     def test_bf16_softmax_delta_matches_kernel_do(self):
         # Fuzz family 2 on the H200 (bf16 softmax, targets, window, time bias): dq/dk/dtime of ~1 where the

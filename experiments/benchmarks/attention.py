@@ -215,6 +215,10 @@ def bench_bias(rng, reps, shape: shapes.JaggedShape, variants):
     cases = [
         ("no bias", {}),
         (f"pos {gem.num_pos} + time {gem.num_time} (gem_h200)", _bias(gem)),
+        (
+            f"pos {gem.num_pos} + time {gem.num_time}, bias computed in the kernels (no bias_rows)",
+            dict(_bias(gem), options=KernelOptions(bias_rows=False)),
+        ),
         (f"pos {wide.num_pos} + time {wide.num_time}", _bias(wide)),
     ]
     if variants:  # attribution: each bias alone, other tiles, the kernel variants of KernelOptions
@@ -222,17 +226,18 @@ def bench_bias(rng, reps, shape: shapes.JaggedShape, variants):
             (f"pos {gem.num_pos} only", _bias(gem, time=False)),
             (f"time {gem.num_time} only", _bias(gem, pos=False)),
             (
-                f"pos {gem.num_pos} + time {gem.num_time}, block_k 32",
-                dict(
-                    _bias(gem),
-                    block_sizes=BlockSizes(block_k=32, block_q_dkv=64, block_k_dkv=128, num_stages=2),
-                ),
-            ),
-            (
                 f"pos {gem.num_pos} only, per-cell position gather",
                 dict(_bias(gem, time=False), options=KernelOptions(pos_expanded=False)),
             ),
             ("no bias, forward SiLU in float32", dict(options=KernelOptions(silu_bf16x2=False))),
+            (
+                f"pos {gem.num_pos} + time {gem.num_time}, dK/dV tiles 64x128 and 2 forward stages",
+                dict(_bias(gem), block_sizes=BlockSizes(block_q_dkv=64, block_k_dkv=128, num_stages=2)),
+            ),
+            (
+                f"pos {gem.num_pos} + time {gem.num_time}, position gradient by atomics",
+                dict(_bias(gem), options=KernelOptions(pos_grad_stores=False)),
+            ),
         ]
     rows = []
     n, b = shape.max_seq_len, shape.batch

@@ -1,6 +1,7 @@
 """`python -m experiments bench train_step --config C`: where a train step's time goes.
 
-Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker) and
+Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker, over
+at least two batches per worker) and
 (2) the jitted train step alone on batches already on the device (median of repeated steps over a few
 rotating batches), and reports both with the analytic TFLOP/s and MFU, so a run's throughput can be
 attributed to host or device.
@@ -36,7 +37,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--batches", type=int, default=4, help="distinct device batches to rotate over")
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
-    parser.add_argument("--pipeline-steps", type=int, default=20, help="host batches to time")
+    parser.add_argument(
+        "--pipeline-steps", type=int, default=20, help="host batches to time (at least 2 per data worker)"
+    )
     parser.add_argument("--hlo-out", default=None, help="write the optimised HLO here (.gz: gzip)")
     args = parser.parse_args(argv)
 
@@ -52,12 +55,16 @@ def main(argv: list[str]) -> int:
     it = iter(task.train_data(jax.process_index(), jax.process_count()))
     # Every data worker's first batch is untimed: workers start at once and each packs whole batches of its
     # own slice, so the first W batches measure their start-up, not the pipeline's rate.
+    # The timed batches then span two rounds of every worker: fewer would read batches the workers packed
+    # ahead while the first round was awaited (on the H200 host 4 timed batches after 12 read 16 ms per
+    # batch in one call and 84 ms in the next).
     warmup = max(1, config.data.num_workers)
     for _ in range(warmup):
         next(it)
+    timed = max(args.pipeline_steps, 2 * config.data.num_workers)
     t0 = time.perf_counter()
-    host = [next(it) for _ in range(args.pipeline_steps)]
-    pipeline_s = (time.perf_counter() - t0) / args.pipeline_steps
+    host = [next(it) for _ in range(timed)]
+    pipeline_s = (time.perf_counter() - t0) / timed
     batches = [trainer.to_device(h) for h in host[: args.batches]]
     flops = [train_step_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     tokens = [float(h.offsets[:, -1].sum()) for h in host[: args.batches]]
@@ -91,7 +98,7 @@ def main(argv: list[str]) -> int:
         "jax": jax.__version__,
         "devices": jax.device_count(),
         "pipeline_s_per_batch": pipeline_s,
-        "pipeline_batches": {"untimed": warmup, "timed": args.pipeline_steps},
+        "pipeline_batches": {"untimed": warmup, "timed": timed},
         "device_step_s_median": step_s,
         "device_step_s_min": float(np.min(times)),
         "tokens_per_step": float(np.mean(tokens)),

@@ -20,7 +20,7 @@ from pallas_kernels.checks import check_jagged_qkv
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
-from pallas_kernels.jagged_attention.tiling import Static
+from pallas_kernels.jagged_attention.tiling import Static, bias_width
 
 ACTIVATIONS = ("silu", "softmax")
 _PACKAGE = "pallas_kernels.jagged_attention"
@@ -151,9 +151,15 @@ def jagged_attention(
         )
     backend, interpret = implementations.load_backend(_PACKAGE, kernel)
     has_bias = pos_bias is not None or time_bias is not None
+    options = options or KernelOptions()
     if block_sizes is None:
         platform = "cpu" if interpret else kernel
-        block_sizes = BlockSizes.get_default(platform, max(q.shape[-1], v.shape[-1]), max_seq_len, has_bias)
+        rows = options.use_bias_rows(
+            rows=q.shape[0], heads=q.shape[1], width=bias_width(max_seq_len), itemsize=q.dtype.itemsize
+        )
+        block_sizes = BlockSizes.get_default(
+            platform, max(q.shape[-1], v.shape[-1]), max_seq_len, has_bias, bias_rows=has_bias and rows
+        )
     s = Static(
         max_seq_len=max_seq_len,
         activation=activation,
@@ -166,7 +172,7 @@ def jagged_attention(
         num_time=1 if time_bias is None else time_bias.shape[1],
         interpret=interpret,
         blocks=block_sizes,
-        options=options or KernelOptions(),
+        options=options,
     )
     inputs = backend.to_kernel_layout(q, k, v, offsets, num_targets, timestamps, pos_bias, time_bias, s)
     out = _kernel_attention(inputs, kernel, s)

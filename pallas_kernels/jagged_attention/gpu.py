@@ -63,8 +63,10 @@ def _timestamps(ts_ref, start, lo, size, ok):
     return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
 
 
-def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static, o_ref=None):
-    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps, lse, delta.
+def _q_side(
+    q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static, o_ref=None, with_ts=True
+):
+    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps (or None), lse, delta.
 
     Softmax delta (rowsum(dO * O)): loaded from delta_ref, or, given o_ref (the dQ kernel), computed here from
     the very dO tile that dP = dO V^T uses (_delta).
@@ -73,7 +75,7 @@ def _q_side(q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, 
     row_ok = rows < length
     q = _rows(q_ref, start, q_lo, bq, row_ok, h)
     do = None if do_ref is None else _rows(do_ref, start, q_lo, bq, row_ok, h)
-    ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if s.has_time else None
+    ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if s.has_time and with_ts else None
     lse = delta = None
     if do_ref is not None and s.activation == "softmax":
         lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
@@ -96,25 +98,44 @@ def _delta(do, o):
     return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
 
 
-def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static):
-    """Columns, column mask and the key-side tiles of one head: k, v, timestamps."""
+def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static, with_ts=True):
+    """Columns, column mask and the key-side tiles of one head: k, v, timestamps (or None)."""
     cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
     col_ok = cols < length
     k = _rows(k_ref, start, k_lo, bk, col_ok, h)
     v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-    ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if s.has_time else None
+    ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if s.has_time and with_ts else None
     return cols, col_ok, k, v, ts_k
 
 
 def _scores(
-    q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s: Static, clipped=False, pos_far=None, pos_tile=None
+    q,
+    k,
+    rows,
+    cols,
+    h,
+    ts_q,
+    ts_k,
+    pos_ref,
+    time_ref,
+    s: Static,
+    clipped=False,
+    pos_far=None,
+    pos_tile=None,
+    bias_tile=None,
 ):
     """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None).
 
-    On a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far; otherwise it is
-    pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
+    Given bias_tile (the tile of bias_rows), that is the bias, and the time-bias cell data is computed only
+    when timestamps are given (the dQ kernel needs it for the table gradient). Otherwise the bias is computed
+    here: on a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far, on
+    others pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
     """
     sc = s.alpha * _dot(q, k, trans_b=True)
+    thr = time_ref[time_ref.shape[0] - 1, :] if s.has_time and ts_q is not None else None
+    if bias_tile is not None:
+        tt = _time_cells(ts_q, ts_k, thr) if thr is not None else None
+        return sc + bias_tile, tt
     if s.has_pos:
         if clipped:
             sc = sc + pos_far
@@ -124,7 +145,7 @@ def _scores(
             sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
     tt = None
     if s.has_time:
-        tt = _time_cells(ts_q, ts_k, s)
+        tt = _time_cells(ts_q, ts_k, thr)
         sc = sc + _time_bias(tt, h, time_ref)
     return sc, tt
 
@@ -151,18 +172,16 @@ def time_thresholds(num_time: int, width: int) -> jax.Array:
     return jnp.where(b == 0, -jnp.inf, thr)
 
 
-def _time_cells(ts_q, ts_k, s: Static):
-    """(float32(max(dt, 1)) per cell, lo, hi): every cell's bucket lies in [lo, hi].
+def _time_cells(ts_q, ts_k, thr):
+    """(float32(max(dt, 1)) per cell, lo, hi): every cell's bucket lies in [lo, hi], the tile's exact range.
 
-    The bounds come from the tile's extreme deltas with a cheap scalar log, widened by one bucket on each side
-    (a scalar log may differ from XLA's by an ulp); the bias and gradient loops are exact for any wider range.
+    A bucket is #{b >= 1: x >= thr[b]} (time_thresholds), monotone in x, so the extreme deltas of the tile's
+    valid rows and columns bound it exactly: two 64-lane counts per tile, no logarithm and no slack.
     """
     (tq, q_min, q_max), (tk, k_min, k_max) = ts_q, ts_k
     x = jnp.maximum(tq[:, None] - tk[None, :], 1).astype(jnp.float32)
-    approx = lambda dt: jnp.floor(jnp.log(jnp.maximum(dt, 1).astype(jnp.float32)) / tiling.LOG_TIME_DIVISOR)
-    lo = jnp.clip(approx(q_min - k_max).astype(jnp.int32) - 1, 0, s.num_time - 1)
-    hi = jnp.clip(approx(q_max - k_min).astype(jnp.int32) + 1, lo, s.num_time - 1)
-    return x, lo, hi
+    bucket = lambda dt: jnp.sum((thr <= jnp.maximum(dt, 1).astype(jnp.float32)).astype(jnp.int32)) - 1
+    return x, bucket(q_min - k_max), bucket(q_max - k_min)
 
 
 def _time_bias(tt, h, time_ref):
@@ -180,21 +199,25 @@ def _time_bias(tt, h, time_ref):
     )
 
 
-def _time_hist(hist, ds, tt, time_ref):
+def _time_hist(hist, ds, tt, time_ref, total):
     """hist[b] += sum of ds over the tile's cells of bucket b; hist is a register row carried through the loop.
 
-    With S_b = sum(ds where x >= thr[b]) (all cells for b = lo), a bucket's sum is S_b - S_{b+1}: one masked
-    reduction per bucket of the tile's range, no atomics.
+    With S_b = sum(ds where x >= thr[b]), a bucket's sum is S_b - S_{b+1}. S_lo is the whole tile's sum
+    `total` (every cell with a nonzero ds has a bucket >= lo), which the caller also uses for the position
+    table's clipped bucket: a tile within one bucket (most tiles away from the diagonal) costs no masked
+    reduction at all, the others one per bucket above lo. No atomics.
     """
     x, lo, hi = tt
     thr = time_ref.shape[0] - 1
     lane = jnp.arange(hist.shape[0], dtype=jnp.int32)
 
-    def body(b, hist):
+    def body(b, carry):
+        hist, prev = carry  # prev = S_{b-1}
         sb = jnp.sum(jnp.where(x >= time_ref[thr, b], ds, 0.0))
-        return hist + jnp.where(lane == b, sb, 0.0) - jnp.where((lane == b - 1) & (b > lo), sb, 0.0)
+        return hist + jnp.where(lane == b - 1, prev - sb, 0.0), sb
 
-    return lax.fori_loop(lo, hi + 1, body, hist)
+    hist, last = lax.fori_loop(lo + 1, hi + 1, body, (hist, total))
+    return hist + jnp.where(lane == hi, last, 0.0)
 
 
 LOG2E = 1.4426950408889634
@@ -328,6 +351,54 @@ def _pos_expand(pos_tab, s: Static, bq: int, bk: int):
     return pos_tab[:, np.clip(off, 0, s.num_pos - 1)]
 
 
+def bias_width(s: Static) -> int:
+    """Columns of the bias_rows array (no column masks: every kernel's key tiles divide it)."""
+    return tiling.bias_width(s.max_seq_len, max(s.blocks.block_k, s.blocks.block_k_dkv))
+
+
+def uses_bias_rows(s: Static, t: int, heads: int, itemsize: int) -> bool:
+    """Whether the kernels load the bias from bias_rows (KernelOptions.bias_rows and its size limits)."""
+    has_bias = s.has_pos or s.has_time
+    return has_bias and s.options.use_bias_rows(rows=t, heads=heads, width=bias_width(s), itemsize=itemsize)
+
+
+def bias_rows(
+    offsets: Int[ArrayLike, " B1"],
+    ts: Int[ArrayLike, " Tt"],
+    pos_tab: Float[ArrayLike, "H P"],
+    time_tab: Float[ArrayLike, "H1 W"],
+    s: Static,
+    t: int,
+    heads: int,
+    dtype,
+) -> jax.Array:
+    """[H, T, W]: the relative bias of row i and column j of row i's sequence (j < W = bias_width(s)).
+
+    Built by XLA once per call, so the kernels load it per tile instead of each head of each kernel
+    recomputing it; the buckets are the reference's formulas. Cells a kernel masks (j past the row, rows
+    past offsets[B]) hold finite values.
+    """
+    rows = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
+    start = offsets[jnp.clip(seq, 0, offsets.shape[0] - 2)]
+    cols = jnp.arange(bias_width(s), dtype=jnp.int32)[None, :]
+    bias = jnp.zeros((heads, t, cols.shape[1]), jnp.float32)
+    if s.has_pos:
+        bias = bias + pos_tab[:, jnp.clip((rows - start)[:, None] - cols, 0, s.num_pos - 1)]
+    if s.has_time:
+        ts_k = ts[jnp.minimum(start[:, None] + cols, t - 1)]
+        bucket = tiling.time_bucket(ts[:, None] - ts_k, s.num_time).astype(jnp.int16)
+        # one [T, W] bucket array for all heads: fused into the gather, XLA takes the log once per head
+        bias = bias + time_tab[:heads, lax.optimization_barrier(bucket)]
+    return bias.astype(dtype)
+
+
+def _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok):
+    """float32 [bq, bk] tile of bias_rows (rows past the sequence read as zeros)."""
+    blk = bias_ref.at[h, pl.ds(start + q_lo, bq), pl.ds(k_lo, bk)]
+    return plgpu.load(blk, mask=row_ok[:, None], other=0).astype(jnp.float32)
+
+
 def _pos_tile(pos_exp_ref, h, q_lo, k_lo, s: Static, bq: int, bk: int):
     if not (s.has_pos and s.options.pos_expanded):
         return None
@@ -362,6 +433,7 @@ def _fwd_kernel(
     pos_ref,
     pos_exp_ref,
     time_ref,
+    bias_ref,
     o_ref,
     lse_ref,
     *,
@@ -369,6 +441,7 @@ def _fwd_kernel(
     heads: int,
     num_work: int,
     total_rows: int,
+    rows_bias: bool,
 ):
     pid = pl.program_id(0)
     h = pid % heads
@@ -382,19 +455,24 @@ def _fwd_kernel(
         start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
         q_lo = m * bq
         rows, row_ok, q, _, ts_q, _, _ = _q_side(
-            q_ref, None, ts_ref, None, None, start, q_lo, bq, length, h, s
+            q_ref, None, ts_ref, None, None, start, q_lo, bq, length, h, s, with_ts=not rows_bias
         )
         lo, hi = _kv_range(q_lo, bq, length, first_target, s)
         dv = v_ref.shape[-1]
-        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos and not rows_bias else None
 
         exact = q.dtype == jnp.float32
 
         def body(n, carry, masked, clipped):
             k_lo = n * bk
-            cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-            pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
-            sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
+            cols, _, k, v, ts_k = _kv_side(
+                k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s, with_ts=not rows_bias
+            )
+            bias_tile = _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok) if rows_bias else None
+            pos_tile = None if clipped or rows_bias else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            sc, _ = _scores(
+                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile, bias_tile
+            )
             mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
             if s.activation == "silu":
                 (acc,) = carry
@@ -419,8 +497,9 @@ def _fwd_kernel(
 
         acc0 = jnp.zeros((bq, dv), jnp.float32)
         f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
+        clip_edge = None if rows_bias else _clip_edge_kv(q_lo, bk, s)
         loop = functools.partial(
-            _split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, clip_edge=_clip_edge_kv(q_lo, bk, s)
+            _split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, clip_edge=clip_edge
         )
         if s.activation == "silu":
             (acc,) = loop(carry=(acc0,))
@@ -441,14 +520,23 @@ def _fwd_kernel(
 
 
 def forward(inputs, s: Static):
-    """(o [T, H, Dv], residuals) from to_kernel_layout's inputs; residuals[-1] is the softmax lse [H, T]."""
+    """(o [T, H, Dv], residuals) from to_kernel_layout's inputs; residuals end with o, the softmax lse [H, T]
+    and the bias_rows array (a small dummy when the kernels compute the bias themselves)."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab = inputs
     t, heads, _ = q.shape
     bq = s.blocks.block_q
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
     wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
     num_zero = cdiv(t, ZERO_TILES * bq)
-    kernel = functools.partial(_fwd_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+    rows_bias = uses_bias_rows(s, t, heads, q.dtype.itemsize)
+    bias = (
+        bias_rows(offsets, ts, pos_tab, time_tab, s, t, heads, q.dtype)
+        if rows_bias
+        else jnp.zeros((1, 16, 16), q.dtype)
+    )
+    kernel = functools.partial(
+        _fwd_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, rows_bias=rows_bias
+    )
     # Grid: one program per (work item, head), heads fastest so the heaviest tiles start first; then
     # num_zero programs per head that zero rows past offsets[B]. Blocks: whole arrays (masked row loads).
     o, lse = pl.pallas_call(
@@ -469,14 +557,15 @@ def forward(inputs, s: Static):
         k,
         v,
         pos_tab,
-        _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k),
+        _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k, rows_bias),
         time_tab,
+        bias,
     )
-    return o, (*inputs, o, lse)
+    return o, (*inputs, o, lse, bias)
 
 
-def _pos_expand_or_dummy(pos_tab, s: Static, bq: int, bk: int):
-    if s.has_pos and s.options.pos_expanded:
+def _pos_expand_or_dummy(pos_tab, s: Static, bq: int, bk: int, rows_bias: bool):
+    if s.has_pos and s.options.pos_expanded and not rows_bias:
         return _pos_expand(pos_tab, s, bq, bk)
     return jnp.zeros((1, 1, 16, 16), jnp.float32)
 
@@ -517,6 +606,7 @@ def _dq_kernel(
     pos_ref,
     pos_exp_ref,
     time_ref,
+    bias_ref,
     do_ref,
     lse_ref,
     o_ref,
@@ -532,6 +622,7 @@ def _dq_kernel(
     heads: int,
     num_work: int,
     total_rows: int,
+    rows_bias: bool,
 ):
     del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
     pid = pl.program_id(0)
@@ -552,7 +643,7 @@ def _dq_kernel(
         if s.activation == "softmax":  # for the dK/dV kernel, which runs after this one
             plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], delta, mask=row_ok)
         lo, hi = _kv_range(q_lo, bq, length, first_target, s)
-        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos and not rows_bias else None
         lowest, step, _ = _pos_offsets(s, bq, bk)
 
         exact = q.dtype == jnp.float32
@@ -561,21 +652,26 @@ def _dq_kernel(
             dq, far, hist = carry
             k_lo = n * bk
             cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-            pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            bias_tile = _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok) if rows_bias else None
+            pos_tile = None if clipped or rows_bias else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
             sc, tt = _scores(
-                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile
+                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile, bias_tile
             )
             mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
             dp = _dot(do, v, trans_b=True)
             _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
             dq = dq + _dot(ds.astype(k.dtype), k)
+            total = jnp.sum(ds) if s.has_time or (s.has_pos and clipped) else None
             if s.has_pos and clipped:  # the whole tile is the last bucket
-                far = far + jnp.sum(ds)
+                far = far + total
             elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
                 slot = (q_lo - k_lo - lowest) // step
-                plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
+                if s.options.pos_grad_stores:  # this program's own slot: no other program writes it
+                    plgpu.store(dpos_ref.at[pid, slot, pl.ds(0, bq), pl.ds(0, bk)], ds)
+                else:
+                    plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
             if s.has_time:  # ds is zero on masked cells
-                hist = _time_hist(hist, ds, tt, time_ref)
+                hist = _time_hist(hist, ds, tt, time_ref, total)
             return dq, far, hist
 
         init = (
@@ -619,6 +715,7 @@ def _dkv_kernel(
     pos_ref,
     pos_exp_ref,
     time_ref,
+    bias_ref,
     do_ref,
     lse_ref,
     delta_ref,
@@ -629,6 +726,7 @@ def _dkv_kernel(
     heads: int,
     num_work: int,
     total_rows: int,
+    rows_bias: bool,
 ):
     pid = pl.program_id(0)
     h = pid % heads
@@ -641,20 +739,36 @@ def _dkv_kernel(
         b, n = wb_ref[w], wm_ref[w]
         start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
         k_lo = n * bk
-        cols, col_ok, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
+        cols, col_ok, k, v, ts_k = _kv_side(
+            k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s, with_ts=not rows_bias
+        )
         lo, hi = _q_range(k_lo, bk, length, first_target, s)
-        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos else None
+        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos and not rows_bias else None
 
         exact = q_ref.dtype == jnp.float32
 
         def body(m, carry, masked, clipped):
             dk, dv = carry
             q_lo = m * bq
-            rows, _, q, do, ts_q, lse, delta = _q_side(
-                q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s
+            rows, row_ok, q, do, ts_q, lse, delta = _q_side(
+                q_ref,
+                do_ref,
+                ts_ref,
+                lse_ref,
+                delta_ref,
+                start,
+                q_lo,
+                bq,
+                length,
+                h,
+                s,
+                with_ts=not rows_bias,
             )
-            pos_tile = None if clipped else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
-            sc, _ = _scores(q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile)
+            bias_tile = _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok) if rows_bias else None
+            pos_tile = None if clipped or rows_bias else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            sc, _ = _scores(
+                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile, bias_tile
+            )
             mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
             dp = _dot(do, v, trans_b=True)
             p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
@@ -672,7 +786,7 @@ def _dkv_kernel(
             f_hi,
             body,
             init,
-            clip_edge=_clip_edge_q(k_lo, bk, bq, s),
+            clip_edge=None if rows_bias else _clip_edge_q(k_lo, bk, bq, s),
             clipped_below=False,
         )
         scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
@@ -708,23 +822,33 @@ def _pos_grad(acc, far, head_of, width: int, s: Static):
 
 def backward(residuals, do, s: Static):
     """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's."""
-    q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse = residuals
+    q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias = residuals
     t, heads, _ = q.shape
+    rows_bias = uses_bias_rows(s, t, heads, q.dtype.itemsize)
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
     # softmax: the dQ kernel computes delta = rowsum(dO * O) from its own dO tiles (_delta) and hands it,
     # [H, T] float32 written on every row of a sequence, to the dK/dV kernel
     delta_shape = (heads, t) if s.activation == "softmax" else (1, 1)
     bq, bk = s.blocks.block_q, s.blocks.block_k
     wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+    num_work_q = num_work
     num_zero = cdiv(t, ZERO_TILES * bq)
     grid = (num_work + num_zero) * heads
     params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
-    kernel = functools.partial(_dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
-    # Bias-table gradients, accumulated with atomics into zeroed buffers: position, per (slot, head, tile
-    # offset) one [bq, bk] tile of dScore; time, one histogram row per program. Both summed in XLA below.
-    pos_acc = jnp.zeros(
-        (POS_SLOTS, heads, _pos_offsets(s, bq, bk)[2], bq, bk) if s.has_pos else (1,) * 5, jnp.float32
+    kernel = functools.partial(
+        _dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, rows_bias=rows_bias
     )
+    # Bias-table gradients into zeroed buffers, summed in XLA below: position, one [bq, bk] tile of dScore
+    # per (program, tile offset) (or, with atomics, per (slot, head, tile offset)); time, one histogram row
+    # per program.
+    num_offsets = _pos_offsets(s, bq, bk)[2]
+    if not s.has_pos:
+        pos_shape = (1,) * 4
+    elif s.options.pos_grad_stores:
+        pos_shape = (num_work * heads, num_offsets, bq, bk)
+    else:
+        pos_shape = (POS_SLOTS, heads, num_offsets, bq, bk)
+    pos_acc = jnp.zeros(pos_shape, jnp.float32)
     time_acc = jnp.zeros((grid if s.has_time else 1, time_tab.shape[1]), jnp.float32)
     # Grid: (work item, head) over query tiles, then tail-zeroing programs.
     dq, pos_acc, far, time_acc, delta = pl.pallas_call(
@@ -737,7 +861,7 @@ def backward(residuals, do, s: Static):
             jax.ShapeDtypeStruct(time_acc.shape, jnp.float32),
             jax.ShapeDtypeStruct(delta_shape, jnp.float32),
         ),
-        input_output_aliases={15: 1, 16: 3},
+        input_output_aliases={16: 1, 17: 3},
         compiler_params=params,
         interpret=s.interpret,
         name="jagged_attention_bwd_dq",
@@ -752,8 +876,9 @@ def backward(residuals, do, s: Static):
         k,
         v,
         pos_tab,
-        _pos_expand_or_dummy(pos_tab, s, bq, bk),
+        _pos_expand_or_dummy(pos_tab, s, bq, bk, rows_bias),
         time_tab,
+        bias,
         do,
         lse,
         o,
@@ -763,7 +888,9 @@ def backward(residuals, do, s: Static):
     bk = s.blocks.block_k_dkv
     wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
     num_zero = cdiv(t, ZERO_TILES * bk)
-    kernel = functools.partial(_dkv_kernel, s=s, heads=heads, num_work=num_work, total_rows=t)
+    kernel = functools.partial(
+        _dkv_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, rows_bias=rows_bias
+    )
     # Grid: (work item, head) over key tiles, heaviest first, then tail-zeroing programs.
     dk, dv = pl.pallas_call(
         kernel,
@@ -783,8 +910,9 @@ def backward(residuals, do, s: Static):
         k,
         v,
         pos_tab,
-        _pos_expand_or_dummy(pos_tab, s, s.blocks.block_q_dkv, bk),
+        _pos_expand_or_dummy(pos_tab, s, s.blocks.block_q_dkv, bk, rows_bias),
         time_tab,
+        bias,
         do,
         lse,
         delta,
@@ -793,6 +921,8 @@ def backward(residuals, do, s: Static):
     head_of = jnp.arange(grid) % heads
     dpos = jnp.zeros(pos_tab.shape, jnp.float32)
     if s.has_pos:
+        if s.options.pos_grad_stores:  # program w * heads + h -> [work item, head, ...]
+            pos_acc = pos_acc.reshape(num_work_q, heads, *pos_acc.shape[1:])
         dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
     dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient
     if s.has_time:

@@ -14,7 +14,24 @@ class KernelOptions:
       float32 reference 4.0e-3 instead of 2.4e-3. False: float32 SiLU. The backward is float32 either way.
     pos_expanded: the position bias of a tile is one block load of a per-tile-offset expanded table
       (built by XLA once per call). False: a per-cell gather of the table (~2 ms slower forward at N=1024).
+    pos_grad_stores: the dQ kernel hands each not-wholly-clipped tile's dScore (the position-table gradient,
+      summed per diagonal in XLA) to XLA with a plain store into the program's own slot of a zeroed buffer
+      (float32 [programs, tile offsets, bq, bk]); False: atomic adds into 4 shared slots.
+    bias_rows: the relative bias (position + time) of every (row, key column) pair is built by XLA once per
+      call into an [H, T, W] array of q's dtype (W: max_seq_len rounded up to the key tiles) that the forward
+      and both backward kernels load tile by tile, instead of each recomputing it per head with
+      compare-select loops over the tile's buckets. Only the dQ kernel still visits the buckets, for the
+      time table's gradient. Used when the array stays under bias_rows_max_bytes and 2**31 elements (the
+      kernels index with int32); otherwise the bias is computed in the kernels as before.
     """
 
     silu_bf16x2: bool = True
     pos_expanded: bool = True
+    pos_grad_stores: bool = True
+    bias_rows: bool = True
+    bias_rows_max_bytes: int = 8 << 30
+
+    def use_bias_rows(self, *, rows: int, heads: int, width: int, itemsize: int) -> bool:
+        """Whether a [heads, rows, width] bias_rows array of `itemsize`-byte elements is used."""
+        n = heads * rows * width
+        return self.bias_rows and n < 2**31 and n * itemsize <= self.bias_rows_max_bytes

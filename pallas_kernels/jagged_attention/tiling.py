@@ -44,6 +44,12 @@ def cdiv_dyn(a, b: int):
     return (a + b - 1) // b
 
 
+def bias_width(max_seq_len: int, key_tile: int = 128) -> int:
+    """Columns of the GPU kernels' bias_rows array: max_seq_len rounded up to the key tiles (at least 128)."""
+    step = max(128, key_tile)
+    return cdiv(max_seq_len, step) * step
+
+
 def work_list(lengths: jax.Array, block: int, max_seq_len: int, total_rows: int, by: str):
     """(seq, tile, valid) int32 arrays listing every tile of `block` rows, heaviest first.
 
