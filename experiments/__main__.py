@@ -29,6 +29,7 @@ from pathlib import Path
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
 BENCHMARKS = {
     "attention": "experiments.benchmarks.attention",
+    "bias_rows": "experiments.benchmarks.bias_rows",
     "block_attention": "experiments.benchmarks.block_attention",
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.benchmarks.train_step",

@@ -71,3 +71,15 @@ def test_bench_train_step_times_the_pipeline_after_every_workers_first_batch(mon
     report = json.loads(r.stdout[r.stdout.index("{") :])
     assert report["pipeline_batches"] == {"untimed": 2, "timed": 4}  # at least two per worker
     assert report["pipeline_s_per_batch"] > 0 and report["device_step_s_median"] > 0
+
+
+def test_bench_bias_rows_checks_each_build_against_the_shipped_one(capsys):
+    """`bench bias_rows --quick` on CPU: every formulation that is not a bound equals gpu.bias_rows, and the
+    forward runs with and without bias_rows."""
+    from experiments.benchmarks import bias_rows
+
+    assert bias_rows.main(["--quick", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("equals the shipped build: yes") == 2, out  # the shipped build itself and one other
+    for label in ("bias_rows", "bias computed in the kernels", "no bias"):
+        assert f"forward, {label}:" in out, out
