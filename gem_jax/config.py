@@ -139,6 +139,9 @@ class ModelConfig:
     activation: str = "silu"  # "silu" (HSTU) | "softmax"
     layer: str = "hstu"  # "hstu" | "sasrec" (SASRec's block: softmax attention + ReLU feed-forward)
     attention_implementation: str = "auto"  # "auto" | "reference" | "pallas" | "interpret"
+    # GPU kernels: the largest precomputed relative-bias array (H x T x max_seq_len, per layer, kept for the
+    # backward) in GiB; 0: the kernels compute the bias (slower backward, no extra memory).
+    attention_bias_rows_gib: float = 8.0
     max_attn_len: int = 0
     num_position_buckets: int = 64  # 0 disables the relative position bias
     num_time_buckets: int = 32  # 0 disables the relative time bias
@@ -632,6 +635,7 @@ RANGES: dict[str, Range] = {
     "model.value_dim": AT_LEAST_1,
     "model.num_layers": AT_LEAST_1,
     "model.max_attn_len": AT_LEAST_0,
+    "model.attention_bias_rows_gib": AT_LEAST_0,  # 0: off
     "model.num_position_buckets": AT_LEAST_0,
     "model.num_time_buckets": AT_LEAST_0,
     "model.dropout": BELOW_1,

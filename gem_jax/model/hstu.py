@@ -98,6 +98,7 @@ class HSTULayer(nnx.Module):
             timestamps=timestamps if self.time_bias is not None else None,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
             time_bias=self.time_bias[...] if self.time_bias is not None else None,
+            bias_rows_gib=c.attention_bias_rows_gib,
             weight_dropout=c.attention_dropout,
             rng=rng,
         )
@@ -127,6 +128,7 @@ class LongHistoryLayer(HSTULayer):
             max_attn_len=c.max_attn_len,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
             time_bias=self.time_bias[...] if self.time_bias is not None else None,
+            bias_rows_gib=c.attention_bias_rows_gib,
         )
 
 

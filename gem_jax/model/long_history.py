@@ -154,6 +154,7 @@ def long_history_attention(
     max_attn_len: int = 0,
     pos_bias: Float[ArrayLike, "H P"] | None = None,
     time_bias: Float[ArrayLike, "H NT"] | None = None,
+    bias_rows_gib: float = 8.0,
 ) -> Float[ArrayLike, "T H Dv"]:
     """Block attention on the older prefix, full jagged attention on the recent part (module doc).
 
@@ -167,7 +168,7 @@ def long_history_attention(
       block_size: BlockAttention block over the older prefix.
       max_seq_len: static bound on any sequence length of this pack; the recent layout's jagged
         attention uses min(max_seq_len, num_context + recent_len + max_targets) (SiLU divides by it).
-      activation, implementation, max_attn_len, pos_bias, time_bias: as `attention`.
+      activation, implementation, max_attn_len, pos_bias, time_bias, bias_rows_gib: as `attention`.
 
     Returns:
       [T, H, Dv] in v.dtype.
@@ -205,5 +206,6 @@ def long_history_attention(
         timestamps=gather_rows(timestamps, rows) if time_bias is not None else None,
         pos_bias=pos_bias,
         time_bias=time_bias,
+        bias_rows_gib=bias_rows_gib,
     )
     return scatter_rows(older.astype(a.dtype), rows, a)

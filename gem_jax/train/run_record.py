@@ -54,6 +54,7 @@ MAY_CHANGE = (
     "train.keep_checkpoints",
     "train.async_checkpointing",
     "model.attention_implementation",  # the same function computed by another kernel (e.g. GPU -> CPU)
+    "model.attention_bias_rows_gib",  # the same function, the relative bias precomputed or not
     "data.path",  # only when the file's content (size and sha256) is the recorded one
     # Another mesh or embedding plan: checkpoints hold every array in a device-count-free form (tables
     # as [rows, dim]), so a run resumes on another number of devices (the global batch follows it).
