@@ -15,7 +15,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, jagged_attention, tiling
@@ -23,27 +22,17 @@ from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 
 
-def _bucket_array(offsets, ts, s, t):
-    rows = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
-    start = offsets[jnp.clip(seq, 0, offsets.shape[0] - 2)]
-    cols = jnp.arange(gpu.bias_width(s), dtype=jnp.int32)[None, :]
-    ts_k = ts[jnp.minimum(start[:, None] + cols, t - 1)]
-    bucket = tiling.time_bucket(ts[:, None] - ts_k, s.num_time).astype(jnp.int16)
-    return rows, start, cols, lax.optimization_barrier(bucket)
-
-
 def combined_table(offsets, ts, pos_tab, time_tab, s, t, heads, dtype):
     """One gather per element from an [H, P * NT] table of position + time sums (instead of two)."""
-    rows, start, cols, bucket = _bucket_array(offsets, ts, s, t)
+    delta, bucket = gpu.bias_cells(offsets, ts, s, t)
     width = time_tab.shape[1]
     table = (pos_tab[:, : s.num_pos, None] + time_tab[:heads, None, :]).reshape(heads, -1)
-    return table[:, jnp.clip((rows - start)[:, None] - cols, 0, s.num_pos - 1) * width + bucket].astype(dtype)
+    return table[:, jnp.clip(delta, 0, s.num_pos - 1) * width + bucket].astype(dtype)
 
 
 def bucket_array_only(offsets, ts, pos_tab, time_tab, s, t, heads, dtype):
     """Lower bound: the head- and layer-independent [T, W] time-bucket array (shared by a model's layers)."""
-    return _bucket_array(offsets, ts, s, t)[3]
+    return gpu.bias_cells(offsets, ts, s, t)[1]
 
 
 def write_only(offsets, ts, pos_tab, time_tab, s, t, heads, dtype):

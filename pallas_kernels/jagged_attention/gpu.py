@@ -362,6 +362,23 @@ def uses_bias_rows(s: Static, t: int, heads: int, itemsize: int) -> bool:
     return has_bias and s.options.use_bias_rows(rows=t, heads=heads, width=bias_width(s), itemsize=itemsize)
 
 
+def bias_cells(offsets: Int[ArrayLike, " B1"], ts: Int[ArrayLike, " Tt"] | None, s: Static, t: int):
+    """(i - j, time bucket or None), int32 [T, W]: row i's offset to column j of its own sequence, and the
+    bucket of their time delta. Head- and layer-independent: a model's layers share them."""
+    rows = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
+    start = offsets[jnp.clip(seq, 0, offsets.shape[0] - 2)]
+    cols = jnp.arange(bias_width(s), dtype=jnp.int32)[None, :]
+    bucket = None
+    if s.has_time:
+        ts_k = ts[jnp.minimum(start[:, None] + cols, t - 1)]
+        # one [T, W] array for all heads: fused into the table gather, XLA takes the log once per head
+        bucket = lax.optimization_barrier(
+            tiling.time_bucket(ts[:, None] - ts_k, s.num_time).astype(jnp.int16)
+        )
+    return (rows - start)[:, None] - cols, bucket
+
+
 def bias_rows(
     offsets: Int[ArrayLike, " B1"],
     ts: Int[ArrayLike, " Tt"],
@@ -378,18 +395,12 @@ def bias_rows(
     recomputing it; the buckets are the reference's formulas. Cells a kernel masks (j past the row, rows
     past offsets[B]) hold finite values.
     """
-    rows = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
-    start = offsets[jnp.clip(seq, 0, offsets.shape[0] - 2)]
-    cols = jnp.arange(bias_width(s), dtype=jnp.int32)[None, :]
-    bias = jnp.zeros((heads, t, cols.shape[1]), jnp.float32)
+    delta, bucket = bias_cells(offsets, ts, s, t)
+    bias = jnp.zeros((heads, *delta.shape), jnp.float32)
     if s.has_pos:
-        bias = bias + pos_tab[:, jnp.clip((rows - start)[:, None] - cols, 0, s.num_pos - 1)]
+        bias = bias + pos_tab[:, jnp.clip(delta, 0, s.num_pos - 1)]
     if s.has_time:
-        ts_k = ts[jnp.minimum(start[:, None] + cols, t - 1)]
-        bucket = tiling.time_bucket(ts[:, None] - ts_k, s.num_time).astype(jnp.int16)
-        # one [T, W] bucket array for all heads: fused into the gather, XLA takes the log once per head
-        bias = bias + time_tab[:heads, lax.optimization_barrier(bucket)]
+        bias = bias + time_tab[:heads, bucket]
     return bias.astype(dtype)
 
 
