@@ -209,6 +209,7 @@ class TestInterpretGPU(_Base):
             (KernelOptions(bias_rows=False), 80, True),
             (KernelOptions(bias_rows_max_bytes=0), 24, True),  # over the size limit: the same fallback
             (KernelOptions(pos_grad_stores=False), 5, False),  # position gradient by atomics (bias_rows on)
+            (KernelOptions(pos_grad_max_bytes=0), 80, True),  # over its size limit: atomics too
         ],
     )
     def test_bias_computed_in_kernel(self, options, num_pos, sorted_ts):

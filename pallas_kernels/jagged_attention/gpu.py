@@ -634,6 +634,7 @@ def _dq_kernel(
     num_work: int,
     total_rows: int,
     rows_bias: bool,
+    pos_stores: bool,
 ):
     del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
     pid = pl.program_id(0)
@@ -677,7 +678,7 @@ def _dq_kernel(
                 far = far + total
             elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
                 slot = (q_lo - k_lo - lowest) // step
-                if s.options.pos_grad_stores:  # this program's own slot: no other program writes it
+                if pos_stores:  # this program's own slot: no other program writes it
                     plgpu.store(dpos_ref.at[pid, slot, pl.ds(0, bq), pl.ds(0, bk)], ds)
                 else:
                     plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
@@ -846,16 +847,23 @@ def backward(residuals, do, s: Static):
     num_zero = cdiv(t, ZERO_TILES * bq)
     grid = (num_work + num_zero) * heads
     params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
-    kernel = functools.partial(
-        _dq_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, rows_bias=rows_bias
-    )
     # Bias-table gradients into zeroed buffers, summed in XLA below: position, one [bq, bk] tile of dScore
     # per (program, tile offset) (or, with atomics, per (slot, head, tile offset)); time, one histogram row
     # per program.
     num_offsets = _pos_offsets(s, bq, bk)[2]
+    pos_stores = s.has_pos and s.options.use_pos_grad_stores(num_work * heads * num_offsets * bq * bk * 4)
+    kernel = functools.partial(
+        _dq_kernel,
+        s=s,
+        heads=heads,
+        num_work=num_work,
+        total_rows=t,
+        rows_bias=rows_bias,
+        pos_stores=pos_stores,
+    )
     if not s.has_pos:
         pos_shape = (1,) * 4
-    elif s.options.pos_grad_stores:
+    elif pos_stores:
         pos_shape = (num_work * heads, num_offsets, bq, bk)
     else:
         pos_shape = (POS_SLOTS, heads, num_offsets, bq, bk)
@@ -932,7 +940,7 @@ def backward(residuals, do, s: Static):
     head_of = jnp.arange(grid) % heads
     dpos = jnp.zeros(pos_tab.shape, jnp.float32)
     if s.has_pos:
-        if s.options.pos_grad_stores:  # program w * heads + h -> [work item, head, ...]
+        if pos_stores:  # program w * heads + h -> [work item, head, ...]
             pos_acc = pos_acc.reshape(num_work_q, heads, *pos_acc.shape[1:])
         dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
     dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient

@@ -16,7 +16,8 @@ class KernelOptions:
       (built by XLA once per call). False: a per-cell gather of the table (~2 ms slower forward at N=1024).
     pos_grad_stores: the dQ kernel hands each not-wholly-clipped tile's dScore (the position-table gradient,
       summed per diagonal in XLA) to XLA with a plain store into the program's own slot of a zeroed buffer
-      (float32 [programs, tile offsets, bq, bk]); False: atomic adds into 4 shared slots.
+      (float32 [programs, tile offsets, bq, bk], used while it stays under pos_grad_max_bytes); False, or past
+      that size: atomic adds into 4 shared slots.
     bias_rows: the relative bias (position + time) of every (row, key column) pair is built by XLA once per
       call into an [H, T, W] array of q's dtype (W: max_seq_len rounded up to the key tiles) that the forward
       and both backward kernels load tile by tile, instead of each recomputing it per head with
@@ -28,8 +29,13 @@ class KernelOptions:
     silu_bf16x2: bool = True
     pos_expanded: bool = True
     pos_grad_stores: bool = True
+    pos_grad_max_bytes: int = 4 << 30
     bias_rows: bool = True
     bias_rows_max_bytes: int = 8 << 30
+
+    def use_pos_grad_stores(self, nbytes: int) -> bool:
+        """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""
+        return self.pos_grad_stores and nbytes <= self.pos_grad_max_bytes
 
     def use_bias_rows(self, *, rows: int, heads: int, width: int, itemsize: int) -> bool:
         """Whether a [heads, rows, width] bias_rows array of `itemsize`-byte elements is used."""
