@@ -843,7 +843,6 @@ def backward(residuals, do, s: Static):
     delta_shape = (heads, t) if s.activation == "softmax" else (1, 1)
     bq, bk = s.blocks.block_q, s.blocks.block_k
     wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
-    num_work_q = num_work
     num_zero = cdiv(t, ZERO_TILES * bq)
     grid = (num_work + num_zero) * heads
     params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
@@ -904,6 +903,8 @@ def backward(residuals, do, s: Static):
         pos_acc,
         time_acc,
     )
+    if pos_stores:  # program w * heads + h -> [work item, head, ...], as the atomic slots
+        pos_acc = pos_acc.reshape(num_work, heads, *pos_acc.shape[1:])
     bk = s.blocks.block_k_dkv
     wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
     num_zero = cdiv(t, ZERO_TILES * bk)
@@ -940,8 +941,6 @@ def backward(residuals, do, s: Static):
     head_of = jnp.arange(grid) % heads
     dpos = jnp.zeros(pos_tab.shape, jnp.float32)
     if s.has_pos:
-        if pos_stores:  # program w * heads + h -> [work item, head, ...]
-            pos_acc = pos_acc.reshape(num_work_q, heads, *pos_acc.shape[1:])
         dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
     dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient
     if s.has_time:
