@@ -16,7 +16,8 @@ or a bad value is a one-line `ConfigError` naming the key, what it must be and t
 turns into exit code 2. Adding a key is one line in its section, with its rules, for example
 `feature_map: str = setting("", fingerprint=False)`, or
 `kind: Literal["synthetic", "interactions", "records"] = "synthetic"` to add a choice; a rule between
-keys is a few lines in `validate`. A numeric key needs a range (a test checks it).
+keys is a few lines in `validate`. A numeric key needs a range (a test checks it); a dtype key takes
+its type from gem_jax/dtypes.py.
 """
 
 from __future__ import annotations
@@ -368,7 +369,7 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def settings(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+def schema_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
     """Every key of the schema as (key, type, field), in schema order. The sections of a table of named
     sections (`embeddings.tables`) contribute their keys once, as `embeddings.tables.*.rows`."""
     hints = typing.get_type_hints(cls)
@@ -376,9 +377,9 @@ def settings(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, d
         hint, key = hints[f.name], prefix + f.name
         args = typing.get_args(hint)
         if dataclasses.is_dataclass(hint):
-            yield from settings(hint, f"{key}.")
+            yield from schema_keys(hint, f"{key}.")
         elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]):
-            yield from settings(args[1], f"{key}.*.")
+            yield from schema_keys(args[1], f"{key}.*.")
         else:
             yield key, hint, f
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 
-from gem_jax.config import Config, ConfigError, config_to_toml, load_config, settings
+from gem_jax.config import Config, ConfigError, config_to_toml, load_config, schema_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -115,7 +115,7 @@ def _override(key: str, value: str) -> str:
 def _numeric_keys() -> list[tuple[str, dataclasses.Field]]:
     """Every int/float setting of the schema (tuples of them included), with its field."""
     keys = []
-    for key, hint, f in settings():
+    for key, hint, f in schema_keys():
         args = typing.get_args(hint) if typing.get_origin(hint) is tuple else (hint,)
         if args and args[0] in (int, float):
             keys.append((key, f))
@@ -129,7 +129,7 @@ def test_every_numeric_setting_has_a_range():
     missing = [k for k, f in _numeric_keys() if f.metadata.get("range") is None]
     assert not missing, f"give these a range: setting(default, RANGE) in gem_jax/config.py: {missing}"
     numeric = {k for k, _ in _numeric_keys()}
-    others = [k for k, _, f in settings() if f.metadata.get("range") is not None and k not in numeric]
+    others = [k for k, _, f in schema_keys() if f.metadata.get("range") is not None and k not in numeric]
     assert not others, f"a range on a key that is not numeric: {others}"
 
 
@@ -155,7 +155,9 @@ def test_bad_choices_are_refused_at_load_in_one_line(override, key):
 
 
 def test_every_choice_is_refused_naming_key_allowed_values_and_file(tmp_path):
-    choices = [(k, typing.get_args(hint)) for k, hint, _ in settings() if typing.get_origin(hint) is Literal]
+    choices = [
+        (k, typing.get_args(hint)) for k, hint, _ in schema_keys() if typing.get_origin(hint) is Literal
+    ]
     assert len(choices) >= 15 and "embeddings.tables.*.dtype" in [k for k, _ in choices]
     config = tmp_path / "choice.toml"
     for key, allowed in choices:

@@ -29,7 +29,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gem_jax.config import Config, ConfigError, DataConfig, load_config, settings
+from gem_jax.config import Config, ConfigError, DataConfig, load_config, schema_keys
 from gem_jax.train import files
 from gem_jax.train.workdir_lock import WorkdirError
 
@@ -40,8 +40,9 @@ FORMAT = 1
 
 # The keys that may differ between invocations of one run (`setting(..., may_change=True)` in
 # gem_jax/config.py says why): how long, how often or how verbosely it trains, where it reads identical
-# data, on which devices. Every other key must equal the record. Listed in README ("Resuming").
-MAY_CHANGE = tuple(key for key, _, f in settings() if f.metadata.get("may_change"))
+# data, on which devices. Every other key must equal the record. README ("Starting fresh, resuming")
+# lists them; a test checks the list.
+MAY_CHANGE = tuple(key for key, _, f in schema_keys() if f.metadata.get("may_change"))
 
 
 def may_change(key: str) -> bool:
