@@ -1,19 +1,40 @@
 """The one typed config schema: frozen dataclasses, TOML loading and `--set` overrides.
 
-Every default lives here once. A TOML file names only what it changes; an unknown key or a value of
-the wrong type is a `ConfigError` naming the key and the file, which the CLI turns into exit code 2.
+Every default lives here once, and every rule of a key lives beside its field:
+
+* its type: `int`, `float`, `bool`, `str`, tuples and tables of them, or a `Literal` of the allowed
+  values (a choice);
+* `setting(default, RANGE)`: the valid range of a number (of each element of a tuple of numbers);
+* `setting(..., may_change=True)`: the key may differ when a run resumes (the run record refuses a
+  change of any other key, gem_jax/train/run_record.py);
+* `setting(..., fingerprint=False)` (data.* only): the key does not decide which examples the
+  synthetic generator produces, so it stays out of the run record's data fingerprint.
+
+`load_config` checks all of them as it reads each value, then the rules between keys (`validate`), so
+the Python API refuses what the CLI refuses. A TOML file names only what it changes; an unknown key
+or a bad value is a one-line `ConfigError` naming the key, what it must be and the file, which the CLI
+turns into exit code 2. Adding a key is one line in its section, with its rules, for example
+`feature_map: str = setting("", fingerprint=False)`, or
+`kind: Literal["synthetic", "interactions", "records"] = "synthetic"` to add a choice; a rule between
+keys is a few lines in `validate`. A numeric key needs a range (a test checks it); a dtype key takes
+its type from gem_jax/dtypes.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
+import re
 import tomllib
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from gem_jax.dtypes import FloatDtype, TableDtype
 
 
 class ConfigError(ValueError):
@@ -21,48 +42,103 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric setting: low <= x (low < x if low_open), and likewise for high."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, x: int | float) -> bool:
+        if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
+            return False
+        return self.high is None or (x < self.high if self.high_open else x <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return (
+            f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        )
+
+
+AT_LEAST_0 = Range(0.0)  # 0 means "off" or "all" where the field's comment says so
+AT_LEAST_1 = Range(1.0)
+POSITIVE = Range(0.0, low_open=True)
+FRACTION = Range(0.0, 1.0)
+BELOW_1 = Range(0.0, 1.0, high_open=True)
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    valid: Range | None = None,
+    *,
+    factory: Any = dataclasses.MISSING,
+    may_change: bool = False,
+    fingerprint: bool = True,
+) -> Any:
+    """A dataclass field with its rules as metadata (see the module docstring).
+
+    `may_change`: the value may differ between invocations of one run, because it changes how long,
+    how often or how verbosely it trains, where it reads identical data, or which devices hold the
+    arrays, not what a checkpoint holds or how the next step is computed.
+    """
+    metadata = {"range": valid, "may_change": may_change, "fingerprint": fingerprint}
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Input data: the synthetic ads task (`kind="synthetic"`) or next-item data from a file."""
 
-    kind: str = "synthetic"  # "synthetic" | "interactions"
-    path: str = ""  # file for kind="interactions"
-    seed: int = 0
+    kind: Literal["synthetic", "interactions"] = "synthetic"
+    # File for kind="interactions"; a resume may name another path to the same content (size and sha256).
+    path: str = setting("", may_change=True, fingerprint=False)
+    seed: int = setting(0, AT_LEAST_0)
     # Synthetic ads task.
-    num_items: int = 20_000  # raw item id space (Zipf-distributed)
-    zipf_exponent: float = 1.1
-    num_actions: int = 4  # action types of history events
-    latent_dim: int = 8  # dimension of the planted user/item factors
-    history_len_mean: float = 30.0  # log-normal history lengths: median
-    history_len_sigma: float = 1.0
-    max_history_len: int = 128  # histories are cut to their most recent events
-    empty_history_fraction: float = 0.05
-    num_candidates: int = 1  # candidate ads per example, appended as target tokens
-    num_sparse_features: int = 3  # non-sequence bags of ids
-    sparse_vocab: int = 1000
-    max_bag_size: int = 4
-    num_dense_features: int = 8
+    num_items: int = setting(20_000, AT_LEAST_1)  # raw item id space (Zipf-distributed)
+    zipf_exponent: float = setting(1.1, POSITIVE)
+    num_actions: int = setting(4, AT_LEAST_1)  # action types of history events
+    latent_dim: int = setting(8, AT_LEAST_1)  # dimension of the planted user/item factors
+    history_len_mean: float = setting(30.0, POSITIVE)  # log-normal history lengths: median
+    history_len_sigma: float = setting(1.0, AT_LEAST_0)
+    max_history_len: int = setting(128, AT_LEAST_1)  # histories are cut to their most recent events
+    empty_history_fraction: float = setting(0.05, FRACTION)
+    num_candidates: int = setting(1, AT_LEAST_1)  # candidate ads per example, appended as target tokens
+    num_sparse_features: int = setting(3, AT_LEAST_0)  # non-sequence bags of ids
+    sparse_vocab: int = setting(1000, AT_LEAST_1)
+    max_bag_size: int = setting(4, AT_LEAST_1)
+    num_dense_features: int = setting(8, AT_LEAST_0)
     # Batching: fixed capacities keep shapes static under jit.
-    examples_per_shard: int = 64  # example capacity of one data-parallel shard's pack
-    tokens_per_shard: int = 2048  # token capacity of one shard's pack
-    eval_examples: int = 4096
-    num_workers: int = 0  # grain worker processes generating train examples (0: in the main process)
+    # Example capacity of one data-parallel shard's pack.
+    examples_per_shard: int = setting(64, AT_LEAST_1, fingerprint=False)
+    tokens_per_shard: int = setting(2048, AT_LEAST_1, fingerprint=False)  # token capacity of one shard's pack
+    eval_examples: int = setting(4096, AT_LEAST_1, fingerprint=False)
+    # Grain worker processes generating train examples (0: in the main process). Not `may_change`: each
+    # worker packs its own slice of the example stream, so the count decides which examples a batch
+    # holds, and the saved data position is one per worker.
+    num_workers: int = setting(0, AT_LEAST_0, fingerprint=False)
 
 
-SHARDING_TYPES = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d")
-POOLING_TYPES = ("sum", "mean", "none")
+ShardingType = Literal["auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d"]
+Pooling = Literal["sum", "mean", "none"]
+POOLINGS: tuple[str, ...] = typing.get_args(Pooling)
 
 
 @dataclass(frozen=True)
 class TableConfig:
     """One embedding table (`[embeddings.tables.NAME]`); the name is its key."""
 
-    rows: int = 4096
-    dim: int = 32
-    dtype: str = "float32"  # storage: "float32" | "bfloat16" (updates are computed in fp32)
-    initializer: str = "normal"  # "normal" (std = init_scale) | "uniform" (+-init_scale) | "zeros"
-    init_scale: float = 0.05
+    rows: int = setting(4096, AT_LEAST_1)
+    dim: int = setting(32, AT_LEAST_1)
+    dtype: TableDtype = "float32"  # storage (updates are computed in fp32)
+    # "normal" (std = init_scale) | "uniform" (+-init_scale) | "zeros"
+    initializer: Literal["normal", "uniform", "zeros"] = "normal"
+    init_scale: float = setting(0.05, AT_LEAST_0)
     hashed: bool = True  # raw ids are hashed into [0, rows); false: ids outside [0, rows) look up nothing
-    sharding: str = "auto"  # one of SHARDING_TYPES; "auto" lets the planner choose
+    # "auto" lets the planner choose. Checkpoints hold tables as [rows, dim], whatever the sharding.
+    sharding: ShardingType = setting("auto", may_change=True)
 
 
 @dataclass(frozen=True)
@@ -70,40 +146,43 @@ class FeatureConfig:
     """One sparse feature (`[embeddings.features.NAME]`): which table it reads and how bags pool."""
 
     table: str = ""
-    pooling: str = "sum"  # "sum" | "mean" | "none" (sequences: one row per id, unpooled)
+    pooling: Pooling = "sum"  # "none": sequences, one row per id, unpooled
     # Longest bag the data should have (0: unknown). Where a device owns every row it looks up, bags
     # are then pooled by a fused gather + masked sum; a longer bag falls back to scatter-add (exact).
-    max_bag_size: int = 0
+    max_bag_size: int = setting(0, AT_LEAST_0)
 
 
 @dataclass(frozen=True)
 class EmbeddingConfig:
     """Embedding tables, features, their sharding and the sparse optimizer (gem_jax/embeddings/).
 
-    With `tables` empty, the five keys below describe today's three tables (`items`, `actions`,
+    With `tables` empty, the five keys below describe the three default tables (`items`, `actions`,
     `sparse`, all `dim` wide) and their features; naming `tables` (and `features`) replaces them.
     """
 
-    dim: int = 32
-    item_rows: int = 8192
-    action_rows: int = 16
-    sparse_rows: int = 4096
-    pooling: str = "mean"  # "mean" | "sum" for non-sequence bags
+    dim: int = setting(32, AT_LEAST_1)
+    item_rows: int = setting(8192, AT_LEAST_1)
+    action_rows: int = setting(16, AT_LEAST_1)
+    sparse_rows: int = setting(4096, AT_LEAST_1)
+    pooling: Literal["mean", "sum"] = "mean"  # for non-sequence bags
     tables: dict[str, TableConfig] = field(default_factory=dict)
     features: dict[str, FeatureConfig] = field(default_factory=dict)
-    optimizer: str = "row_wise_adagrad"  # "row_wise_adagrad" | "sgd" (sparse: only touched rows change)
-    learning_rate: float = 0.05
-    adagrad_eps: float = 1e-8
-    adagrad_initial_accumulator: float = 0.0
+    # Sparse: only touched rows change.
+    optimizer: Literal["row_wise_adagrad", "sgd"] = "row_wise_adagrad"
+    learning_rate: float = setting(0.05, POSITIVE)
+    adagrad_eps: float = setting(1e-8, POSITIVE)
+    adagrad_initial_accumulator: float = setting(0.0, AT_LEAST_0)
     # Planner: the fast mesh axes (inside a host); empty = the data-parallel axes that `parallel` does
     # not list in `slow_axes` (when it lists some), else the last data-parallel axis. two_d tables are
     # row-sharded over them and replicated over the others (the slow axes).
-    fast_axes: tuple[str, ...] = ()
-    device_memory_gib: float = 0.0  # per-device budget; 0: the device's own limit (16 GiB where unknown)
-    memory_fraction: float = 0.5  # share of that budget the tables and accumulators may use
+    fast_axes: tuple[str, ...] = setting((), may_change=True)
+    # Per-device budget; 0: the device's own limit (16 GiB where unknown).
+    device_memory_gib: float = setting(0.0, AT_LEAST_0, may_change=True)
+    # Share of that budget the tables and accumulators may use.
+    memory_fraction: float = setting(0.5, Range(0.0, 1.0, low_open=True), may_change=True)
 
     def resolved_tables(self) -> dict[str, TableConfig]:
-        """`tables`, or today's three tables when it is empty."""
+        """`tables`, or the three default tables when it is empty."""
         if self.tables:
             return dict(self.tables)
         return {
@@ -113,8 +192,9 @@ class EmbeddingConfig:
         }
 
     def resolved_features(self) -> dict[str, FeatureConfig]:
-        """`features`; else one feature per table, named after it (today's: `items` and `actions`
-        unpooled sequences, `sparse` the salted bags of every sparse feature, pooled by `pooling`)."""
+        """`features`; else one feature per table, named after it (the default tables: `items` and
+        `actions` unpooled sequences, `sparse` the salted bags of every sparse feature, pooled by
+        `pooling`)."""
         if self.features:
             return dict(self.features)
         if self.tables:
@@ -131,37 +211,42 @@ class ModelConfig:
     """The GEM-like model: HSTU sequence tower, Wukong interaction stack, per-task heads."""
 
     tasks: tuple[str, ...] = ("click", "conversion")
-    model_dim: int = 64
-    num_heads: int = 2
-    attention_dim: int = 32  # per head, for Q and K
-    value_dim: int = 32  # per head, for V and U
-    num_layers: int = 2
-    activation: str = "silu"  # "silu" (HSTU) | "softmax"
-    layer: str = "hstu"  # "hstu" | "sasrec" (SASRec's block: softmax attention + ReLU feed-forward)
-    attention_implementation: str = "auto"  # "auto" | "reference" | "pallas" | "interpret"
+    model_dim: int = setting(64, AT_LEAST_1)
+    num_heads: int = setting(2, AT_LEAST_1)
+    attention_dim: int = setting(32, AT_LEAST_1)  # per head, for Q and K
+    value_dim: int = setting(32, AT_LEAST_1)  # per head, for V and U
+    num_layers: int = setting(2, AT_LEAST_1)
+    activation: Literal["silu", "softmax"] = "silu"  # "silu": HSTU's
+    layer: Literal["hstu", "sasrec"] = "hstu"  # "sasrec": SASRec's block (softmax attention + ReLU FFN)
+    # The same function computed by another kernel, so a run may resume on another (e.g. GPU -> CPU).
+    attention_implementation: Literal["auto", "reference", "pallas", "interpret"] = setting(
+        "auto", may_change=True
+    )
     # GPU kernels: the largest precomputed relative-bias array (H x T x max_seq_len, per layer, kept for the
-    # backward) in GiB; 0: the kernels compute the bias (slower backward, no extra memory).
-    attention_bias_rows_gib: float = 8.0
-    max_attn_len: int = 0
-    num_position_buckets: int = 64  # 0 disables the relative position bias
-    num_time_buckets: int = 32  # 0 disables the relative time bias
-    dropout: float = 0.0
+    # backward) in GiB; 0: the kernels compute the bias (slower backward, no extra memory). The same
+    # function either way.
+    attention_bias_rows_gib: float = setting(8.0, AT_LEAST_0, may_change=True)
+    max_attn_len: int = setting(0, AT_LEAST_0)
+    num_position_buckets: int = setting(64, AT_LEAST_0)  # 0 disables the relative position bias
+    num_time_buckets: int = setting(32, AT_LEAST_0)  # 0 disables the relative time bias
+    dropout: float = setting(0.0, BELOW_1)
     # Dropout on the attention weights (SASRec and HSTU drop them). The kernels have no weight dropout,
     # so a training step with it > 0 runs the padded jnp attention (O(B N^2) memory: short sequences).
-    attention_dropout: float = 0.0
-    num_context_tokens: int = 2  # non-sequence summaries prepended to the sequence (cross)
-    num_summary_tokens: int = 2  # sequence summaries fed to the interaction stack (cross)
-    wukong_layers: int = 2
-    wukong_tokens: int = 8  # features carried between Wukong layers
-    wukong_fm_rank: int = 8  # optimised FM: project tokens to this many before the pairwise dot
-    head_hidden: int = 64
+    attention_dropout: float = setting(0.0, BELOW_1)
+    num_context_tokens: int = setting(2, AT_LEAST_0)  # non-sequence summaries prepended to the sequence
+    num_summary_tokens: int = setting(2, AT_LEAST_1)  # sequence summaries fed to the interaction stack
+    wukong_layers: int = setting(2, AT_LEAST_0)
+    wukong_tokens: int = setting(8, AT_LEAST_1)  # features carried between Wukong layers
+    wukong_fm_rank: int = setting(8, AT_LEAST_1)  # optimised FM: project tokens to this many first
+    head_hidden: int = setting(64, AT_LEAST_1)
     # Long-history tower (gem_jax/model/long_history.py): BlockAttention over the whole history, full
     # jagged attention (targets, relative bias) over the context slots + the `recent_len` most recent
     # events + the candidates; optionally fewer tokens in deeper layers (pyramid).
     long_history: bool = False
-    recent_len: int = 256  # most recent events per sequence that get full jagged attention
-    block_size: int = 64  # BlockAttention block (tokens); <= 128 for the Pallas kernel
-    pyramid: tuple[float, ...] = ()  # per layer: fraction of the most recent history kept; () = all
+    recent_len: int = setting(256, AT_LEAST_1)  # most recent events per sequence with full jagged attention
+    block_size: int = setting(64, AT_LEAST_1)  # BlockAttention block (tokens); <= 128 for the Pallas kernel
+    # Per layer: fraction of the most recent history kept; () = all.
+    pyramid: tuple[float, ...] = setting((), Range(0.0, 1.0, low_open=True))
 
 
 @dataclass(frozen=True)
@@ -173,59 +258,69 @@ class ParallelConfig:
     multiply to the number of hosts. The others are fast (NVLink, ICI, inside one host or slice):
     their sizes multiply to the devices of one host. On a single host every axis lives inside it
     (a slow axis is then emulated by contiguous groups of devices). See `gem_jax/parallel.py`.
+
+    Every key may change on resume: checkpoints hold every array in a device-count-free form (tables as
+    [rows, dim]), so a run resumes on another mesh (the global batch follows it).
     """
 
-    mesh_axes: tuple[str, ...] = ("data",)
-    mesh_shape: tuple[int, ...] = (-1,)
-    slow_axes: tuple[str, ...] = ()  # a prefix of mesh_axes, e.g. ("dcn",); empty: one host or slice
+    mesh_axes: tuple[str, ...] = setting(("data",), may_change=True)
+    # -1: all remaining devices (0 is refused by `validate`).
+    mesh_shape: tuple[int, ...] = setting((-1,), Range(-1.0), may_change=True)
+    # A prefix of mesh_axes, e.g. ("dcn",); empty: one host or slice.
+    slow_axes: tuple[str, ...] = setting((), may_change=True)
     # Logical axis name -> mesh axes (empty = replicated). Unlisted names are replicated.
     # "shard" is the leading axis of a batch (one jagged pack per data-parallel shard).
-    rules: dict[str, tuple[str, ...]] = field(default_factory=lambda: {"shard": ("data",)})
+    rules: dict[str, tuple[str, ...]] = setting(factory=lambda: {"shard": ("data",)}, may_change=True)
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Per-layer dtypes. `overrides` maps a layer-name prefix to a compute dtype."""
+    """Per-layer dtypes (names in gem_jax/dtypes.py). `overrides` maps a layer-name prefix to a compute
+    dtype."""
 
-    param_dtype: str = "float32"
-    compute_dtype: str = "bfloat16"
-    sensitive_dtype: str = "float32"  # heads, losses, LayerNorm statistics
-    overrides: dict[str, str] = field(default_factory=dict)
+    param_dtype: FloatDtype = "float32"
+    compute_dtype: FloatDtype = "bfloat16"
+    sensitive_dtype: FloatDtype = "float32"  # heads, losses, LayerNorm statistics
+    overrides: dict[str, FloatDtype] = field(default_factory=dict)
     # FP8 GEMMs (gem_jax/model/fp8.py, docs/fp8.md): e4m3 inputs and weights, e5m2 output gradients, one
     # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on
     # sensitive layers: task heads, logit layers; LayerNorms and embeddings are not Dense). Their output
     # dtype stays the layer's compute dtype.
     fp8: bool = False
     fp8_layers: tuple[str, ...] = ("hstu/", "wukong/")  # HSTU U/V/Q/K and output projections, Wukong MLPs
-    fp8_recipe: str = "delayed"  # "delayed" (amax history) | "current" (this step's amax)
-    fp8_amax_history: int = 1024  # steps of amax history (delayed recipe)
-    fp8_margin: int = 0  # binades of headroom: scale = amax * 2^margin / fp8_max
+    fp8_recipe: Literal["delayed", "current"] = "delayed"  # amax history, or this step's amax
+    fp8_amax_history: int = setting(1024, AT_LEAST_1)  # steps of amax history (delayed recipe)
+    fp8_margin: int = setting(0, AT_LEAST_0)  # binades of headroom: scale = amax * 2^margin / fp8_max
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimiser, schedule, logging and checkpointing."""
 
-    steps: int = 300
-    seed: int = 0
-    learning_rate: float = 3e-3
-    warmup_steps: int = 30
-    end_learning_rate_fraction: float = 0.1
-    weight_decay: float = 1e-4
-    clip_norm: float = 1.0
-    adam_b2: float = 0.999  # SASRec uses 0.98
-    log_every: int = 10
-    eval_every: int = 0  # ranking: validation every N steps (0: once, at the end); next-item: retrieval.*
-    eval_batches: int = 0  # 0: all of data.eval_examples
+    # A longer or shorter run (ranking: the learning-rate schedule follows it).
+    steps: int = setting(300, AT_LEAST_1, may_change=True)
+    seed: int = setting(0, AT_LEAST_0)
+    learning_rate: float = setting(3e-3, AT_LEAST_0)  # 0: a frozen model (tests use it)
+    warmup_steps: int = setting(30, AT_LEAST_0)
+    end_learning_rate_fraction: float = setting(0.1, FRACTION)
+    weight_decay: float = setting(1e-4, AT_LEAST_0)
+    clip_norm: float = setting(1.0, POSITIVE)
+    adam_b2: float = setting(0.999, BELOW_1)  # SASRec uses 0.98
+    log_every: int = setting(10, AT_LEAST_1, may_change=True)
+    # Ranking: validation every N steps (0: once, at the end); next-item: retrieval.*.
+    eval_every: int = setting(0, AT_LEAST_0, may_change=True)
+    eval_batches: int = setting(0, AT_LEAST_0)  # 0: all of data.eval_examples
     # The validation metric that picks the checkpoint kept in best/ (and scored on test where the task
     # has a test split): "" = the task's default (next-item: "sampled/NDCG@10"; ranking: none kept).
     select_metric: str = ""
-    patience: int = 0  # evaluations without a better select_metric before stopping; 0: never
-    max_minutes: float = 0.0  # time budget: stop at the first task boundary past it (0: none)
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
-    async_checkpointing: bool = True
-    progress: bool = True
+    # Evaluations without a better select_metric before stopping; 0: never.
+    patience: int = setting(0, AT_LEAST_0, may_change=True)
+    # Time budget: stop at the first task boundary past it (0: none).
+    max_minutes: float = setting(0.0, AT_LEAST_0, may_change=True)
+    checkpoint_every: int = setting(100, AT_LEAST_0, may_change=True)
+    keep_checkpoints: int = setting(3, AT_LEAST_1, may_change=True)
+    async_checkpointing: bool = setting(True, may_change=True)
+    progress: bool = setting(True, may_change=True)
 
 
 @dataclass(frozen=True)
@@ -236,21 +331,26 @@ class RetrievalConfig:
     fills first); every position of a user's training sequence predicts the next item.
     """
 
-    format: str = "auto"  # "auto" | "pairs" (SASRec files) | "user_lines" (ICLRec files)
-    max_len: int = 50  # each user's most recent items kept as model input
+    format: Literal["auto", "pairs", "user_lines"] = "auto"  # pairs: SASRec files; user_lines: ICLRec's
+    max_len: int = setting(50, AT_LEAST_1)  # each user's most recent items kept as model input
     position_embedding: bool = True  # learned absolute (distance-from-last) positions, as SASRec
     # "bce" (SASRec: one sampled negative per position) | "sampled_softmax" | "full_softmax" (every item)
-    loss: str = "sampled_softmax"
-    label_smoothing: float = 0.0  # full softmax: weight spread uniformly over all items
-    negatives: str = "uniform"  # sampled softmax negatives: "uniform" | "in_batch" (the pack's targets)
-    num_negatives: int = 128  # uniform negatives per pack, shared by its positions (sampled softmax)
-    temperature: float = 0.05  # sampled softmax logits are score / temperature
+    loss: Literal["bce", "sampled_softmax", "full_softmax"] = "sampled_softmax"
+    label_smoothing: float = setting(0.0, BELOW_1)  # full softmax: weight spread uniformly over all items
+    # Sampled softmax negatives: "in_batch" uses the pack's targets.
+    negatives: Literal["uniform", "in_batch"] = "uniform"
+    num_negatives: int = setting(128, AT_LEAST_1)  # uniform negatives per pack, shared by its positions
+    temperature: float = setting(0.05, POSITIVE)  # sampled softmax logits are score / temperature
     normalize: bool = True  # L2-normalise user vectors and item embeddings (sampled softmax, eval)
-    epochs: int = 200  # a run's length; an epoch ends a task boundary (evaluation, time budget)
-    eval_every_epochs: int = 1
-    eval_protocol: str = "both"  # "sampled" (100 negatives) | "full" (all items) | "both"
-    eval_negatives: int = 100
-    eval_users: int = 0  # 0: all evaluated users; else a fixed random subset (quick runs)
+    # A run's length; an epoch ends a task boundary (evaluation, time budget).
+    epochs: int = setting(200, AT_LEAST_1, may_change=True)
+    eval_every_epochs: int = setting(1, AT_LEAST_1, may_change=True)
+    # "sampled": 100 negatives; "full": all items.
+    eval_protocol: Literal["sampled", "full", "both"] = "both"
+    eval_negatives: int = setting(100, AT_LEAST_1)
+    eval_users: int = setting(
+        0, AT_LEAST_0
+    )  # 0: all evaluated users; else a fixed random subset (quick runs)
     exclude_history: bool = False  # full ranking: drop the user's own items from the candidates
     # (ICLRec's evaluation code does); the "full_incl_history/" metrics then report the other setting
 
@@ -269,16 +369,48 @@ class Config:
         return dataclasses.asdict(self)
 
 
-# ----------------------------------------------------------------------------- validation
+def schema_keys(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+    """Every key of the schema as (key, type, field), in schema order. The sections of a table of named
+    sections (`embeddings.tables`) contribute their keys once, as `embeddings.tables.*.rows`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint, key = hints[f.name], prefix + f.name
+        args = typing.get_args(hint)
+        if dataclasses.is_dataclass(hint):
+            yield from schema_keys(hint, f"{key}.")
+        elif typing.get_origin(hint) is dict and dataclasses.is_dataclass(args[1]):
+            yield from schema_keys(args[1], f"{key}.*.")
+        else:
+            yield key, hint, f
 
 
-def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
-    """Returns `value` converted to `annotation`'s type, or raises ConfigError naming key and source."""
+# ----------------------------------------------------------------------------- reading values
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _subkey(key: str, name: str) -> str:
+    """`key.name`, the name quoted as TOML quotes it where it is not a bare key (`overrides."hstu/"`)."""
+    return f"{key}.{name}" if _BARE_KEY.fullmatch(name) else f"{key}.{json.dumps(name)}"
+
+
+def _check_value(value: Any, annotation: Any, key: str, source: str, valid: Range | None = None) -> Any:
+    """Returns `value` converted to `annotation`'s type, or raises ConfigError naming key and source.
+
+    A `Literal` annotation allows only its values; `valid` is the range of a number, or of each number
+    of a tuple. Floats must be finite (TOML allows nan and inf).
+    """
     origin = typing.get_origin(annotation)
+    # Module-level helpers, not closures: the test suite's shape checker wraps each function definition
+    # as it executes, so a closure here would be wrapped again for every value (milliseconds each).
+    fail = functools.partial(_must_be, value=value, key=key, source=source)
+    in_range = functools.partial(_in_range, valid=valid, key=key, source=source)
 
-    def fail(expected: str) -> ConfigError:
-        return ConfigError(f"{source}: `{key}` must be {expected}, got {type(value).__name__} {value!r}")
-
+    if origin is Literal:
+        allowed = typing.get_args(annotation)
+        if not isinstance(value, str) or value not in allowed:
+            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
+        return value
     if annotation is bool:
         if not isinstance(value, bool):
             raise fail("a boolean")
@@ -286,11 +418,11 @@ def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise fail("an integer")
-        return value
+        return in_range(value)
     if annotation is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail("a number")
-        return float(value)
+        return in_range(float(value))
     if annotation is str:
         if not isinstance(value, str):
             raise fail("a string")
@@ -299,12 +431,12 @@ def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
         (item_type, _ellipsis) = typing.get_args(annotation)
         if not isinstance(value, (list, tuple)):
             raise fail("a list")
-        return tuple(_check_value(v, item_type, f"{key}[{i}]", source) for i, v in enumerate(value))
+        return tuple(_check_value(v, item_type, f"{key}[{i}]", source, valid) for i, v in enumerate(value))
     if origin is dict:
         _, value_type = typing.get_args(annotation)
         if not isinstance(value, dict):
             raise fail("a table")
-        return {str(k): _check_value(v, value_type, f"{key}.{k}", source) for k, v in value.items()}
+        return {str(k): _check_value(v, value_type, _subkey(key, str(k)), source) for k, v in value.items()}
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise fail("a table")
@@ -312,7 +444,20 @@ def _check_value(value: Any, annotation: Any, key: str, source: str) -> Any:
     raise TypeError(f"unsupported config annotation {annotation!r} for {key}")
 
 
+def _must_be(expected: str, *, value: Any, key: str, source: str) -> ConfigError:
+    return ConfigError(f"{source}: `{key}` must be {expected}, got {type(value).__name__} {value!r}")
+
+
+def _in_range(x: int | float, *, valid: Range | None, key: str, source: str) -> int | float:
+    if isinstance(x, float) and not math.isfinite(x):
+        raise ConfigError(f"{source}: `{key}` must be a finite number, got {x}")
+    if valid is not None and x not in valid:
+        raise ConfigError(f"{source}: `{key}` must be {valid}, got {x}")
+    return x
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
+    """`cls(**values)`, each value checked against its field's type and range."""
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -321,7 +466,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
         if name not in fields:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{source}: unknown key `{key}` (known: {known})")
-        kwargs[name] = _check_value(value, hints[name], key, source)
+        kwargs[name] = _check_value(value, hints[name], key, source, fields[name].metadata.get("range"))
     return cls(**kwargs)
 
 
@@ -359,34 +504,12 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _check_choices(choices: dict[str, tuple[Any, tuple]], source: str) -> None:
-    """`{key: (value, allowed values)}`: a ConfigError naming the first key whose value is not allowed."""
-    for key, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
-
-
-def _check_positive(values: dict[str, int | float], source: str) -> None:
-    for key, value in values.items():
-        if value <= 0:
-            raise ConfigError(f"{source}: `{key}` must be positive, got {value}")
+# ----------------------------------------------------------------------------- rules between keys
 
 
 def validate(config: Config, source: str) -> Config:
-    """Cross-field checks that types alone cannot express."""
+    """The rules between keys (each key's own type, choices and range are checked as it is read)."""
     m, d = config.model, config.data
-    choices = {
-        "model.activation": (m.activation, ("silu", "softmax")),
-        "model.layer": (m.layer, ("hstu", "sasrec")),
-        "model.attention_implementation": (
-            m.attention_implementation,
-            ("auto", "reference", "pallas", "interpret"),
-        ),
-        "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
-        "data.kind": (d.kind, ("synthetic", "interactions")),
-    }
-    _check_choices(choices, source)
-    _validate_ranges(config, source)
     longest = d.max_history_len + d.num_candidates + m.num_context_tokens
     if d.tokens_per_shard < longest:
         raise ConfigError(
@@ -410,7 +533,7 @@ def validate(config: Config, source: str) -> Config:
             f"{source}: `parallel.slow_axes` {p.slow_axes} must be the leading axes of "
             f"`parallel.mesh_axes` {p.mesh_axes} (axes are listed slow to fast)"
         )
-    if p.mesh_shape.count(-1) > 1 or any(n == 0 or n < -1 for n in p.mesh_shape):
+    if p.mesh_shape.count(-1) > 1 or 0 in p.mesh_shape:
         raise ConfigError(
             f"{source}: `parallel.mesh_shape` {p.mesh_shape} must hold positive sizes and at most one -1"
         )
@@ -484,28 +607,8 @@ def _validate_long_history(config: Config, source: str) -> None:
 
 
 def _validate_embeddings(config: Config, source: str) -> None:
-    """Checks of the `[embeddings]` section: tables, features, optimizer and planner keys."""
+    """The `[embeddings]` rules between keys: features name tables, fast axes name mesh axes."""
     e = config.embeddings
-    choices = {
-        "embeddings.optimizer": (e.optimizer, ("row_wise_adagrad", "sgd")),
-    }
-    for name, t in e.tables.items():
-        choices[f"embeddings.tables.{name}.dtype"] = (t.dtype, ("float32", "bfloat16"))
-        choices[f"embeddings.tables.{name}.initializer"] = (t.initializer, ("normal", "uniform", "zeros"))
-        choices[f"embeddings.tables.{name}.sharding"] = (t.sharding, SHARDING_TYPES)
-    for name, f in e.features.items():
-        choices[f"embeddings.features.{name}.pooling"] = (f.pooling, POOLING_TYPES)
-    _check_choices(choices, source)
-    positive = {}  # the top-level numeric keys are in RANGES; the per-table ones are checked here
-    for name, t in e.tables.items():
-        positive[f"embeddings.tables.{name}.rows"] = t.rows
-        positive[f"embeddings.tables.{name}.dim"] = t.dim
-    _check_positive(positive, source)
-    for n, f in e.features.items():
-        if f.max_bag_size < 0:
-            raise ConfigError(
-                f"{source}: `embeddings.features.{n}.max_bag_size` must be >= 0, got {f.max_bag_size}"
-            )
     if e.features and not e.tables:
         raise ConfigError(f"{source}: `embeddings.features` needs `embeddings.tables` to name their tables")
     tables = e.resolved_tables()
@@ -524,12 +627,8 @@ def _validate_embeddings(config: Config, source: str) -> None:
 
 
 def _validate_precision(config: Config, source: str) -> None:
-    """Checks of the FP8 options in `[precision]` (dtype names are checked by `PrecisionPolicy`)."""
+    """`precision.fp8_layers`: no empty prefix."""
     p = config.precision
-    if p.fp8_recipe not in ("delayed", "current"):
-        raise ConfigError(
-            f"{source}: `precision.fp8_recipe` must be one of ('delayed', 'current'), got {p.fp8_recipe!r}"
-        )
     for i, prefix in enumerate(p.fp8_layers):
         if not prefix:
             raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
@@ -544,15 +643,8 @@ SELECT_METRICS = tuple(
 
 
 def _validate_retrieval(config: Config, source: str) -> None:
-    """Checks of the `[retrieval]` section, only when the data is an interactions file."""
+    """The `[retrieval]` rules between keys, when the data is an interactions file."""
     r, d = config.retrieval, config.data
-    choices = {
-        "retrieval.format": (r.format, ("auto", "pairs", "user_lines")),
-        "retrieval.loss": (r.loss, ("bce", "sampled_softmax", "full_softmax")),
-        "retrieval.negatives": (r.negatives, ("uniform", "in_batch")),
-        "retrieval.eval_protocol": (r.eval_protocol, ("sampled", "full", "both")),
-    }
-    _check_choices(choices, source)
     if r.label_smoothing > 0 and r.loss != "full_softmax":
         raise ConfigError(
             f'{source}: `retrieval.label_smoothing` ({r.label_smoothing}) needs `retrieval.loss = "full_softmax"`'
@@ -566,136 +658,6 @@ def _validate_retrieval(config: Config, source: str) -> None:
             f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than "
             f"`retrieval.max_len` ({r.max_len})"
         )
-
-
-# ----------------------------------------------------------------------------- numeric ranges
-
-
-@dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric setting: low <= x (low < x if low_open), and likewise for high."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def __contains__(self, x: int | float) -> bool:
-        if self.low is not None and not (x > self.low if self.low_open else x >= self.low):
-            return False
-        return self.high is None or (x < self.high if self.high_open else x <= self.high)
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        return (
-            f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
-        )
-
-
-AT_LEAST_0 = Range(0.0)
-AT_LEAST_1 = Range(1.0)
-POSITIVE = Range(0.0, low_open=True)
-FRACTION = Range(0.0, 1.0)
-BELOW_1 = Range(0.0, 1.0, high_open=True)
-
-# Every int and float setting (and each element of a tuple of them) with its valid range; a test checks
-# that no numeric field of the schema is missing here. 0 means "off" where the schema's comment says so.
-RANGES: dict[str, Range] = {
-    "data.seed": AT_LEAST_0,
-    "data.num_items": AT_LEAST_1,
-    "data.zipf_exponent": POSITIVE,
-    "data.num_actions": AT_LEAST_1,
-    "data.latent_dim": AT_LEAST_1,
-    "data.history_len_mean": POSITIVE,
-    "data.history_len_sigma": AT_LEAST_0,
-    "data.max_history_len": AT_LEAST_1,
-    "data.empty_history_fraction": FRACTION,
-    "data.num_candidates": AT_LEAST_1,
-    "data.num_sparse_features": AT_LEAST_0,
-    "data.sparse_vocab": AT_LEAST_1,
-    "data.max_bag_size": AT_LEAST_1,
-    "data.num_dense_features": AT_LEAST_0,
-    "data.examples_per_shard": AT_LEAST_1,
-    "data.tokens_per_shard": AT_LEAST_1,
-    "data.eval_examples": AT_LEAST_1,
-    "data.num_workers": AT_LEAST_0,
-    "embeddings.dim": AT_LEAST_1,
-    "embeddings.item_rows": AT_LEAST_1,
-    "embeddings.action_rows": AT_LEAST_1,
-    "embeddings.sparse_rows": AT_LEAST_1,
-    "embeddings.learning_rate": POSITIVE,
-    "embeddings.adagrad_eps": POSITIVE,
-    "embeddings.adagrad_initial_accumulator": AT_LEAST_0,
-    "embeddings.device_memory_gib": AT_LEAST_0,  # 0: the device's own limit
-    "embeddings.memory_fraction": Range(0.0, 1.0, low_open=True),
-    "model.model_dim": AT_LEAST_1,
-    "model.num_heads": AT_LEAST_1,
-    "model.attention_dim": AT_LEAST_1,
-    "model.value_dim": AT_LEAST_1,
-    "model.num_layers": AT_LEAST_1,
-    "model.max_attn_len": AT_LEAST_0,
-    "model.attention_bias_rows_gib": AT_LEAST_0,  # 0: off
-    "model.num_position_buckets": AT_LEAST_0,
-    "model.num_time_buckets": AT_LEAST_0,
-    "model.dropout": BELOW_1,
-    "model.attention_dropout": BELOW_1,
-    "model.num_context_tokens": AT_LEAST_0,
-    "model.num_summary_tokens": AT_LEAST_1,
-    "model.wukong_layers": AT_LEAST_0,
-    "model.wukong_tokens": AT_LEAST_1,
-    "model.wukong_fm_rank": AT_LEAST_1,
-    "model.head_hidden": AT_LEAST_1,
-    "model.recent_len": AT_LEAST_1,
-    "model.block_size": AT_LEAST_1,
-    "model.pyramid": Range(0.0, 1.0, low_open=True),
-    "parallel.mesh_shape": Range(-1.0),  # -1: all remaining devices; 0 is refused below
-    "precision.fp8_amax_history": AT_LEAST_1,
-    "precision.fp8_margin": AT_LEAST_0,
-    "train.steps": AT_LEAST_1,
-    "train.seed": AT_LEAST_0,
-    "train.learning_rate": AT_LEAST_0,  # 0: a frozen model (tests use it); negative trains uphill
-    "train.warmup_steps": AT_LEAST_0,
-    "train.end_learning_rate_fraction": FRACTION,
-    "train.weight_decay": AT_LEAST_0,
-    "train.clip_norm": POSITIVE,
-    "train.adam_b2": BELOW_1,
-    "train.log_every": AT_LEAST_1,
-    "train.eval_every": AT_LEAST_0,
-    "train.eval_batches": AT_LEAST_0,
-    "train.patience": AT_LEAST_0,
-    "train.max_minutes": AT_LEAST_0,
-    "train.checkpoint_every": AT_LEAST_0,
-    "train.keep_checkpoints": AT_LEAST_1,
-    "retrieval.max_len": AT_LEAST_1,
-    "retrieval.num_negatives": AT_LEAST_1,
-    "retrieval.temperature": POSITIVE,
-    "retrieval.label_smoothing": BELOW_1,
-    "retrieval.epochs": AT_LEAST_1,
-    "retrieval.eval_every_epochs": AT_LEAST_1,
-    "retrieval.eval_negatives": AT_LEAST_1,
-    "retrieval.eval_users": AT_LEAST_0,
-}
-
-
-def _validate_ranges(config: Config, source: str) -> None:
-    """Every numeric setting in its `RANGES` entry, floats finite (TOML allows nan and inf)."""
-    for section, values in config.to_dict().items():
-        for name, value in values.items():
-            key = f"{section}.{name}"
-            items = list(enumerate(value)) if isinstance(value, tuple) else [(None, value)]
-            for i, x in items:
-                if isinstance(x, bool) or not isinstance(x, (int, float)):
-                    continue
-                where = key if i is None else f"{key}[{i}]"
-                if isinstance(x, float) and not math.isfinite(x):
-                    raise ConfigError(f"{source}: `{where}` must be a finite number, got {x}")
-                valid = RANGES.get(key)
-                if valid is not None and x not in valid:
-                    raise ConfigError(f"{source}: `{where}` must be {valid}, got {x}")
-    if 0 in config.parallel.mesh_shape:
-        shape = config.parallel.mesh_shape
-        raise ConfigError(f"{source}: `parallel.mesh_shape` entries must be >= 1 or -1, got {shape}")
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax.numpy as jnp
 from jax.typing import DTypeLike
 
 from gem_jax.config import ConfigError, PrecisionConfig
+from gem_jax.dtypes import DTYPES, FLOAT_DTYPES
 from gem_jax.model.fp8 import FP8Recipe
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 def _dtype(name: str, key: str) -> DTypeLike:
-    if name not in _DTYPES:
-        raise ConfigError(f"`precision.{key}` must be one of {tuple(_DTYPES)}, got {name!r}")
-    return _DTYPES[name]
+    if name not in FLOAT_DTYPES:
+        raise ConfigError(f"`precision.{key}` must be one of {FLOAT_DTYPES}, got {name!r}")
+    return DTYPES[name]
 
 
 @dataclass(frozen=True)

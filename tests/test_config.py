@@ -1,10 +1,14 @@
+import dataclasses
+import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
-from gem_jax.config import Config, ConfigError, config_to_toml, load_config
+from gem_jax.config import Config, ConfigError, config_to_toml, load_config, schema_keys
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.toml"))
@@ -24,7 +28,6 @@ def test_defaults_and_override_types():
     assert c.train.steps == 7 and c.train.learning_rate == 1e-3
     assert c.model.tasks == ("click",) and c.train.progress is False
     assert c.data.path == "some/file.txt"
-    assert isinstance(c, Config)
 
 
 def test_int_is_accepted_for_float():
@@ -101,29 +104,90 @@ def test_cli_config_error_exit_code_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-# ----------------------------------------------------------------------------- numeric ranges
+# ----------------------------------------------------------------------------- each key's rules
 
 
-def _numeric_keys() -> list[str]:
-    """Every int/float setting of the schema (tuples of them included), as "section.key"."""
-    import typing
+def _override(key: str, value: str) -> str:
+    """`--set` text for `key` (a key of a named section, `embeddings.tables.*.rows`, names one `t`)."""
+    return f"{key.replace('*', 't')}={value}"
 
+
+def _numeric_keys() -> list[tuple[str, dataclasses.Field]]:
+    """Every int/float setting of the schema (tuples of them included), with its field."""
     keys = []
-    for name, section in typing.get_type_hints(Config).items():
-        for field, hint in typing.get_type_hints(section).items():
-            args = typing.get_args(hint) if typing.get_origin(hint) is tuple else (hint,)
-            if args and args[0] in (int, float):
-                keys.append(f"{name}.{field}")
-    assert len(keys) > 50 and "train.learning_rate" in keys and "model.pyramid" in keys
+    for key, hint, f in schema_keys():
+        args = typing.get_args(hint) if typing.get_origin(hint) is tuple else (hint,)
+        if args and args[0] in (int, float):
+            keys.append((key, f))
+    names = [k for k, _ in keys]
+    assert len(keys) > 50 and "train.learning_rate" in names and "model.pyramid" in names
+    assert "embeddings.tables.*.rows" in names
     return keys
 
 
 def test_every_numeric_setting_has_a_range():
-    from gem_jax.config import RANGES
+    missing = [k for k, f in _numeric_keys() if f.metadata.get("range") is None]
+    assert not missing, f"give these a range: setting(default, RANGE) in gem_jax/config.py: {missing}"
+    numeric = {k for k, _ in _numeric_keys()}
+    others = [k for k, _, f in schema_keys() if f.metadata.get("range") is not None and k not in numeric]
+    assert not others, f"a range on a key that is not numeric: {others}"
 
-    missing = [k for k in _numeric_keys() if k not in RANGES]
-    assert not missing, f"add these to gem_jax.config.RANGES: {missing}"
-    assert not [k for k in RANGES if k not in _numeric_keys()], "RANGES names a key the schema lacks"
+
+def test_defaults_obey_every_rule():
+    """The defaults, read back through the value checker (which checks only the values it is given)."""
+    assert load_config(None, ["train.steps=300"]) == Config()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ('precision.compute_dtype="fp16x"', "`precision.compute_dtype`"),
+        ('retrieval.loss="bogus"', "`retrieval.loss`"),  # refused for the ranking task too
+        ('precision.overrides={"hstu/"="int3"}', '`precision.overrides."hstu/"`'),
+    ],
+)
+def test_bad_choices_are_refused_at_load_in_one_line(override, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    message = str(e.value)
+    assert "\n" not in message and key in message and "one of" in message, message
+    assert message.startswith("defaults with --set overrides: "), message
+
+
+def test_every_choice_is_refused_naming_key_allowed_values_and_file(tmp_path):
+    choices = [
+        (k, typing.get_args(hint)) for k, hint, _ in schema_keys() if typing.get_origin(hint) is Literal
+    ]
+    assert len(choices) >= 15 and "embeddings.tables.*.dtype" in [k for k, _ in choices]
+    config = tmp_path / "choice.toml"
+    for key, allowed in choices:
+        section, name = key.replace("*", "t").rsplit(".", 1)
+        # A feature must read a named table; an interactions file must be named (rules between keys).
+        context = {"embeddings.features.t": '\ntable = "t"\n[embeddings.tables.t]', "data": '\npath = "x"'}
+        for value in ("bogus", *allowed):
+            config.write_text(f'[{section}]\n{name} = "{value}"{context.get(section, "")}\n')
+            if value in allowed:
+                assert getattr(load_config(config), key.split(".")[0]) is not None
+                continue
+            with pytest.raises(ConfigError) as e:
+                load_config(config)
+            assert (
+                str(e.value) == f"{config}: `{key.replace('*', 't')}` must be one of {allowed}, got 'bogus'"
+            )
+
+
+def test_dtype_names_are_the_dtype_table():
+    import jax.numpy as jnp
+
+    from gem_jax.dtypes import DTYPES, FLOAT_DTYPES, TABLE_DTYPES
+    from gem_jax.precision import PrecisionPolicy
+
+    assert set(TABLE_DTYPES) <= set(FLOAT_DTYPES) == set(DTYPES)
+    assert all(DTYPES[name] == jnp.dtype(name) for name in DTYPES)
+    policy = PrecisionPolicy.from_config(
+        load_config(None, ['precision.overrides={"hstu/"="float16"}']).precision
+    )
+    assert policy.compute_dtype("hstu/0") == jnp.float16 and policy.compute_dtype("x") == jnp.bfloat16
 
 
 @pytest.mark.parametrize(
@@ -152,19 +216,41 @@ def test_out_of_range_values_name_the_key(override, words):
 
 
 def test_each_range_rejects_the_values_just_outside_it():
-    from gem_jax.config import RANGES
-
-    for key, valid in RANGES.items():
+    for key, f in _numeric_keys():
+        valid = f.metadata["range"]
         outside = []
         if valid.low is not None:
             outside.append(valid.low if valid.low_open else valid.low - 1)
         if valid.high is not None:
             outside.append(valid.high if valid.high_open else valid.high + 1)
+        is_tuple = isinstance(f.default, tuple)
         for value in outside:
-            is_tuple = key in ("model.pyramid", "parallel.mesh_shape")
-            text = f"[{value}]" if is_tuple else str(value)
-            with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-                load_config(None, [f"{key}={text}"])
+            text = f"[{value:g}]" if is_tuple else f"{value:g}"
+            where = key.replace("*", "t") + ("[0]" if is_tuple else "")
+            with pytest.raises(ConfigError, match=re.escape(f"`{where}` must be {valid}")):
+                load_config(None, [_override(key, text)])
+
+
+# ----------------------------------------------------------------------------- resume rules
+
+
+def test_resume_rules_come_from_the_fields():
+    from gem_jax.train.run_record import MAY_CHANGE, data_fingerprint, may_change
+
+    assert may_change("train.steps") and may_change("embeddings.tables.items.sharding")
+    assert may_change("parallel.rules") and may_change("data.path")
+    assert not may_change("data.num_workers") and not may_change("embeddings.tables.items.rows")
+    assert not may_change("model.model_dim") and not may_change("train.learning_rate")
+    # The README lists exactly these keys.
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index("It may change only") : readme.index("These keys carry")]
+    assert set(re.findall(r"`([a-z_]+\.[a-z_.*]+)`", listed)) == set(MAY_CHANGE)
+    # The synthetic data's fingerprint: generator settings in, batching and file settings out.
+    base = data_fingerprint(Config())
+    for key in ("data.num_workers=2", "data.examples_per_shard=8", "data.eval_examples=7", "data.path=x"):
+        assert data_fingerprint(load_config(None, [key])) == base, key
+    for key in ("data.seed=1", "data.num_items=10", "data.max_bag_size=2"):
+        assert data_fingerprint(load_config(None, [key])) != base, key
 
 
 def test_cli_out_of_range_exit_code_2(tmp_path):

@@ -159,7 +159,7 @@ def test_new_run_writes_the_record_and_manifests(trained):
 def test_changed_config_is_refused_and_the_workdir_is_untouched(trained, tmp_path):
     workdir = _copy(trained, tmp_path)
     before = _snapshot(workdir)
-    # data.num_workers too: the worker count decides which examples a batch holds (run_record.MAY_CHANGE).
+    # data.num_workers too: the worker count decides which examples a batch holds (not `may_change`).
     args = _config_args(tmp_path, "model.model_dim=48", "train.learning_rate=0.01", "data.num_workers=2")
     r = _cli("train", "--workdir", str(workdir), *args)
     assert r.returncode == 2

@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from gem_jax.config import Config, ConfigError, FeatureConfig, TableConfig
+from gem_jax.config import POOLINGS, Config, ConfigError, FeatureConfig, TableConfig
+from gem_jax.dtypes import DTYPES
 from gem_jax.embeddings import routing
 from gem_jax.embeddings.hashing import hash_ids, segment_ids
 from gem_jax.embeddings.optimizers import RowWiseAdagrad, SparseOptimizer
@@ -81,9 +82,6 @@ class _Flat(NamedTuple):
     max_bag: int  # the feature's declared longest bag (1 unpooled; 0 unknown)
 
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
 class EmbeddingCollection:
     """Tables + features + plan on a mesh; see the package docstring for how a train step uses it."""
 
@@ -106,8 +104,8 @@ class EmbeddingCollection:
                 raise ConfigError(
                     f"feature {name!r} reads table {f.table!r}, not one of {tuple(self.tables)}"
                 )
-            if f.pooling not in ("sum", "mean", "none"):
-                raise ConfigError(f"feature {name!r}: pooling must be sum, mean or none, got {f.pooling!r}")
+            if f.pooling not in POOLINGS:
+                raise ConfigError(f"feature {name!r}: pooling must be one of {POOLINGS}, got {f.pooling!r}")
         self.mesh = mesh
         self.batch_axes = tuple(batch_axes)
         self.optimizer = optimizer if optimizer is not None else RowWiseAdagrad()
@@ -230,7 +228,7 @@ class EmbeddingCollection:
                 table = jnp.zeros(shape, jnp.float32)
             else:
                 raise ConfigError(f"table {name!r}: unknown initializer {t.initializer!r}")
-            out[name] = {"table": table.astype(_DTYPES[t.dtype])}
+            out[name] = {"table": table.astype(DTYPES[t.dtype])}
             if self.optimizer.has_accumulator:
                 out[name]["accumulator"] = self.optimizer.init_accumulator(t.rows)
         return out
@@ -241,7 +239,7 @@ class EmbeddingCollection:
             if entry.bases == {key: 0} and key in self.tables:
                 state[key] = dict(logical[key])
                 continue
-            slots = {"table": jnp.zeros((entry.rows, entry.dim), _DTYPES[entry.dtype])}
+            slots = {"table": jnp.zeros((entry.rows, entry.dim), DTYPES[entry.dtype])}
             if self.optimizer.has_accumulator:
                 slots["accumulator"] = jnp.zeros((entry.rows,), jnp.float32)
             for name, base in entry.bases.items():

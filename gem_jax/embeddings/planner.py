@@ -26,10 +26,10 @@ from collections.abc import Mapping
 import numpy as np
 
 from gem_jax.config import ConfigError, TableConfig
+from gem_jax.dtypes import DTYPES, TABLE_DTYPES
 
 SMALL_TABLE_BYTES = 2 << 20
 ACCUMULATOR_BYTES_PER_ROW = 4  # row-wise Adagrad: one fp32 per row
-_ITEMSIZE = {"float32": 4, "bfloat16": 2}
 _DEFAULT_DEVICE_BYTES = 16 << 30  # CPU devices report no memory limit
 
 
@@ -157,11 +157,11 @@ def plan_tables(
     acc_row = ACCUMULATOR_BYTES_PER_ROW if accumulator else 0
     placements: dict[str, Placement] = {}
     for name, t in tables.items():
-        if t.dtype not in _ITEMSIZE:
+        if t.dtype not in TABLE_DTYPES:
             raise ConfigError(
-                f"`embeddings.tables.{name}.dtype` must be float32 or bfloat16, got {t.dtype!r}"
+                f"`embeddings.tables.{name}.dtype` must be one of {TABLE_DTYPES}, got {t.dtype!r}"
             )
-        total = t.rows * (t.dim * _ITEMSIZE[t.dtype] + acc_row)
+        total = t.rows * (t.dim * DTYPES[t.dtype].itemsize + acc_row)
         kind, why = t.sharding, "config"
         if kind == "auto":
             kind, why = _auto(t, total, g, f, slow, budget_bytes)
@@ -215,7 +215,7 @@ def _place(name, t, kind, why, total, batch_axes, fast, slow, sizes, acc_row) ->
         )
     if kind == "column_wise":
         _divides(name, "dim", t.dim, g, kind)
-        per = t.rows * (t.dim // g * _ITEMSIZE[t.dtype] + acc_row)  # the accumulator is replicated
+        per = t.rows * (t.dim // g * DTYPES[t.dtype].itemsize + acc_row)  # the accumulator is replicated
         return Placement(
             **common, row_axes=(), column_axes=batch_axes, replica_axes=(), devices=g, bytes_per_device=per
         )

@@ -29,7 +29,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gem_jax.config import Config, ConfigError, load_config
+from gem_jax.config import Config, ConfigError, DataConfig, load_config, schema_keys
 from gem_jax.train import files
 from gem_jax.train.workdir_lock import WorkdirError
 
@@ -38,46 +38,21 @@ RECORD_FILE = "run.json"
 RESUMES_FILE = "resumes.jsonl"
 FORMAT = 1
 
-# Settings that may differ between invocations of one run, because they change how long, how often
-# or how verbosely it trains, or where it reads identical data, not what a checkpoint holds or how the
-# next step is computed. Every other key must equal the record. Documented in README ("Resuming").
-MAY_CHANGE = (
-    "train.steps",  # a longer or shorter run (ranking: the learning-rate schedule follows it)
-    "retrieval.epochs",  # the same for next-item runs
-    "train.max_minutes",
-    "train.patience",
-    "train.log_every",
-    "train.progress",
-    "train.eval_every",
-    "retrieval.eval_every_epochs",
-    "train.checkpoint_every",
-    "train.keep_checkpoints",
-    "train.async_checkpointing",
-    "model.attention_implementation",  # the same function computed by another kernel (e.g. GPU -> CPU)
-    "model.attention_bias_rows_gib",  # the same function, the relative bias precomputed or not
-    "data.path",  # only when the file's content (size and sha256) is the recorded one
-    # Another mesh or embedding plan: checkpoints hold every array in a device-count-free form (tables
-    # as [rows, dim]), so a run resumes on another number of devices (the global batch follows it).
-    "parallel.mesh_shape",
-    "parallel.mesh_axes",
-    "parallel.slow_axes",
-    "parallel.rules",
-    "embeddings.tables.*.sharding",
-    "embeddings.fast_axes",
-    "embeddings.device_memory_gib",
-    "embeddings.memory_fraction",
-)
-# Not `data.num_workers`: grain's worker processes each pack their own slice of the example stream, so
-# the worker count decides which examples a batch holds, and the saved data position is per worker (a
-# resume with another count failed inside grain's set_state).
+# The keys that may differ between invocations of one run (`setting(..., may_change=True)` in
+# gem_jax/config.py says why): how long, how often or how verbosely it trains, where it reads identical
+# data, on which devices. Every other key must equal the record. README ("Starting fresh, resuming")
+# lists them; a test checks the list.
+MAY_CHANGE = tuple(key for key, _, f in schema_keys() if f.metadata.get("may_change"))
 
 
 def may_change(key: str) -> bool:
     return any(fnmatch.fnmatchcase(key, pattern) for pattern in MAY_CHANGE)
 
 
-# data.* settings that do not change which examples the synthetic generator produces.
-_NOT_DATA_IDENTITY = ("path", "num_workers", "examples_per_shard", "tokens_per_shard", "eval_examples")
+# data.* keys that do not change which examples the synthetic generator produces.
+_NOT_DATA_IDENTITY = tuple(
+    f.name for f in dataclasses.fields(DataConfig) if not f.metadata.get("fingerprint", True)
+)
 
 
 class RecordMismatch(WorkdirError):
