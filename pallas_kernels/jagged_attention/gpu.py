@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,40 @@ def _timestamps(ts_ref, start, lo, size, ok):
     return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
 
 
+class _QueryTile(NamedTuple):
+    """One head's query tile: first row, row positions and mask, q, dO, timestamps, lse, delta (None: unused)."""
+
+    lo: Any
+    rows: Any
+    ok: Any
+    q: Any
+    do: Any
+    ts: Any
+    lse: Any
+    delta: Any
+
+
+class _KeyTile(NamedTuple):
+    """One head's key tile: first row, column positions and mask, k, v, timestamps (None: unused)."""
+
+    lo: Any
+    cols: Any
+    ok: Any
+    k: Any
+    v: Any
+    ts: Any
+
+
+class _BiasRefs(NamedTuple):
+    """A kernel's relative-bias inputs: the padded tables, the expanded position table, bias_rows (small dummies
+    where unused)."""
+
+    pos: Any
+    pos_expanded: Any
+    time: Any
+    rows: Any
+
+
 def _q_side(
     q_ref,
     ts_ref,
@@ -71,11 +106,10 @@ def _q_side(
     o_ref=None,
     with_ts: bool = True,
 ):
-    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps (or None), lse, delta.
+    """The query tile: rows [q_lo, q_lo + bq) of the sequence starting at row `start`, one head.
 
-    The query tile is rows [q_lo, q_lo + bq) of the sequence starting at row `start`. The backward kernels
-    give do_ref and lse_ref; softmax delta (rowsum(dO * O)) is loaded from delta_ref, or, given o_ref (the dQ
-    kernel), computed here from the very dO tile that dP = dO V^T uses (_delta).
+    The backward kernels give do_ref and lse_ref; softmax delta (rowsum(dO * O)) is loaded from delta_ref, or,
+    given o_ref (the dQ kernel), computed here from the very dO tile that dP = dO V^T uses (_delta).
     """
     rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
     row_ok = rows < length
@@ -89,7 +123,7 @@ def _q_side(
             delta = _delta(do, _rows(o_ref, start, q_lo, bq, row_ok, h))
         else:
             delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-    return rows, row_ok, q, do, ts_q, lse, delta
+    return _QueryTile(q_lo, rows, row_ok, q, do, ts_q, lse, delta)
 
 
 def _delta(do, o):
@@ -108,46 +142,46 @@ def _delta(do, o):
 def _kv_side(
     k_ref, v_ref, ts_ref, *, start, k_lo, bk: int, length, h, params: KernelParams, with_ts: bool = True
 ):
-    """Columns, column mask and the key-side tiles of one head: k, v, timestamps (or None).
-
-    The key tile is rows [k_lo, k_lo + bk) of the sequence starting at row `start`.
-    """
+    """The key tile: rows [k_lo, k_lo + bk) of the sequence starting at row `start`, one head."""
     cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
     col_ok = cols < length
     k = _rows(k_ref, start, k_lo, bk, col_ok, h)
     v = _rows(v_ref, start, k_lo, bk, col_ok, h)
     ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if params.has_time and with_ts else None
-    return cols, col_ok, k, v, ts_k
+    return _KeyTile(k_lo, cols, col_ok, k, v, ts_k)
 
 
 def _scores(
-    q,
-    k,
+    qt: _QueryTile,
+    kt: _KeyTile,
     *,
-    rows,
-    cols,
+    start,
     h,
-    ts_q,
-    ts_k,
-    pos_ref,
-    time_ref,
+    bias: _BiasRefs,
     params: KernelParams,
     clipped: bool,
     pos_far,
-    pos_tile,
-    bias_tile,
 ):
-    """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None).
+    """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None) of a tile pair.
 
-    Given bias_tile (the tile of bias_rows), that is the bias, and the time-bias cell data is computed only
+    With params.bias_rows the bias is the pair's tile of bias_rows, and the time-bias cell data is computed only
     when timestamps are given (the dQ kernel needs it for the table gradient). Otherwise the bias is computed
     here: on a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far, on
-    others pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
+    others the tile's slice of _pos_expand (a plain block load) or, without one, a per-cell gather.
     """
-    sc = params.alpha * _dot(q, k, trans_b=True)
-    thr = time_ref[time_ref.shape[0] - 1, :] if params.has_time and ts_q is not None else None
+    bq, bk = qt.rows.shape[0], kt.cols.shape[0]
+    bias_tile = pos_tile = None
+    if params.bias_rows:
+        bias_tile = _bias_tile(
+            bias.rows, h=h, start=start, q_lo=qt.lo, bq=bq, k_lo=kt.lo, bk=bk, row_ok=qt.ok
+        )
+    elif not clipped:
+        pos_tile = _pos_tile(bias.pos_expanded, h=h, q_lo=qt.lo, k_lo=kt.lo, params=params, bq=bq, bk=bk)
+    sc = params.alpha * _dot(qt.q, kt.k, trans_b=True)
+    time_ref = bias.time
+    thr = time_ref[time_ref.shape[0] - 1, :] if params.has_time and qt.ts is not None else None
     if bias_tile is not None:
-        tt = _time_cells(ts_q, ts_k, thr) if thr is not None else None
+        tt = _time_cells(qt.ts, kt.ts, thr) if thr is not None else None
         return sc + bias_tile, tt
     if params.has_pos:
         if clipped:
@@ -155,10 +189,11 @@ def _scores(
         elif pos_tile is not None:
             sc = sc + pos_tile
         else:
-            sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, params.num_pos - 1)]
+            delta = qt.rows[:, None] - kt.cols[None, :]
+            sc = sc + bias.pos[h, jnp.clip(delta, 0, params.num_pos - 1)]
     tt = None
     if params.has_time:
-        tt = _time_cells(ts_q, ts_k, thr)
+        tt = _time_cells(qt.ts, kt.ts, thr)
         sc = sc + _time_bias(tt, h, time_ref)
     return sc, tt
 
@@ -461,6 +496,7 @@ def _fwd_kernel(
     total_rows: int,
 ):
     rows_bias = params.bias_rows
+    bias = _BiasRefs(pos_ref, pos_exp_ref, time_ref, bias_ref)
     pid = pl.program_id(0)
     h = pid % heads
     w = pid // heads
@@ -472,62 +508,21 @@ def _fwd_kernel(
         b, m = wb_ref[w], wm_ref[w]
         start, length, first_target = _seq(offsets_ref, targets_ref, b, params)
         q_lo = m * bq
-        rows, row_ok, q, _, ts_q, _, _ = _q_side(
-            q_ref,
-            ts_ref,
-            start=start,
-            q_lo=q_lo,
-            bq=bq,
-            length=length,
-            h=h,
-            params=params,
-            with_ts=not rows_bias,
-        )
+        seq = dict(start=start, length=length, h=h, params=params)
+        qt = _q_side(q_ref, ts_ref, q_lo=q_lo, bq=bq, with_ts=not rows_bias, **seq)
         lo, hi = _kv_range(q_lo, bq, length, first_target, params)
         dv = v_ref.shape[-1]
         pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
 
-        exact = q.dtype == jnp.float32
+        exact = qt.q.dtype == jnp.float32
 
         def body(n, carry, masked, clipped):
-            k_lo = n * bk
-            cols, _, k, v, ts_k = _kv_side(
-                k_ref,
-                v_ref,
-                ts_ref,
-                start=start,
-                k_lo=k_lo,
-                bk=bk,
-                length=length,
-                h=h,
-                params=params,
-                with_ts=not rows_bias,
-            )
-            bias_tile = None
-            if rows_bias:
-                bias_tile = _bias_tile(
-                    bias_ref, h=h, start=start, q_lo=q_lo, bq=bq, k_lo=k_lo, bk=bk, row_ok=row_ok
-                )
-            pos_tile = None
-            if not (clipped or rows_bias):
-                pos_tile = _pos_tile(pos_exp_ref, h=h, q_lo=q_lo, k_lo=k_lo, params=params, bq=bq, bk=bk)
+            kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=n * bk, bk=bk, with_ts=not rows_bias, **seq)
             sc, _ = _scores(
-                q,
-                k,
-                rows=rows,
-                cols=cols,
-                h=h,
-                ts_q=ts_q,
-                ts_k=ts_k,
-                pos_ref=pos_ref,
-                time_ref=time_ref,
-                params=params,
-                clipped=clipped,
-                pos_far=pos_far,
-                pos_tile=pos_tile,
-                bias_tile=bias_tile,
+                qt, kt, start=start, h=h, bias=bias, params=params, clipped=clipped, pos_far=pos_far
             )
-            mask = tiling.allowed(rows, cols, length, first_target, params) if masked else None
+            mask = tiling.allowed(qt.rows, kt.cols, length, first_target, params) if masked else None
+            v = kt.v
             if params.activation == "silu":
                 (acc,) = carry
                 if params.options.silu_bf16x2 and v.dtype == jnp.bfloat16 and not params.interpret:
@@ -565,8 +560,8 @@ def _fwd_kernel(
             l_safe = jnp.where(l_i > 0, l_i, 1.0)
             acc = acc / l_safe[:, None]
             lse = (m_i + jnp.log2(l_safe)) / LOG2E  # natural-log units
-            plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=row_ok)
-        plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=row_ok[:, None])
+            plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=qt.ok)
+        plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=qt.ok[:, None])
 
     @pl.when(w >= num_work)
     def _():
@@ -679,6 +674,7 @@ def _dq_kernel(
 ):
     del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
     rows_bias = params.bias_rows
+    bias = _BiasRefs(pos_ref, pos_exp_ref, time_ref, bias_ref)
     pid = pl.program_id(0)
     h = pid % heads
     w = pid // heads
@@ -691,61 +687,27 @@ def _dq_kernel(
         b, m = wb_ref[w], wm_ref[w]
         start, length, first_target = _seq(offsets_ref, targets_ref, b, params)
         q_lo = m * bq
-        rows, row_ok, q, do, ts_q, lse, delta = _q_side(
-            q_ref,
-            ts_ref,
-            start=start,
-            q_lo=q_lo,
-            bq=bq,
-            length=length,
-            h=h,
-            params=params,
-            do_ref=do_ref,
-            lse_ref=lse_ref,
-            o_ref=o_ref,
-        )
+        seq = dict(start=start, length=length, h=h, params=params)
+        qt = _q_side(q_ref, ts_ref, q_lo=q_lo, bq=bq, do_ref=do_ref, lse_ref=lse_ref, o_ref=o_ref, **seq)
         if params.activation == "softmax":  # for the dK/dV kernel, which runs after this one
-            plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], delta, mask=row_ok)
+            plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], qt.delta, mask=qt.ok)
         lo, hi = _kv_range(q_lo, bq, length, first_target, params)
         pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
         lowest, step, _ = _pos_offsets(params, bq, bk)
 
-        exact = q.dtype == jnp.float32
+        exact = qt.q.dtype == jnp.float32
 
         def body(n, carry, masked, clipped):
             dq, far, hist = carry
             k_lo = n * bk
-            cols, _, k, v, ts_k = _kv_side(
-                k_ref, v_ref, ts_ref, start=start, k_lo=k_lo, bk=bk, length=length, h=h, params=params
-            )
-            bias_tile = None
-            if rows_bias:
-                bias_tile = _bias_tile(
-                    bias_ref, h=h, start=start, q_lo=q_lo, bq=bq, k_lo=k_lo, bk=bk, row_ok=row_ok
-                )
-            pos_tile = None
-            if not (clipped or rows_bias):
-                pos_tile = _pos_tile(pos_exp_ref, h=h, q_lo=q_lo, k_lo=k_lo, params=params, bq=bq, bk=bk)
+            kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=k_lo, bk=bk, **seq)
             sc, tt = _scores(
-                q,
-                k,
-                rows=rows,
-                cols=cols,
-                h=h,
-                ts_q=ts_q,
-                ts_k=ts_k,
-                pos_ref=pos_ref,
-                time_ref=time_ref,
-                params=params,
-                clipped=clipped,
-                pos_far=pos_far,
-                pos_tile=pos_tile,
-                bias_tile=bias_tile,
+                qt, kt, start=start, h=h, bias=bias, params=params, clipped=clipped, pos_far=pos_far
             )
-            mask = tiling.allowed(rows, cols, length, first_target, params) if masked else None
-            dp = _dot(do, v, trans_b=True)
-            _, ds = _ds(sc, mask, dp, lse=lse, delta=delta, params=params, exact=exact)
-            dq = dq + _dot(ds.astype(k.dtype), k)
+            mask = tiling.allowed(qt.rows, kt.cols, length, first_target, params) if masked else None
+            dp = _dot(qt.do, kt.v, trans_b=True)
+            _, ds = _ds(sc, mask, dp, lse=qt.lse, delta=qt.delta, params=params, exact=exact)
+            dq = dq + _dot(ds.astype(kt.k.dtype), kt.k)
             total = jnp.sum(ds) if params.has_time or (params.has_pos and clipped) else None
             if params.has_pos and clipped:  # the whole tile is the last bucket
                 far = far + total
@@ -774,7 +736,7 @@ def _dq_kernel(
         plgpu.store(
             dq_ref.at[pl.ds(start + q_lo, bq), h, :],
             (dq * (params.alpha * scale)).astype(dq_ref.dtype),
-            mask=row_ok[:, None],
+            mask=qt.ok[:, None],
         )
         dfar_ref[pid] = far
 
@@ -815,6 +777,7 @@ def _dkv_kernel(
     total_rows: int,
 ):
     rows_bias = params.bias_rows
+    bias = _BiasRefs(pos_ref, pos_exp_ref, time_ref, bias_ref)
     pid = pl.program_id(0)
     h = pid % heads
     w = pid // heads
@@ -826,18 +789,8 @@ def _dkv_kernel(
         b, n = wb_ref[w], wm_ref[w]
         start, length, first_target = _seq(offsets_ref, targets_ref, b, params)
         k_lo = n * bk
-        cols, col_ok, k, v, ts_k = _kv_side(
-            k_ref,
-            v_ref,
-            ts_ref,
-            start=start,
-            k_lo=k_lo,
-            bk=bk,
-            length=length,
-            h=h,
-            params=params,
-            with_ts=not rows_bias,
-        )
+        seq = dict(start=start, length=length, h=h, params=params)
+        kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=k_lo, bk=bk, with_ts=not rows_bias, **seq)
         lo, hi = _q_range(k_lo, bk, length, first_target, params)
         pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
 
@@ -845,50 +798,16 @@ def _dkv_kernel(
 
         def body(m, carry, masked, clipped):
             dk, dv = carry
-            q_lo = m * bq
-            rows, row_ok, q, do, ts_q, lse, delta = _q_side(
-                q_ref,
-                ts_ref,
-                start=start,
-                q_lo=q_lo,
-                bq=bq,
-                length=length,
-                h=h,
-                params=params,
-                do_ref=do_ref,
-                lse_ref=lse_ref,
-                delta_ref=delta_ref,
-                with_ts=not rows_bias,
-            )
-            bias_tile = None
-            if rows_bias:
-                bias_tile = _bias_tile(
-                    bias_ref, h=h, start=start, q_lo=q_lo, bq=bq, k_lo=k_lo, bk=bk, row_ok=row_ok
-                )
-            pos_tile = None
-            if not (clipped or rows_bias):
-                pos_tile = _pos_tile(pos_exp_ref, h=h, q_lo=q_lo, k_lo=k_lo, params=params, bq=bq, bk=bk)
+            refs = dict(do_ref=do_ref, lse_ref=lse_ref, delta_ref=delta_ref)
+            qt = _q_side(q_ref, ts_ref, q_lo=m * bq, bq=bq, with_ts=not rows_bias, **refs, **seq)
             sc, _ = _scores(
-                q,
-                k,
-                rows=rows,
-                cols=cols,
-                h=h,
-                ts_q=ts_q,
-                ts_k=ts_k,
-                pos_ref=pos_ref,
-                time_ref=time_ref,
-                params=params,
-                clipped=clipped,
-                pos_far=pos_far,
-                pos_tile=pos_tile,
-                bias_tile=bias_tile,
+                qt, kt, start=start, h=h, bias=bias, params=params, clipped=clipped, pos_far=pos_far
             )
-            mask = tiling.allowed(rows, cols, length, first_target, params) if masked else None
-            dp = _dot(do, v, trans_b=True)
-            p, ds = _ds(sc, mask, dp, lse=lse, delta=delta, params=params, exact=exact)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            mask = tiling.allowed(qt.rows, kt.cols, length, first_target, params) if masked else None
+            dp = _dot(qt.do, kt.v, trans_b=True)
+            p, ds = _ds(sc, mask, dp, lse=qt.lse, delta=qt.delta, params=params, exact=exact)
+            dv = dv + _dot(p.astype(qt.do.dtype), qt.do, trans_a=True)
+            dk = dk + _dot(ds.astype(qt.q.dtype), qt.q, trans_a=True)
             return dk, dv
 
         init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
@@ -908,10 +827,10 @@ def _dkv_kernel(
         plgpu.store(
             dk_ref.at[pl.ds(start + k_lo, bk), h, :],
             (dk * (params.alpha * scale)).astype(dk_ref.dtype),
-            mask=col_ok[:, None],
+            mask=kt.ok[:, None],
         )
         plgpu.store(
-            dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype), mask=col_ok[:, None]
+            dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype), mask=kt.ok[:, None]
         )
 
     @pl.when(w >= num_work)
