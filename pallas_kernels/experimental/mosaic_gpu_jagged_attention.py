@@ -102,6 +102,7 @@ def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> 
         num_time=1,
         interpret=False,
         blocks=BlockSizes.get_default("gpu", head_dim=head_dim, max_seq_len=max_seq_len),
+        bias_rows=False,
     )
     return KernelParams(**{**defaults, **fields})
 

@@ -13,7 +13,8 @@ class KernelParams:
     """The static arguments of every backend function (hashable: a nondiff argument of the custom VJP).
 
     bias_rows: the GPU kernels load the relative bias from the [H, T, W] bias_rows array (KernelOptions) that
-    forward builds. api.py decides it once, with the key tiles that will read the array; backends obey it.
+    forward builds. api.py decides it once, with the key tiles that will read the array; backends obey it. No
+    default: whoever builds a KernelParams decides it.
     """
 
     max_seq_len: int
@@ -27,5 +28,5 @@ class KernelParams:
     num_time: int
     interpret: bool
     blocks: BlockSizes
+    bias_rows: bool
     options: KernelOptions = KernelOptions()
-    bias_rows: bool = False
