@@ -11,13 +11,18 @@
 A kernel name is a backend module of the package (`gpu.py`, `tpu.py`) plus an optional "_interpret".
 Backends are imported when first asked for, so CPU users never import Triton or Mosaic lowering code and a
 backend that fails to import fails there, loudly, naming the implementation.
+
+`run_kernel` is the one place a backend's functions are called (the contract, docs/architecture.md): the
+layout conversions as plain differentiable jnp, forward and backward bound into one `jax.custom_vjp`.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import jax
 
@@ -64,11 +69,50 @@ def resolve(implementation: str | None) -> str:
     return IMPLEMENTATIONS[implementation](jax.default_backend())
 
 
-def load_backend(package: str, kernel: str) -> tuple[ModuleType, bool]:
-    """(backend module of `package`, interpret mode) for a kernel name, e.g. "gpu_interpret"."""
+def interpret(kernel: str) -> bool:
+    """Whether a kernel name (one of KERNELS) runs in Pallas interpret mode."""
+    return kernel.endswith("_interpret")
+
+
+def tile_platform(kernel: str) -> str:
+    """The platform a kernel's tiles are chosen for (BlockSizes.get_default): "gpu", "tpu", or "cpu"
+    (interpret mode: small tiles keep CPU tests fast)."""
+    return "cpu" if interpret(kernel) else kernel
+
+
+def load_backend(package: str, kernel: str) -> ModuleType:
+    """The backend module of `package` that runs a kernel name, e.g. gpu.py for "gpu_interpret"."""
     name = f"{package}.{kernel.removesuffix('_interpret')}"
     try:
-        module = importlib.import_module(name)
+        return importlib.import_module(name)
     except ImportError as e:
         raise ImportError(f"implementation {kernel!r} needs {name}, which failed to import: {e}") from e
-    return module, kernel.endswith("_interpret")
+
+
+# package: a kernel package's module path; kernel: one of KERNELS (params.interpret says the same);
+# params: the package's hashable KernelParams; inputs: the backend's to_kernel_layout tuple.
+@functools.partial(jax.custom_vjp, nondiff_argnames=("package", "kernel", "params"))
+def _kernel_call(inputs: tuple, package: str, kernel: str, params: Any):
+    return load_backend(package, kernel).forward(inputs, params)[0]
+
+
+def _kernel_call_fwd(inputs: tuple, package: str, kernel: str, params: Any):
+    return load_backend(package, kernel).forward(inputs, params)
+
+
+def _kernel_call_bwd(package: str, kernel: str, params: Any, residuals, d_out):
+    return (load_backend(package, kernel).backward(residuals, d_out, params),)
+
+
+_kernel_call.defvjp(_kernel_call_fwd, _kernel_call_bwd)
+
+
+def run_kernel(package: str, kernel: str, params: Any, q, k, v, offsets, *extras) -> jax.Array:
+    """A package's kernel on [T, H, D] q, k, v: to_kernel_layout, the custom VJP, from_kernel_layout.
+
+    `extras` are the package's further array arguments of to_kernel_layout (after offsets, before params).
+    """
+    backend = load_backend(package, kernel)
+    inputs = backend.to_kernel_layout(q, k, v, offsets, *extras, params)
+    out = _kernel_call(inputs, package, kernel, params)
+    return backend.from_kernel_layout(out, v, offsets, params)

@@ -16,6 +16,7 @@ from jax.extend import core as jcore
 
 from experiments.benchmarks import shapes
 from pallas_kernels.jagged_attention import jagged_attention, reference
+from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 
 H, D = shapes.SMALL.heads, shapes.SMALL.head_dim
@@ -26,6 +27,21 @@ LENGTHS = list(shapes.SMALL_LENGTHS)  # empty, length 1, not multiples of the ti
 
 def _offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _bias_array_widths(jaxpr, heads: int, rows: int) -> set[int]:
+    """Widths W of the [H, T, W] arrays (W a multiple of 128: bias_rows) in a jaxpr and its nested jaxprs."""
+    widths = set()
+    for eqn in jaxpr.eqns:
+        for out in eqn.outvars:
+            shape = getattr(out.aval, "shape", ())
+            if len(shape) == 3 and shape[:2] == (heads, rows) and shape[2] % 128 == 0:
+                widths.add(shape[2])
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                widths |= _bias_array_widths(inner, heads, rows)
+    return widths
 
 
 def _rel(a, b):
@@ -228,11 +244,33 @@ class TestInterpretGPU(_Base):
             options=options,
         )
 
+    @pytest.mark.parametrize(
+        "block_k, cap_columns, want_width",
+        [(16, 128, 128), (256, 128, None), (256, 256, 256)],
+    )
+    def test_bias_rows_fits_with_the_key_tiles_that_read_it(self, block_k, cap_columns, want_width):
+        # the bias_rows array is [H, T, W] with W = max_seq_len rounded up to the widest key tile (>= 128); whether
+        # it fits under bias_rows_max_bytes is decided with that W, and forward builds it exactly then
+        blocks = BlockSizes(block_k=block_k, block_k_dkv=16)
+        options = KernelOptions(bias_rows_max_bytes=H * CAPACITY * cap_columns * 4)  # float32 inputs
+        q = jnp.zeros((CAPACITY, H, D), jnp.float32)
+        offsets = jnp.asarray(_offsets(LENGTHS))
+        ts = jnp.zeros((CAPACITY,), jnp.int32)
+        tables = (jnp.zeros((H, 24), jnp.float32), jnp.zeros((H, 30), jnp.float32))
+        kw = dict(max_seq_len=N, implementation=self.IMPLEMENTATION, block_sizes=blocks, options=options)
+
+        def loss(q, pos, time):
+            return jnp.sum(
+                jagged_attention(q, q, q, offsets, timestamps=ts, pos_bias=pos, time_bias=time, **kw)
+            )
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, *tables).jaxpr
+        assert _bias_array_widths(jaxpr, H, CAPACITY) == ({want_width} if want_width else set())
+
     def test_bias_rows_is_the_reference_bias(self):
-        # bias_rows[h, i, j] for row i of sequence b and column j < len_b: the DESIGN.md bias of (i, j)
+        # bias_rows[h, i, j] for row i of sequence b and column j < len_b: the reference's bias of (i, j)
         from pallas_kernels.jagged_attention import gpu
-        from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-        from pallas_kernels.jagged_attention.tiling import Static
+        from pallas_kernels.jagged_attention.params import KernelParams
 
         rng = np.random.default_rng(12)
         lengths = [0, 1, 37, 64, 20]
@@ -242,19 +280,37 @@ class TestInterpretGPU(_Base):
             rng.standard_normal((H, 24)).astype(np.float32),
             rng.standard_normal((H, 30)).astype(np.float32),
         )
-        s = Static(N, "silu", 1.0, 0, False, True, True, 24, 30, True, BlockSizes(block_k=16, block_k_dkv=32))
+        params = KernelParams(
+            max_seq_len=N,
+            activation="silu",
+            alpha=1.0,
+            max_attn_len=0,
+            has_targets=False,
+            has_pos=True,
+            has_time=True,
+            num_pos=24,
+            num_time=30,
+            interpret=True,
+            blocks=BlockSizes(block_k=16, block_k_dkv=32),
+            bias_rows=True,
+        )
+        zeros = jnp.zeros((CAPACITY, H, D))
         inputs = gpu.to_kernel_layout(
-            *(jnp.zeros((CAPACITY, H, D)),) * 3,
+            zeros,
+            zeros,
+            zeros,
             jnp.asarray(offsets),
             None,
             jnp.asarray(ts),
             jnp.asarray(pos),
             jnp.asarray(tim),
-            s,
+            params,
         )
-        got = np.asarray(
-            gpu.bias_rows(inputs[3], inputs[5], inputs[6], inputs[7], s, CAPACITY, H, jnp.float32)
+        offsets_in, ts_in, pos_in, time_in = inputs[3], inputs[5], inputs[6], inputs[7]
+        got = gpu.bias_rows(
+            offsets_in, ts_in, pos_in, time_in, params, total_rows=CAPACITY, heads=H, dtype=jnp.float32
         )
+        got = np.asarray(got)
         assert got.shape == (H, CAPACITY, 128)  # max_seq_len rounded up to 128 (and to the key tiles)
         for b, length in enumerate(lengths):
             i, j = np.meshgrid(np.arange(length), np.arange(length), indexing="ij")
@@ -264,10 +320,10 @@ class TestInterpretGPU(_Base):
             np.testing.assert_allclose(got[:, row, j], want, rtol=1e-6, err_msg=f"sequence {b}")
 
     def test_bf16_softmax_delta_matches_kernel_do(self):
-        # Fuzz family 2 on the H200 (bf16 softmax, targets, window, time bias): dq/dk/dtime of ~1 where the
-        # reference is exactly 0 (sequences that are all targets: each row sees only itself, so P = 1 and
-        # dScore = dP - delta = 0). The backward took delta = rowsum(dO * O) from XLA, which on GPU read the
-        # unrounded float32 cotangent (_with_excess_precision), while dP used the kernel's bf16 dO.
+        # bf16 softmax, targets, window, time bias. In sequences that are all targets each row sees only itself,
+        # so P = 1 and dScore = dP - delta = 0: the reference's dq/dk/dtime are exactly 0. A delta = rowsum(dO *
+        # O) taken from XLA reads, on GPU, the unrounded float32 cotangent (_with_excess_precision) while dP
+        # uses the kernel's bf16 dO, which gives dq/dk/dtime of ~1 there; the kernel's own delta does not.
         rng = np.random.default_rng(11)
         lengths = [0, 1, 60, 41, 2]
         offsets = jnp.asarray(_offsets(lengths))

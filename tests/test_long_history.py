@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from gem_jax.config import ConfigError, load_config
-from gem_jax.model.attention import attention
+from gem_jax.model.attention import AttentionSpec, attention
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.long_history import long_history_attention, pyramid_layout, suffix_layout
@@ -79,8 +79,7 @@ def test_recent_covering_every_history_is_plain_jagged_attention(activation):
     pos_bias, time_bias = _biases()
     common = dict(
         max_seq_len=CTX + 30 + 3,
-        activation=activation,
-        implementation="reference",
+        spec=AttentionSpec(activation=activation, implementation="reference"),
         pos_bias=pos_bias,
         time_bias=time_bias,
     )
@@ -137,8 +136,7 @@ def test_split_matches_per_example_references_and_has_gradients():
     pos_bias, time_bias = _biases()
     common = dict(
         max_seq_len=CTX + 7 + 3,
-        activation="silu",
-        implementation="reference",
+        spec=AttentionSpec(activation="silu", implementation="reference"),
         pos_bias=pos_bias,
         time_bias=time_bias,
     )

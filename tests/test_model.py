@@ -90,6 +90,8 @@ def test_attention_function_is_the_kernel_package():
     key = jax.random.key(0)
     q, k, v = (jax.random.normal(kk, (10, 2, 4)) for kk in jax.random.split(key, 3))
     offsets = jnp.array([0, 4, 9], jnp.int32)
-    out = attn_module.attention(q, k, v, offsets, max_seq_len=8, activation="silu", implementation="auto")
+    out = attn_module.attention(
+        q, k, v, offsets, spec=attn_module.AttentionSpec(activation="silu"), max_seq_len=8
+    )
     ref = jagged_attention(q, k, v, offsets, max_seq_len=8, implementation="reference")
     np.testing.assert_allclose(out, ref, rtol=1e-6)

@@ -20,24 +20,28 @@ from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, jagged_attention, tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
+
+# Every variant has gpu.bias_rows's signature: (offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype).
 
 
-def combined_table(offsets, ts, pos_tab, time_tab, s, t, heads, dtype):
+def combined_table(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype):
     """One gather per element from an [H, P * NT] table of position + time sums (instead of two)."""
-    delta, bucket = gpu.bias_cells(offsets, ts, s, t)
+    delta, bucket = gpu.bias_cells(offsets, ts, params, t=total_rows)
     width = time_tab.shape[1]
-    table = (pos_tab[:, : s.num_pos, None] + time_tab[:heads, None, :]).reshape(heads, -1)
-    return table[:, jnp.clip(delta, 0, s.num_pos - 1) * width + bucket].astype(dtype)
+    table = (pos_tab[:, : params.num_pos, None] + time_tab[:heads, None, :]).reshape(heads, -1)
+    return table[:, jnp.clip(delta, 0, params.num_pos - 1) * width + bucket].astype(dtype)
 
 
-def bucket_array_only(offsets, ts, pos_tab, time_tab, s, t, heads, dtype):
+def bucket_array_only(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype):
     """Lower bound: the head- and layer-independent [T, W] time-bucket array (shared by a model's layers)."""
-    return gpu.bias_cells(offsets, ts, s, t)[1]
+    return gpu.bias_cells(offsets, ts, params, t=total_rows)[1]
 
 
-def write_only(offsets, ts, pos_tab, time_tab, s, t, heads, dtype):
+def write_only(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype):
     """Lower bound: writing an [H, T, W] array of one value per head."""
-    return jnp.zeros((heads, t, gpu.bias_width(s)), dtype) + pos_tab[:, :1, None].astype(dtype)
+    width = tiling.bias_width(params.max_seq_len, params.blocks)
+    return jnp.zeros((heads, total_rows, width), dtype) + pos_tab[:, :1, None].astype(dtype)
 
 
 VARIANTS = {
@@ -72,13 +76,29 @@ def main(argv: list[str]) -> int:
         ts = jnp.asarray(np.cumsum(rng.integers(1, 120, t)), jnp.int32)
         pos = jnp.asarray(rng.standard_normal((h, 128)) * 0.1, jnp.float32)
         tim = jnp.asarray(rng.standard_normal((h, 64)) * 0.1, jnp.float32)
-        s = tiling.Static(n, "silu", 1 / np.sqrt(d), 0, False, True, True, 128, 64, False, BlockSizes())
-        inputs = gpu.to_kernel_layout(*(jnp.zeros((t, h, d), jnp.bfloat16),) * 3, off, None, ts, pos, tim, s)
+        params = KernelParams(
+            max_seq_len=n,
+            activation="silu",
+            alpha=1 / np.sqrt(d),
+            max_attn_len=0,
+            has_targets=False,
+            has_pos=True,
+            has_time=True,
+            num_pos=128,
+            num_time=64,
+            interpret=False,
+            blocks=BlockSizes(),
+            bias_rows=True,
+        )
+        zeros = jnp.zeros((t, h, d), jnp.bfloat16)
+        inputs = gpu.to_kernel_layout(zeros, zeros, zeros, off, None, ts, pos, tim, params)
         build_args = (inputs[3], inputs[5], inputs[6], inputs[7])
-        shipped = jax.jit(lambda *a: gpu.bias_rows(*a, s, t, h, jnp.bfloat16))(*build_args)
-        print(f"{name}: T {t}, {h * t * gpu.bias_width(s) / 1e9:.2f} G cells (H x T x W)", flush=True)
+        sizes = dict(total_rows=t, heads=h, dtype=jnp.bfloat16)
+        shipped = jax.jit(lambda *a: gpu.bias_rows(*a, params, **sizes))(*build_args)
+        width = tiling.bias_width(n, params.blocks)
+        print(f"{name}: T {t}, {h * t * width / 1e9:.2f} G cells (H x T x W)", flush=True)
         for label, fn in VARIANTS.items():
-            f = jax.jit(lambda *a, fn=fn: fn(*a, s, t, h, jnp.bfloat16))
+            f = jax.jit(lambda *a, fn=fn: fn(*a, params, **sizes))
             out = f(*build_args)
             same = "-"
             if out.shape == shipped.shape and "bound" not in label:

@@ -1,21 +1,54 @@
 """The model's one attention entry point: every jagged attention in gem_jax goes through here.
 
-It forwards to `pallas_kernels.jagged_attention` (DESIGN.md's signature); `implementation="auto"`
-picks the Pallas kernel on GPU/TPU and the jnp reference on CPU. Dropout on the attention weights
+A layer builds one `AttentionSpec` from the model config (the static settings of its attention calls) and
+passes it down; `attention` forwards it to `pallas_kernels.jagged_attention`. Dropout on the attention weights
 (`weight_dropout` with an rng, training only) exists only in the padded jnp reference, which then runs
 whatever the implementation: O(B N^2) memory, fine for the short sequences of next-item training.
-`bias_rows_gib` caps the GPU kernels' precomputed relative-bias array (KernelOptions.bias_rows): it trades
-H * T * max_seq_len elements of memory per call for a ~2x faster backward with a relative bias.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 from jaxtyping import ArrayLike, Float, Int
 
+from gem_jax.config import ModelConfig
 from pallas_kernels.jagged_attention import jagged_attention
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """The static settings of a layer's attention calls (hashable), built once from the model config.
+
+    implementation: a pallas_kernels implementation name, or None for the platform's best (config "auto").
+    weight_dropout: dropout on the attention weights, applied when a call gets an rng.
+    kernel_options: the GPU kernels' variants; the bias_rows array's cap comes from
+      `model.attention_bias_rows_gib`, which trades H * T * max_seq_len elements of memory per call for a
+      ~2x faster backward with a relative bias (0: the kernels compute the bias).
+    """
+
+    activation: str = "silu"
+    implementation: str | None = None
+    max_attn_len: int = 0
+    weight_dropout: float = 0.0
+    kernel_options: KernelOptions = KernelOptions()
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, *, activation: str | None = None) -> AttentionSpec:
+        """The spec of `config`'s attention; `activation` overrides model.activation (SASRec: softmax)."""
+        gib = config.attention_bias_rows_gib
+        return cls(
+            activation=activation or config.activation,
+            implementation=None
+            if config.attention_implementation == "auto"
+            else config.attention_implementation,
+            max_attn_len=config.max_attn_len,
+            weight_dropout=config.attention_dropout,
+            kernel_options=KernelOptions(bias_rows=gib > 0, bias_rows_max_bytes=int(gib * 2**30)),
+        )
 
 
 def attention(
@@ -24,38 +57,31 @@ def attention(
     v: Float[ArrayLike, "T H Dv"],
     offsets: Int[ArrayLike, " B1"],
     *,
+    spec: AttentionSpec,
     max_seq_len: int,
-    activation: str,
-    implementation: str,
     num_targets: Int[ArrayLike, " B"] | None = None,
-    max_attn_len: int = 0,
     timestamps: Int[ArrayLike, " T"] | None = None,
     pos_bias: Float[ArrayLike, "H P"] | None = None,
     time_bias: Float[ArrayLike, "H NT"] | None = None,
-    weight_dropout: float = 0.0,
     rng: jax.Array | None = None,
-    bias_rows_gib: float = 8.0,
 ) -> Float[ArrayLike, "T H Dv"]:
+    """Jagged attention of one layer (pallas_kernels.jagged_attention's arguments; the static ones in `spec`).
+
+    max_seq_len is the pack's static length bound, so it is an argument of the call, not of the spec.
+    """
     common = dict(
         max_seq_len=max_seq_len,
-        activation=activation,
+        activation=spec.activation,
         num_targets=num_targets,
-        max_attn_len=max_attn_len,
+        max_attn_len=spec.max_attn_len,
         timestamps=timestamps,
         pos_bias=pos_bias,
         time_bias=time_bias,
     )
-    if weight_dropout > 0 and rng is not None:
+    if spec.weight_dropout > 0 and rng is not None:
         return jagged_attention_reference(
-            q, k, v, offsets, **common, weight_dropout=weight_dropout, dropout_rng=rng
+            q, k, v, offsets, **common, weight_dropout=spec.weight_dropout, dropout_rng=rng
         )
-    options = KernelOptions(bias_rows=bias_rows_gib > 0, bias_rows_max_bytes=int(bias_rows_gib * 2**30))
     return jagged_attention(
-        q,
-        k,
-        v,
-        offsets,
-        **common,
-        implementation=None if implementation == "auto" else implementation,
-        options=options,
+        q, k, v, offsets, **common, implementation=spec.implementation, options=spec.kernel_options
     )

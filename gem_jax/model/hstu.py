@@ -18,7 +18,7 @@ from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
-from gem_jax.model.attention import attention
+from gem_jax.model.attention import AttentionSpec, attention
 from gem_jax.model.layers import Dense, LayerNorm, dropout, param
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.model.sasrec import SASRecLayer
@@ -33,6 +33,7 @@ class HSTULayer(nnx.Module):
         self.config = c
         self.name = name  # also the layer's named scope (profile groups)
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
+        self.attention_spec = AttentionSpec.from_config(c)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs)
         self.uvqk = Dense(f"{name}/uvqk", c.model_dim, h * (2 * dv + 2 * dqk), policy, rngs=rngs)
@@ -84,22 +85,17 @@ class HSTULayer(nnx.Module):
 
     def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int, rng: jax.Array | None):
         """Full jagged attention over every sequence (weight dropout with `rng`, if configured)."""
-        c = self.config
         return attention(
             q,
             k,
             v,
             offsets,
+            spec=self.attention_spec,
             max_seq_len=max_seq_len,
-            activation=c.activation,
-            implementation=c.attention_implementation,
             num_targets=num_targets,
-            max_attn_len=c.max_attn_len,
             timestamps=timestamps if self.time_bias is not None else None,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
             time_bias=self.time_bias[...] if self.time_bias is not None else None,
-            bias_rows_gib=c.attention_bias_rows_gib,
-            weight_dropout=c.attention_dropout,
             rng=rng,
         )
 
@@ -123,12 +119,9 @@ class LongHistoryLayer(HSTULayer):
             max_targets=self.max_targets,
             block_size=c.block_size,
             max_seq_len=max_seq_len,
-            activation=c.activation,
-            implementation=c.attention_implementation,
-            max_attn_len=c.max_attn_len,
+            spec=self.attention_spec,
             pos_bias=self.pos_bias[...] if self.pos_bias is not None else None,
             time_bias=self.time_bias[...] if self.time_bias is not None else None,
-            bias_rows_gib=c.attention_bias_rows_gib,
         )
 
 

@@ -46,7 +46,7 @@ import math
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from gem_jax.model.attention import attention
+from gem_jax.model.attention import AttentionSpec, attention
 from pallas_kernels.block_attention import block_attention
 
 
@@ -149,12 +149,9 @@ def long_history_attention(
     max_targets: int,
     block_size: int,
     max_seq_len: int,
-    activation: str,
-    implementation: str,
-    max_attn_len: int = 0,
+    spec: AttentionSpec,
     pos_bias: Float[ArrayLike, "H P"] | None = None,
     time_bias: Float[ArrayLike, "H NT"] | None = None,
-    bias_rows_gib: float = 8.0,
 ) -> Float[ArrayLike, "T H Dv"]:
     """Block attention on the older prefix, full jagged attention on the recent part (module doc).
 
@@ -168,7 +165,8 @@ def long_history_attention(
       block_size: BlockAttention block over the older prefix.
       max_seq_len: static bound on any sequence length of this pack; the recent layout's jagged
         attention uses min(max_seq_len, num_context + recent_len + max_targets) (SiLU divides by it).
-      activation, implementation, max_attn_len, pos_bias, time_bias, bias_rows_gib: as `attention`.
+      spec, pos_bias, time_bias: as `attention` (spec.implementation runs the block attention too; no weight
+        dropout here).
 
     Returns:
       [T, H, Dv] in v.dtype.
@@ -186,7 +184,7 @@ def long_history_attention(
         block_offsets,
         block_size=block_size,
         causal=True,
-        implementation=None if implementation == "auto" else implementation,
+        implementation=spec.implementation,
     )
 
     capacity = recent_capacity(t, b, num_context=num_context, recent_len=recent_len, max_targets=max_targets)
@@ -198,14 +196,11 @@ def long_history_attention(
         gather_rows(k, rows),
         gather_rows(v, rows),
         recent_offsets,
+        spec=spec,
         max_seq_len=min(max_seq_len, num_context + recent_len + max_targets),
-        activation=activation,
-        implementation=implementation,
         num_targets=num_targets,
-        max_attn_len=max_attn_len,
         timestamps=gather_rows(timestamps, rows) if time_bias is not None else None,
         pos_bias=pos_bias,
         time_bias=time_bias,
-        bias_rows_gib=bias_rows_gib,
     )
     return scatter_rows(older.astype(a.dtype), rows, a)

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
-from gem_jax.model.attention import attention
+from gem_jax.model.attention import AttentionSpec, attention
 from gem_jax.model.layers import Dense, LayerNorm, dropout
 from gem_jax.precision import PrecisionPolicy
 
@@ -34,6 +34,7 @@ class SASRecLayer(nnx.Module):
             )
         self.config = c
         self.name = name  # also the layer's named scope (profile groups)
+        self.attention_spec = AttentionSpec.from_config(c, activation="softmax")
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         if h * dv != c.model_dim:
             raise ValueError(
@@ -77,12 +78,9 @@ class SASRecLayer(nnx.Module):
                 k.reshape(t, h, dqk),
                 v.reshape(t, h, dv),
                 offsets,
+                spec=self.attention_spec,
                 max_seq_len=max_seq_len,
-                activation="softmax",
-                implementation=c.attention_implementation,
                 num_targets=num_targets,
-                max_attn_len=c.max_attn_len,
-                weight_dropout=c.attention_dropout,
                 rng=attention_rng,
             )
         a = a.reshape(t, h * dv).astype(xn.dtype)

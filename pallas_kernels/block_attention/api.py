@@ -1,7 +1,7 @@
-"""The public BlockAttention entry point: validation, backend dispatch, the custom VJP around the kernels.
+"""The public BlockAttention entry point: validation, tiles and kernel parameters, backend dispatch.
 
-Backends (gpu.py, tpu.py) export plain `forward` (output and residuals) and `backward` functions;
-implementation names: pallas_kernels/implementations.py.
+Backends (gpu.py, tpu.py) follow the kernel-package contract (docs/architecture.md); implementations.run_kernel
+binds their forward and backward into the custom VJP. Implementation names: pallas_kernels/implementations.py.
 """
 
 from __future__ import annotations
@@ -13,39 +13,12 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels import implementations
-from pallas_kernels.block_attention import block_sizes, reference
+from pallas_kernels.block_attention import reference
+from pallas_kernels.block_attention.block_sizes import BlockSizes
+from pallas_kernels.block_attention.params import KernelParams
 from pallas_kernels.checks import check_jagged_qkv
 
 _PACKAGE = "pallas_kernels.block_attention"
-
-
-def _backend(kernel: str):
-    return implementations.load_backend(_PACKAGE, kernel)
-
-
-# kernel: one of implementations.KERNELS. A backend's forward returns (out, residuals), its backward
-# (dq, dk, dv) from those residuals.
-@functools.partial(jax.custom_vjp, nondiff_argnames=("block_size", "causal", "alpha", "kernel"))
-def _kernel_attention(q, k, v, offsets, block_size, causal, alpha, kernel):
-    return _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel)[0]
-
-
-def _kernel_attention_fwd(q, k, v, offsets, block_size, causal, alpha, kernel):
-    backend, interpret = _backend(kernel)
-    return backend.forward(
-        q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
-    )
-
-
-def _kernel_attention_bwd(block_size, causal, alpha, kernel, residuals, do):
-    backend, interpret = _backend(kernel)
-    dq, dk, dv = backend.backward(
-        residuals, do, block_size=block_size, causal=causal, alpha=alpha, interpret=interpret
-    )
-    return dq, dk, dv, None
-
-
-_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation"))
@@ -95,5 +68,11 @@ def block_attention(
         return reference.block_attention_reference(
             q, k, v, offsets, block_size=block_size, causal=causal, alpha=float(alpha)
         )
-    block_sizes.BlockSizes.get_default(block_size)  # raises for unsupported sizes
-    return _kernel_attention(q, k, v, offsets, block_size, causal, float(alpha), kernel)
+    params = KernelParams(
+        block_size=block_size,
+        causal=causal,
+        alpha=float(alpha),
+        interpret=implementations.interpret(kernel),
+        blocks=BlockSizes.get_default(implementations.tile_platform(kernel), block_size=block_size),
+    )
+    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets)

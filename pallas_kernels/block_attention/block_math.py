@@ -5,22 +5,12 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-MASKED = -1e30
-
-
-def dot(a, b, contract_a: int, contract_b: int):
-    """a . b contracting the given axes, fp32 accumulation."""
-    return lax.dot_general(
-        a,
-        b,
-        (((contract_a,), (contract_b,)), ((), ())),
-        preferred_element_type=jnp.float32,
-    )
+from pallas_kernels.common import MASKED, dot
 
 
 def probs(q, k, n, tile, alpha, causal):
     """Row-normalised softmax of one head's block scores, fp32 [tile, tile]."""
-    s = dot(q, k, 1, 1) * alpha
+    s = dot(q, k, trans_b=True) * alpha
     row = lax.broadcasted_iota(jnp.int32, (tile, tile), 0)
     col = lax.broadcasted_iota(jnp.int32, (tile, tile), 1)
     visible = (col < n) & (row < n)  # rows past n belong to other blocks

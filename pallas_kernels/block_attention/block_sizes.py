@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_kernels.common import next_pow2
+
 MIN_TILE = 16
 # One program holds the whole block's scores (tile x tile fp32) and, in the backward
 # pass, four such tiles; beyond 128 rows that spills registers on a GPU SM.
@@ -25,8 +27,14 @@ class BlockSizes:
     num_stages: int = 1  # no key loop to pipeline: the block is one tile
 
     @classmethod
-    def get_default(cls, block_size: int) -> BlockSizes:
-        tile = max(MIN_TILE, 1 << (block_size - 1).bit_length())
+    def get_default(cls, platform: str, *, block_size: int) -> BlockSizes:
+        """The tiles of one block; ValueError for a block_size the kernels do not support.
+
+        platform: "gpu", "tpu", or "cpu" (a kernel in interpret mode); the tile is the same on each, the
+        launch knobs matter on GPU only.
+        """
+        del platform
+        tile = next_pow2(block_size, at_least=MIN_TILE)
         if tile > MAX_TILE:
             raise ValueError(
                 f"block_size={block_size} needs a {tile}-row tile; the Pallas kernels "

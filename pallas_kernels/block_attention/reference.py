@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float, Int
 
-_MASKED = -1e30  # finite, so a query with no visible key cannot produce NaN
+from pallas_kernels.common import MASKED
 
 
 def token_layout(
@@ -87,7 +87,7 @@ def block_attention_reference(
     kw = jnp.where(keep, k.astype(jnp.float32), 0.0)[jc]  # [T, W, H, Dqk]
     vw = jnp.where(keep, v.astype(jnp.float32), 0.0)[jc]  # [T, W, H, Dv]
     s = alpha * jnp.einsum("thd,twhd->thw", qf, kw, precision=jax.lax.Precision.HIGHEST)
-    s = jnp.where(mask[:, None, :], s, _MASKED)
+    s = jnp.where(mask[:, None, :], s, MASKED)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(mask[:, None, :], p, 0.0)
     out = jnp.einsum("thw,twhd->thd", p, vw, precision=jax.lax.Precision.HIGHEST)

@@ -57,9 +57,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.common import cdiv, cdiv_dyn
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.tiling import Static, cdiv, cdiv_dyn
+from pallas_kernels.jagged_attention.params import KernelParams
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
 COMPUTE_WGS = 2
@@ -85,8 +86,8 @@ class Bringup:
     flat_gmem: bool = True
 
 
-def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> Static:
-    """The tiling.Static of a call without relative bias (what this kernel supports), not interpreted, with the
+def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> KernelParams:
+    """The KernelParams of a call without relative bias (what this kernel supports), not interpreted, with the
     GPU backend's default tiles (so the Triton forward it is compared with runs as jagged_attention runs it);
     `fields` override any field (tests)."""
     defaults = dict(
@@ -100,12 +101,13 @@ def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> 
         num_pos=1,
         num_time=1,
         interpret=False,
-        blocks=BlockSizes.get_default("gpu", head_dim, max_seq_len),
+        blocks=BlockSizes.get_default("gpu", head_dim=head_dim, max_seq_len=max_seq_len),
+        bias_rows=False,
     )
-    return Static(**{**defaults, **fields})
+    return KernelParams(**{**defaults, **fields})
 
 
-def supports(s: Static, q, v) -> bool:
+def supports(s: KernelParams, q, v) -> bool:
     """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
     return (
         not s.has_pos
@@ -156,7 +158,7 @@ def _kernel(
     lse_ref,
     scoped,
     *,
-    s: Static,
+    s: KernelParams,
     heads: int,
     num_work: int,
     num_zero: int,
@@ -549,7 +551,7 @@ def forward_mosaic_gpu(
     ts,
     pos_tab,
     time_tab,
-    s: Static,
+    s: KernelParams,
     *,
     block_k: int = 128,
     stages: int = 2,

@@ -1,9 +1,10 @@
-"""The one public entry point: validates shapes, picks a backend, owns the custom VJP around its kernels.
+"""The one public entry point: validates shapes, picks a backend, builds the kernels' parameters once.
 
-A backend module (gpu.py, tpu.py) exports plain functions: `to_kernel_layout` and `from_kernel_layout`
-(layout conversions in jnp, differentiated by JAX as usual), and `forward(inputs, s)` -> (out,
-residuals), `backward(residuals, do, s)` -> the inputs' cotangents, which `_kernel_attention` binds into
-one `jax.custom_vjp`. Implementation names: pallas_kernels/implementations.py.
+Backends (gpu.py, tpu.py) follow the kernel-package contract (docs/architecture.md): `to_kernel_layout` and
+`from_kernel_layout` (layout conversions in jnp, differentiated by JAX as usual), `forward(inputs, params)` ->
+(out, residuals) and `backward(residuals, d_out, params)` -> the inputs' cotangents, which
+implementations.run_kernel binds into one `jax.custom_vjp`. Every decision a backend obeys (tiles, whether the
+bias_rows array is used) is made here, in KernelParams. Implementation names: pallas_kernels/implementations.py.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from pallas_kernels import implementations
 from pallas_kernels.checks import check_jagged_qkv
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
-from pallas_kernels.jagged_attention.tiling import Static, bias_width
+from pallas_kernels.jagged_attention.tiling import bias_width
 
 ACTIVATIONS = ("silu", "softmax")
 _PACKAGE = "pallas_kernels.jagged_attention"
@@ -35,25 +37,39 @@ def default_implementation(platform: str | None = None) -> str:
     return implementations.default_implementation(platform)
 
 
-def _backend(kernel: str):
-    return implementations.load_backend(_PACKAGE, kernel)[0]
+def _tiles_and_bias_rows(
+    kernel: str,
+    q,
+    v,
+    *,
+    max_seq_len: int,
+    has_bias: bool,
+    block_sizes: BlockSizes | None,
+    options: KernelOptions,
+) -> tuple[BlockSizes, bool]:
+    """(tiles, whether the GPU kernels load the bias from the bias_rows array): one decision, with the key
+    tiles that read the array (they set its width). Without given tiles, the defaults for the array are tried
+    first, and the defaults for the bias computed in the kernels are taken if the array does not fit."""
 
+    def fits(blocks: BlockSizes) -> bool:
+        width = bias_width(max_seq_len, blocks)
+        return options.use_bias_rows(
+            rows=q.shape[0], heads=q.shape[1], width=width, itemsize=q.dtype.itemsize
+        )
 
-# kernel: one of implementations.KERNELS (s.interpret says the same); inputs: to_kernel_layout's tuple
-@functools.partial(jax.custom_vjp, nondiff_argnames=("kernel", "s"))
-def _kernel_attention(inputs, kernel: str, s: Static):
-    return _backend(kernel).forward(inputs, s)[0]
-
-
-def _kernel_attention_fwd(inputs, kernel: str, s: Static):
-    return _backend(kernel).forward(inputs, s)
-
-
-def _kernel_attention_bwd(kernel: str, s: Static, residuals, do):
-    return (_backend(kernel).backward(residuals, do, s),)
-
-
-_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+    wanted = has_bias and kernel.startswith("gpu")  # only the GPU kernels read a bias_rows array
+    if block_sizes is not None:
+        return block_sizes, wanted and fits(block_sizes)
+    default = functools.partial(
+        BlockSizes.get_default,
+        implementations.tile_platform(kernel),
+        head_dim=max(q.shape[-1], v.shape[-1]),
+        max_seq_len=max_seq_len,
+        has_bias=has_bias,
+    )
+    if wanted and fits(default(bias_rows=True)):
+        return default(bias_rows=True), True
+    return default(bias_rows=False), False
 
 
 @functools.partial(
@@ -149,18 +165,12 @@ def jagged_attention(
             pos_bias=pos_bias,
             time_bias=time_bias,
         )
-    backend, interpret = implementations.load_backend(_PACKAGE, kernel)
     has_bias = pos_bias is not None or time_bias is not None
     options = options or KernelOptions()
-    if block_sizes is None:
-        platform = "cpu" if interpret else kernel
-        rows = options.use_bias_rows(
-            rows=q.shape[0], heads=q.shape[1], width=bias_width(max_seq_len), itemsize=q.dtype.itemsize
-        )
-        block_sizes = BlockSizes.get_default(
-            platform, max(q.shape[-1], v.shape[-1]), max_seq_len, has_bias, bias_rows=has_bias and rows
-        )
-    s = Static(
+    blocks, bias_rows = _tiles_and_bias_rows(
+        kernel, q, v, max_seq_len=max_seq_len, has_bias=has_bias, block_sizes=block_sizes, options=options
+    )
+    params = KernelParams(
         max_seq_len=max_seq_len,
         activation=activation,
         alpha=float(1.0 / math.sqrt(q.shape[-1]) if alpha is None else alpha),
@@ -170,10 +180,10 @@ def jagged_attention(
         has_time=time_bias is not None,
         num_pos=1 if pos_bias is None else pos_bias.shape[1],
         num_time=1 if time_bias is None else time_bias.shape[1],
-        interpret=interpret,
-        blocks=block_sizes,
+        interpret=implementations.interpret(kernel),
+        blocks=blocks,
         options=options,
+        bias_rows=bias_rows,
     )
-    inputs = backend.to_kernel_layout(q, k, v, offsets, num_targets, timestamps, pos_bias, time_bias, s)
-    out = _kernel_attention(inputs, kernel, s)
-    return backend.from_kernel_layout(out, v, offsets, s)
+    extras = (num_targets, timestamps, pos_bias, time_bias)
+    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)

@@ -28,12 +28,19 @@ class BlockSizes:
 
     @classmethod
     def get_default(
-        cls, platform: str, head_dim: int, max_seq_len: int, has_bias: bool = False, bias_rows: bool = False
+        cls,
+        platform: str,
+        *,
+        head_dim: int,
+        max_seq_len: int,
+        has_bias: bool = False,
+        bias_rows: bool = False,
     ) -> BlockSizes:
         """Defaults tuned on the H200 for Dqk=Dv=128 (GPU); small tiles for short sequences and CPU tests.
 
         platform: "gpu", "tpu", or "cpu" (a kernel in interpret mode). head_dim: max(Dqk, Dv). bias_rows: the
-        GPU kernels load the bias from the bias_rows array (KernelOptions) rather than computing it.
+        GPU kernels load the bias from the bias_rows array (KernelOptions) rather than computing it. No default
+        key tile exceeds 128, the bias_rows array's column step.
         """
         if platform == "tpu":
             return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128)
@@ -44,8 +51,8 @@ class BlockSizes:
         else:
             sizes = cls()
         if platform == "gpu" and has_bias and not bias_rows:
-            # measured on the H200 with both tables computed in the kernels (N=1024): 64x128 dK/dV tiles and 2
-            # forward stages beat the no-bias defaults (whose shared memory the bias tiles overflow). Loading the
-            # bias from bias_rows, the no-bias defaults are fastest (2026-12-01: backward 18.6 vs 22.1 ms).
+            # With both tables computed in the kernels, the bias tiles overflow the no-bias defaults' shared
+            # memory: 64x128 dK/dV tiles and 2 forward stages are faster there (docs/benchmarks.md). Loading the
+            # bias from bias_rows, the no-bias defaults stay the fastest.
             sizes = dataclasses.replace(sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
         return sizes

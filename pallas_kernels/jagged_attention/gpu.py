@@ -4,15 +4,17 @@ Each kernel runs a 1-D grid over (work item, head) plus a few tail programs that
 offsets[B]. A work item is one tile of one sequence (tiling.work_list), so empty padding is never
 touched. q/k/v stay in their [T, H, D] layout; tiles are masked row loads of one head.
 
-The backend interface (api.py owns the custom_vjp): `to_kernel_layout` pads head dims and builds the bias
-tables (plain jnp, differentiated by JAX), `forward(inputs, s)` -> (o, residuals), `backward(residuals, do,
-s)` -> the inputs' cotangents, `from_kernel_layout` drops the head-dim padding.
+The backend functions (the kernel-package contract, docs/architecture.md): `to_kernel_layout` pads head dims
+and builds the bias tables (plain jnp, differentiated by JAX), `forward(inputs, params)` -> (o, residuals),
+`backward(residuals, d_out, params)` -> the inputs' cotangents, `from_kernel_layout` drops the head-dim
+padding.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,29 +24,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import ArrayLike, Float, Int
 
+from pallas_kernels.common import MASKED, cdiv, cdiv_dyn, dot, next_pow2, pad_last
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.block_sizes import ZERO_TILES
-from pallas_kernels.jagged_attention.tiling import Static, cdiv, cdiv_dyn
+from pallas_kernels.jagged_attention.params import KernelParams
 
-NEG_INF = -1e30
-
-
-def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, 1 << (n - 1).bit_length())
+# Float32 inputs multiply in IEEE float32, not TF32: the float32 kernels meet the reference to 1e-4.
+_dot = functools.partial(dot, exact_f32=True)
 
 
-def _dot(a, b, *, trans_a=False, trans_b=False):
-    """a @ b (optionally transposed operands) with float32 accumulation; exact float32 for float32 inputs."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def _seq(offsets_ref, targets_ref, b, s: Static):
+def _seq(offsets_ref, targets_ref, b, params: KernelParams):
     start = offsets_ref[b]
-    length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+    length = jnp.minimum(offsets_ref[b + 1] - start, params.max_seq_len)
     first_target = length
-    if s.has_targets:
+    if params.has_targets:
         first_target = length - jnp.clip(targets_ref[b], 0, length)
     return start, length, first_target
 
@@ -63,27 +56,74 @@ def _timestamps(ts_ref, start, lo, size, ok):
     return ts, jnp.min(jnp.where(ok, ts, big)), jnp.max(jnp.where(ok, ts, -big))
 
 
-def _q_side(
-    q_ref, do_ref, ts_ref, lse_ref, delta_ref, start, q_lo, bq, length, h, s: Static, o_ref=None, with_ts=True
-):
-    """Rows, row mask and the query-side tiles of one head: q, dO (or None), timestamps (or None), lse, delta.
+class _QueryTile(NamedTuple):
+    """One head's query tile: first row, row positions and mask, q, dO, timestamps, lse, delta (None: unused)."""
 
-    Softmax delta (rowsum(dO * O)): loaded from delta_ref, or, given o_ref (the dQ kernel), computed here from
-    the very dO tile that dP = dO V^T uses (_delta).
+    lo: Any
+    rows: Any
+    ok: Any
+    q: Any
+    do: Any
+    ts: Any
+    lse: Any
+    delta: Any
+
+
+class _KeyTile(NamedTuple):
+    """One head's key tile: first row, column positions and mask, k, v, timestamps (None: unused)."""
+
+    lo: Any
+    cols: Any
+    ok: Any
+    k: Any
+    v: Any
+    ts: Any
+
+
+class _BiasRefs(NamedTuple):
+    """A kernel's relative-bias inputs: the padded tables, the expanded position table, bias_rows (small dummies
+    where unused)."""
+
+    pos: Any
+    pos_expanded: Any
+    time: Any
+    rows: Any
+
+
+def _q_side(
+    q_ref,
+    ts_ref,
+    *,
+    start,
+    q_lo,
+    bq: int,
+    length,
+    h,
+    params: KernelParams,
+    do_ref=None,
+    lse_ref=None,
+    delta_ref=None,
+    o_ref=None,
+    with_ts: bool = True,
+):
+    """The query tile: rows [q_lo, q_lo + bq) of the sequence starting at row `start`, one head.
+
+    The backward kernels give do_ref and lse_ref; softmax delta (rowsum(dO * O)) is loaded from delta_ref, or,
+    given o_ref (the dQ kernel), computed here from the very dO tile that dP = dO V^T uses (_delta).
     """
     rows = q_lo + jnp.arange(bq, dtype=jnp.int32)
     row_ok = rows < length
     q = _rows(q_ref, start, q_lo, bq, row_ok, h)
     do = None if do_ref is None else _rows(do_ref, start, q_lo, bq, row_ok, h)
-    ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if s.has_time and with_ts else None
+    ts_q = _timestamps(ts_ref, start, q_lo, bq, row_ok) if params.has_time and with_ts else None
     lse = delta = None
-    if do_ref is not None and s.activation == "softmax":
+    if do_ref is not None and params.activation == "softmax":
         lse = plgpu.load(lse_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
         if o_ref is not None:
             delta = _delta(do, _rows(o_ref, start, q_lo, bq, row_ok, h))
         else:
             delta = plgpu.load(delta_ref.at[h, pl.ds(start + q_lo, bq)], mask=row_ok, other=0.0)
-    return rows, row_ok, q, do, ts_q, lse, delta
+    return _QueryTile(q_lo, rows, row_ok, q, do, ts_q, lse, delta)
 
 
 def _delta(do, o):
@@ -91,61 +131,69 @@ def _delta(do, o):
 
     It must come from the same dO values as dP = dO V^T: dScore = P (dP - delta) is a difference of two nearly
     equal terms (exactly equal for a row that sees one key: a target whose history is empty). Computed in XLA
-    from `do.astype(float32)`, XLA on GPU is free to drop the float32 -> bf16 -> float32 round trip of an
-    upstream float32 cotangent (SimplifyFPConversions, xla_allow_excess_precision), so delta used the unrounded
-    dO while the kernel read the bf16 one: dScore off by bf16 rounding, dq/dk/dtime noise where they are 0.
+    from `do.astype(float32)` instead, it could read the unrounded dO: XLA on GPU is free to drop the float32 ->
+    bf16 -> float32 round trip of an upstream float32 cotangent (SimplifyFPConversions,
+    xla_allow_excess_precision) while the kernel reads the bf16 dO, which leaves dScore off by bf16 rounding
+    and dq/dk/dtime noisy where they are 0.
     """
     return jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=1)
 
 
-def _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s: Static, with_ts=True):
-    """Columns, column mask and the key-side tiles of one head: k, v, timestamps (or None)."""
+def _kv_side(
+    k_ref, v_ref, ts_ref, *, start, k_lo, bk: int, length, h, params: KernelParams, with_ts: bool = True
+):
+    """The key tile: rows [k_lo, k_lo + bk) of the sequence starting at row `start`, one head."""
     cols = k_lo + jnp.arange(bk, dtype=jnp.int32)
     col_ok = cols < length
     k = _rows(k_ref, start, k_lo, bk, col_ok, h)
     v = _rows(v_ref, start, k_lo, bk, col_ok, h)
-    ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if s.has_time and with_ts else None
-    return cols, col_ok, k, v, ts_k
+    ts_k = _timestamps(ts_ref, start, k_lo, bk, col_ok) if params.has_time and with_ts else None
+    return _KeyTile(k_lo, cols, col_ok, k, v, ts_k)
 
 
 def _scores(
-    q,
-    k,
-    rows,
-    cols,
+    qt: _QueryTile,
+    kt: _KeyTile,
+    *,
+    start,
     h,
-    ts_q,
-    ts_k,
-    pos_ref,
-    time_ref,
-    s: Static,
-    clipped=False,
-    pos_far=None,
-    pos_tile=None,
-    bias_tile=None,
+    bias: _BiasRefs,
+    params: KernelParams,
+    clipped: bool,
+    pos_far,
 ):
-    """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None).
+    """(alpha * q k^T + relative bias in float32 [rows, cols], time-bias cell data or None) of a tile pair.
 
-    Given bias_tile (the tile of bias_rows), that is the bias, and the time-bias cell data is computed only
+    With params.bias_rows the bias is the pair's tile of bias_rows, and the time-bias cell data is computed only
     when timestamps are given (the dQ kernel needs it for the table gradient). Otherwise the bias is computed
     here: on a clipped tile (every i - j >= num_pos - 1) the position bias is the one scalar pos_far, on
-    others pos_tile (the tile's slice of _pos_expand, a plain block load) or, without one, a per-cell gather.
+    others the tile's slice of _pos_expand (a plain block load) or, without one, a per-cell gather.
     """
-    sc = s.alpha * _dot(q, k, trans_b=True)
-    thr = time_ref[time_ref.shape[0] - 1, :] if s.has_time and ts_q is not None else None
+    bq, bk = qt.rows.shape[0], kt.cols.shape[0]
+    bias_tile = pos_tile = None
+    if params.bias_rows:
+        bias_tile = _bias_tile(
+            bias.rows, h=h, start=start, q_lo=qt.lo, bq=bq, k_lo=kt.lo, bk=bk, row_ok=qt.ok
+        )
+    elif not clipped:
+        pos_tile = _pos_tile(bias.pos_expanded, h=h, q_lo=qt.lo, k_lo=kt.lo, params=params, bq=bq, bk=bk)
+    sc = params.alpha * _dot(qt.q, kt.k, trans_b=True)
+    time_ref = bias.time
+    thr = time_ref[time_ref.shape[0] - 1, :] if params.has_time and qt.ts is not None else None
     if bias_tile is not None:
-        tt = _time_cells(ts_q, ts_k, thr) if thr is not None else None
+        tt = _time_cells(qt.ts, kt.ts, thr) if thr is not None else None
         return sc + bias_tile, tt
-    if s.has_pos:
+    if params.has_pos:
         if clipped:
             sc = sc + pos_far
         elif pos_tile is not None:
             sc = sc + pos_tile
         else:
-            sc = sc + pos_ref[h, jnp.clip(rows[:, None] - cols[None, :], 0, s.num_pos - 1)]
+            delta = qt.rows[:, None] - kt.cols[None, :]
+            sc = sc + bias.pos[h, jnp.clip(delta, 0, params.num_pos - 1)]
     tt = None
-    if s.has_time:
-        tt = _time_cells(ts_q, ts_k, thr)
+    if params.has_time:
+        tt = _time_cells(qt.ts, kt.ts, thr)
         sc = sc + _time_bias(tt, h, time_ref)
     return sc, tt
 
@@ -223,16 +271,16 @@ def _time_hist(hist, ds, tt, time_ref, total):
 LOG2E = 1.4426950408889634
 
 
-def _tanh(x, s: Static, exact: bool):
+def _tanh(x, params: KernelParams, exact: bool):
     """tanh.approx.f32 (one MUFU op) on GPU for bf16 inputs; exact tanh for float32 inputs and interpret."""
-    if exact or s.interpret:
+    if exact or params.interpret:
         return jnp.tanh(x)
     return plgpu.approx_tanh(x)
 
 
-def _silu_parts(x, s: Static, exact: bool):
+def _silu_parts(x, params: KernelParams, exact: bool):
     """(silu(x), sigmoid(x)) via sigmoid(x) = (1 + tanh(x / 2)) / 2: no division on the hot path."""
-    sig = 0.5 + 0.5 * _tanh(0.5 * x, s, exact)
+    sig = 0.5 + 0.5 * _tanh(0.5 * x, params, exact)
     return x * sig, sig
 
 
@@ -269,62 +317,62 @@ def _split_loop(n_lo, n_hi, f_lo, f_hi, body, carry, clip_edge=None, clipped_bel
     return carry
 
 
-def _full_kv(q_lo, bq, bk, first_target, s: Static):
+def _full_kv(q_lo, bq, bk, first_target, params: KernelParams):
     """[lo, hi) key tiles that every row of the query tile sees (no mask needed there)."""
     hi = jnp.minimum(q_lo + 1, first_target) // bk  # below the diagonal and inside the history
     lo = jnp.int32(0)
-    if s.max_attn_len > 0:
-        lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk)
+    if params.max_attn_len > 0:
+        lo = cdiv_dyn(jnp.maximum(q_lo + bq - 1 - params.max_attn_len, 0), bk)
     return lo, hi
 
 
-def _full_q(k_lo, bq, bk, first_target, q_hi_tiles, s: Static):
+def _full_q(k_lo, bq, bk, first_target, q_hi_tiles, params: KernelParams):
     """[lo, hi) query tiles whose every row sees the whole key tile (no mask needed there)."""
     lo = cdiv_dyn(k_lo + bk - 1, bq)
     hi = q_hi_tiles
-    if s.max_attn_len > 0:
-        hi = jnp.minimum(hi, (k_lo + s.max_attn_len - bq + 1) // bq + 1)
-    if s.has_targets:
+    if params.max_attn_len > 0:
+        hi = jnp.minimum(hi, (k_lo + params.max_attn_len - bq + 1) // bq + 1)
+    if params.has_targets:
         hi = jnp.where(k_lo + bk <= first_target, hi, lo)
     return lo, hi
 
 
-def _kv_range(q_lo, bq, length, first_target, s: Static):
+def _kv_range(q_lo, bq, length, first_target, params: KernelParams):
     """[lo, hi) key rows a query tile starting at q_lo can see."""
     hi = jnp.minimum(q_lo + bq, length)
     lo = jnp.int32(0)
-    if s.max_attn_len > 0:
-        lo = jnp.maximum(q_lo - s.max_attn_len, 0)
-        if s.has_targets:  # a tile holding targets sees the whole history
+    if params.max_attn_len > 0:
+        lo = jnp.maximum(q_lo - params.max_attn_len, 0)
+        if params.has_targets:  # a tile holding targets sees the whole history
             lo = jnp.where(q_lo + bq > first_target, 0, lo)
     return lo, hi
 
 
-def _q_range(k_lo, bk, length, first_target, s: Static):
+def _q_range(k_lo, bk, length, first_target, params: KernelParams):
     """[lo, hi) query rows that can see a key tile starting at k_lo."""
     hi = length
-    if s.max_attn_len > 0 and not s.has_targets:
-        hi = jnp.minimum(length, k_lo + bk + s.max_attn_len)
-    if s.has_targets:  # a key tile wholly inside the targets is seen by its own rows only
+    if params.max_attn_len > 0 and not params.has_targets:
+        hi = jnp.minimum(length, k_lo + bk + params.max_attn_len)
+    if params.has_targets:  # a key tile wholly inside the targets is seen by its own rows only
         hi = jnp.where(k_lo >= first_target, jnp.minimum(hi, k_lo + bk), hi)
     return k_lo, hi
 
 
-def _clip_edge_kv(q_lo, bk, s: Static):
+def _clip_edge_kv(q_lo, bk, params: KernelParams):
     """Key tiles n < edge lie wholly in the clipped position bucket for a query tile at q_lo (None: no bias)."""
-    if not s.has_pos:
+    if not params.has_pos:
         return None
-    return (q_lo - s.num_pos + 2) // bk  # min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1
+    return (q_lo - params.num_pos + 2) // bk  # min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1
 
 
-def _clip_edge_q(k_lo, bk, bq, s: Static):
+def _clip_edge_q(k_lo, bk, bq, params: KernelParams):
     """Query tiles m >= edge lie wholly in the clipped position bucket for a key tile at k_lo (None: no bias)."""
-    if not s.has_pos:
+    if not params.has_pos:
         return None
-    return cdiv_dyn(k_lo + bk + s.num_pos - 2, bq)  # min(i - j) = m bq - k_lo - bk + 1 >= num_pos - 1
+    return cdiv_dyn(k_lo + bk + params.num_pos - 2, bq)  # min(i - j) = m bq - k_lo - bk + 1 >= num_pos - 1
 
 
-def _pos_offsets(s: Static, bq: int, bk: int):
+def _pos_offsets(params: KernelParams, bq: int, bk: int):
     """(lowest q_lo - k_lo, its step, count) over the dQ kernel's tiles that are not wholly clipped.
 
     The dQ kernel adds each such tile's dScore into slot (q_lo - k_lo - lowest) // step of a per-head
@@ -332,49 +380,40 @@ def _pos_offsets(s: Static, bq: int, bk: int):
     """
     step = math.gcd(bq, bk)
     lowest = min(0, bk - bq)  # the key tile holding the query tile's last row
-    return lowest, step, (s.num_pos + bk - 3 - lowest) // step + 1
+    return lowest, step, (params.num_pos + bk - 3 - lowest) // step + 1
 
 
-def _pos_expand(pos_tab, s: Static, bq: int, bk: int):
+def _pos_expand(pos_tab, params: KernelParams, bq: int, bk: int):
     """[H, offsets, bq, bk]: the position bias of every not-wholly-clipped tile offset (_pos_offsets).
 
-    A kernel then loads its tile's bias as one block instead of gathering pos_tab per cell (a gather cost the
-    forward ~2 ms at N=1024 on the H200); built by XLA once per call, a few MB at most.
+    A kernel then loads its tile's bias as one block instead of gathering pos_tab per cell (slower: docs/
+    kernels_jagged_attention.md); built by XLA once per call, a few MB at most.
     """
-    lowest, step, count = _pos_offsets(s, bq, bk)
+    lowest, step, count = _pos_offsets(params, bq, bk)
     off = (
         lowest
         + step * np.arange(count)[:, None, None]
         + np.arange(bq)[None, :, None]
         - np.arange(bk)[None, None, :]
     )
-    return pos_tab[:, np.clip(off, 0, s.num_pos - 1)]
+    return pos_tab[:, np.clip(off, 0, params.num_pos - 1)]
 
 
-def bias_width(s: Static) -> int:
-    """Columns of the bias_rows array (no column masks: every kernel's key tiles divide it)."""
-    return tiling.bias_width(s.max_seq_len, max(s.blocks.block_k, s.blocks.block_k_dkv))
-
-
-def uses_bias_rows(s: Static, t: int, heads: int, itemsize: int) -> bool:
-    """Whether the kernels load the bias from bias_rows (KernelOptions.bias_rows and its size limits)."""
-    has_bias = s.has_pos or s.has_time
-    return has_bias and s.options.use_bias_rows(rows=t, heads=heads, width=bias_width(s), itemsize=itemsize)
-
-
-def bias_cells(offsets: Int[ArrayLike, " B1"], ts: Int[ArrayLike, " Tt"] | None, s: Static, t: int):
+def bias_cells(
+    offsets: Int[ArrayLike, " B1"], ts: Int[ArrayLike, " Tt"] | None, params: KernelParams, *, t: int
+):
     """(i - j, time bucket or None), int32 [T, W]: row i's offset to column j of its own sequence, and the
     bucket of their time delta. Head- and layer-independent: a model's layers share them."""
     rows = jnp.arange(t, dtype=jnp.int32)
     seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
     start = offsets[jnp.clip(seq, 0, offsets.shape[0] - 2)]
-    cols = jnp.arange(bias_width(s), dtype=jnp.int32)[None, :]
+    cols = jnp.arange(tiling.bias_width(params.max_seq_len, params.blocks), dtype=jnp.int32)[None, :]
     bucket = None
-    if s.has_time:
+    if params.has_time:
         ts_k = ts[jnp.minimum(start[:, None] + cols, t - 1)]
         # one [T, W] array for all heads: fused into the table gather, XLA takes the log once per head
         bucket = lax.optimization_barrier(
-            tiling.time_bucket(ts[:, None] - ts_k, s.num_time).astype(jnp.int16)
+            tiling.time_bucket(ts[:, None] - ts_k, params.num_time).astype(jnp.int16)
         )
     return (rows - start)[:, None] - cols, bucket
 
@@ -384,40 +423,43 @@ def bias_rows(
     ts: Int[ArrayLike, " Tt"],
     pos_tab: Float[ArrayLike, "H P"],
     time_tab: Float[ArrayLike, "H1 W"],
-    s: Static,
-    t: int,
+    params: KernelParams,
+    *,
+    total_rows: int,
     heads: int,
     dtype,
 ) -> jax.Array:
-    """[H, T, W]: the relative bias of row i and column j of row i's sequence (j < W = bias_width(s)).
+    """[H, T, W]: the relative bias of row i and column j of row i's sequence (j < W = tiling.bias_width).
 
     Built by XLA once per call, so the kernels load it per tile instead of each head of each kernel
     recomputing it; the buckets are the reference's formulas. Cells a kernel masks (j past the row, rows
     past offsets[B]) hold finite values.
     """
-    delta, bucket = bias_cells(offsets, ts, s, t)
+    delta, bucket = bias_cells(offsets, ts, params, t=total_rows)
     bias = jnp.zeros((heads, *delta.shape), jnp.float32)
-    if s.has_pos:
-        bias = bias + pos_tab[:, jnp.clip(delta, 0, s.num_pos - 1)]
-    if s.has_time:
+    if params.has_pos:
+        bias = bias + pos_tab[:, jnp.clip(delta, 0, params.num_pos - 1)]
+    if params.has_time:
         bias = bias + time_tab[:heads, bucket]
     return bias.astype(dtype)
 
 
-def _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok):
+def _bias_tile(bias_ref, *, h, start, q_lo, bq: int, k_lo, bk: int, row_ok):
     """float32 [bq, bk] tile of bias_rows (rows past the sequence read as zeros)."""
     blk = bias_ref.at[h, pl.ds(start + q_lo, bq), pl.ds(k_lo, bk)]
     return plgpu.load(blk, mask=row_ok[:, None], other=0).astype(jnp.float32)
 
 
-def _pos_tile(pos_exp_ref, h, q_lo, k_lo, s: Static, bq: int, bk: int):
-    if not (s.has_pos and s.options.pos_expanded):
+def _pos_tile(pos_exp_ref, *, h, q_lo, k_lo, params: KernelParams, bq: int, bk: int):
+    """The tile's slice of _pos_expand (None without one: the kernels then gather per cell)."""
+    if not (params.has_pos and params.options.pos_expanded):
         return None
-    lowest, step, _ = _pos_offsets(s, bq, bk)
+    lowest, step, _ = _pos_offsets(params, bq, bk)
     return pos_exp_ref[h, (q_lo - k_lo - lowest) // step, :, :]
 
 
-def _zero_tail(refs_heads, offsets_ref, z, num_seqs, total_rows, bq):
+def _zero_tail(refs_heads, offsets_ref, *, z, num_seqs: int, total_rows: int, bq: int):
+    """Tail program z zeroes ZERO_TILES tiles of bq rows past offsets[B] in each (ref, head) of refs_heads."""
     tail = offsets_ref[num_seqs]
     for i in range(ZERO_TILES):
         lo = (z * ZERO_TILES + i) * bq
@@ -448,56 +490,52 @@ def _fwd_kernel(
     o_ref,
     lse_ref,
     *,
-    s: Static,
+    params: KernelParams,
     heads: int,
     num_work: int,
     total_rows: int,
-    rows_bias: bool,
 ):
+    rows_bias = params.bias_rows
+    bias = _BiasRefs(pos_ref, pos_exp_ref, time_ref, bias_ref)
     pid = pl.program_id(0)
     h = pid % heads
     w = pid // heads
-    bq, bk = s.blocks.block_q, s.blocks.block_k
+    bq, bk = params.blocks.block_q, params.blocks.block_k
     num_seqs = offsets_ref.shape[0] - 1
 
     @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
     def _():
         b, m = wb_ref[w], wm_ref[w]
-        start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+        start, length, first_target = _seq(offsets_ref, targets_ref, b, params)
         q_lo = m * bq
-        rows, row_ok, q, _, ts_q, _, _ = _q_side(
-            q_ref, None, ts_ref, None, None, start, q_lo, bq, length, h, s, with_ts=not rows_bias
-        )
-        lo, hi = _kv_range(q_lo, bq, length, first_target, s)
+        seq = dict(start=start, length=length, h=h, params=params)
+        qt = _q_side(q_ref, ts_ref, q_lo=q_lo, bq=bq, with_ts=not rows_bias, **seq)
+        lo, hi = _kv_range(q_lo, bq, length, first_target, params)
         dv = v_ref.shape[-1]
-        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos and not rows_bias else None
+        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
 
-        exact = q.dtype == jnp.float32
+        exact = qt.q.dtype == jnp.float32
 
         def body(n, carry, masked, clipped):
-            k_lo = n * bk
-            cols, _, k, v, ts_k = _kv_side(
-                k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s, with_ts=not rows_bias
-            )
-            bias_tile = _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok) if rows_bias else None
-            pos_tile = None if clipped or rows_bias else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=n * bk, bk=bk, with_ts=not rows_bias, **seq)
             sc, _ = _scores(
-                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile, bias_tile
+                qt, kt, start=start, h=h, bias=bias, params=params, clipped=clipped, pos_far=pos_far
             )
-            mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
-            if s.activation == "silu":
+            mask = tiling.allowed(qt.rows, kt.cols, length, first_target, params) if masked else None
+            v = kt.v
+            if params.activation == "silu":
                 (acc,) = carry
-                if s.options.silu_bf16x2 and v.dtype == jnp.bfloat16 and not s.interpret:
+                if params.options.silu_bf16x2 and v.dtype == jnp.bfloat16 and not params.interpret:
                     p = _silu_bf16x2(sc)
                 else:
-                    p, _ = _silu_parts(sc, s, exact)
+                    p, _ = _silu_parts(sc, params, exact)
                 if masked:
                     p = jnp.where(mask, p, 0.0)
                 return (acc + _dot(p.astype(v.dtype), v),)
             acc, m_i, l_i = carry
             sc = sc * LOG2E  # base-2 softmax: exp2 is cheaper than exp
             if masked:
-                sc = jnp.where(mask, sc, NEG_INF)
+                sc = jnp.where(mask, sc, MASKED)
             m_new = jnp.maximum(m_i, jnp.max(sc, axis=1))
             p = jnp.exp2(sc - m_new[:, None])
             if masked:
@@ -507,55 +545,54 @@ def _fwd_kernel(
             return acc, m_new, l_i * corr + jnp.sum(p, axis=1)
 
         acc0 = jnp.zeros((bq, dv), jnp.float32)
-        f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
-        clip_edge = None if rows_bias else _clip_edge_kv(q_lo, bk, s)
+        f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, params)
+        clip_edge = None if rows_bias else _clip_edge_kv(q_lo, bk, params)
         loop = functools.partial(
             _split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, clip_edge=clip_edge
         )
-        if s.activation == "silu":
+        if params.activation == "silu":
             (acc,) = loop(carry=(acc0,))
-            acc = acc * (1.0 / s.max_seq_len)
+            acc = acc * (1.0 / params.max_seq_len)
         else:
             acc, m_i, l_i = loop(
-                carry=(acc0, jnp.full((bq,), NEG_INF, jnp.float32), jnp.zeros((bq,), jnp.float32))
+                carry=(acc0, jnp.full((bq,), MASKED, jnp.float32), jnp.zeros((bq,), jnp.float32))
             )
             l_safe = jnp.where(l_i > 0, l_i, 1.0)
             acc = acc / l_safe[:, None]
             lse = (m_i + jnp.log2(l_safe)) / LOG2E  # natural-log units
-            plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=row_ok)
-        plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=row_ok[:, None])
+            plgpu.store(lse_ref.at[h, pl.ds(start + q_lo, bq)], lse, mask=qt.ok)
+        plgpu.store(o_ref.at[pl.ds(start + q_lo, bq), h, :], acc.astype(o_ref.dtype), mask=qt.ok[:, None])
 
     @pl.when(w >= num_work)
     def _():
-        _zero_tail([(o_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
+        _zero_tail([(o_ref, h)], offsets_ref, z=w - num_work, num_seqs=num_seqs, total_rows=total_rows, bq=bq)
 
 
-def forward(inputs, s: Static):
+def forward(inputs, params: KernelParams):
     """(o [T, H, Dv], residuals) from to_kernel_layout's inputs; residuals end with o, the softmax lse [H, T]
-    and the bias_rows array (a small dummy when the kernels compute the bias themselves)."""
+    and the bias_rows array (a small dummy when params.bias_rows is False: the kernels compute the bias)."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab = inputs
     t, heads, _ = q.shape
-    bq = s.blocks.block_q
-    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
-    wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+    bq = params.blocks.block_q
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
+    wb, wm, wv, num_work = tiling.work_list(lengths, bq, params.max_seq_len, t, "query")
     num_zero = cdiv(t, ZERO_TILES * bq)
-    rows_bias = uses_bias_rows(s, t, heads, q.dtype.itemsize)
     bias = (
-        bias_rows(offsets, ts, pos_tab, time_tab, s, t, heads, q.dtype)
-        if rows_bias
+        bias_rows(offsets, ts, pos_tab, time_tab, params, total_rows=t, heads=heads, dtype=q.dtype)
+        if params.bias_rows
         else jnp.zeros((1, 16, 16), q.dtype)
     )
-    kernel = functools.partial(
-        _fwd_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, rows_bias=rows_bias
-    )
+    kernel = functools.partial(_fwd_kernel, params=params, heads=heads, num_work=num_work, total_rows=t)
     # Grid: one program per (work item, head), heads fastest so the heaviest tiles start first; then
     # num_zero programs per head that zero rows past offsets[B]. Blocks: whole arrays (masked row loads).
     o, lse = pl.pallas_call(
         kernel,
         grid=((num_work + num_zero) * heads,),
         out_shape=(jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((heads, t), jnp.float32)),
-        compiler_params=plgpu.CompilerParams(num_warps=s.blocks.num_warps, num_stages=s.blocks.num_stages),
-        interpret=s.interpret,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=params.blocks.num_warps, num_stages=params.blocks.num_stages
+        ),
+        interpret=params.interpret,
         name="jagged_attention_fwd",
     )(
         wb,
@@ -568,29 +605,29 @@ def forward(inputs, s: Static):
         k,
         v,
         pos_tab,
-        _pos_expand_or_dummy(pos_tab, s, bq, s.blocks.block_k, rows_bias),
+        _pos_expand_or_dummy(pos_tab, params, bq, params.blocks.block_k),
         time_tab,
         bias,
     )
     return o, (*inputs, o, lse, bias)
 
 
-def _pos_expand_or_dummy(pos_tab, s: Static, bq: int, bk: int, rows_bias: bool):
-    if s.has_pos and s.options.pos_expanded and not rows_bias:
-        return _pos_expand(pos_tab, s, bq, bk)
+def _pos_expand_or_dummy(pos_tab, params: KernelParams, bq: int, bk: int):
+    if params.has_pos and params.options.pos_expanded and not params.bias_rows:
+        return _pos_expand(pos_tab, params, bq, bk)
     return jnp.zeros((1, 1, 16, 16), jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------- backward
 
 
-def _ds(sc, mask, dp, lse, delta, s: Static, exact: bool):
+def _ds(sc, mask, dp, *, lse, delta, params: KernelParams, exact: bool):
     """(p, dscore) of one tile in float32, zero outside the mask (None: all allowed).
 
     For SiLU both lack the 1/max_seq_len factor, which the callers apply once to their accumulators.
     """
-    if s.activation == "silu":
-        p, sig = _silu_parts(sc, s, exact)
+    if params.activation == "silu":
+        p, sig = _silu_parts(sc, params, exact)
         ds = dp * (sig + p * (1.0 - sig))  # silu'(x) = sig + x sig (1 - sig)
     else:
         p = jnp.exp2(sc * LOG2E - (lse * LOG2E)[:, None])
@@ -629,60 +666,58 @@ def _dq_kernel(
     dtime_ref,
     delta_ref,
     *,
-    s: Static,
+    params: KernelParams,
     heads: int,
     num_work: int,
     total_rows: int,
-    rows_bias: bool,
     pos_stores: bool,
 ):
     del dpos_in_ref, dtime_in_ref  # zeros, aliased to dpos_ref / dtime_ref
+    rows_bias = params.bias_rows
+    bias = _BiasRefs(pos_ref, pos_exp_ref, time_ref, bias_ref)
     pid = pl.program_id(0)
     h = pid % heads
     w = pid // heads
-    bq, bk = s.blocks.block_q, s.blocks.block_k
+    bq, bk = params.blocks.block_q, params.blocks.block_k
     num_seqs = offsets_ref.shape[0] - 1
     active = (w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0)
 
     @pl.when(active)
     def _():
         b, m = wb_ref[w], wm_ref[w]
-        start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+        start, length, first_target = _seq(offsets_ref, targets_ref, b, params)
         q_lo = m * bq
-        rows, row_ok, q, do, ts_q, lse, delta = _q_side(
-            q_ref, do_ref, ts_ref, lse_ref, None, start, q_lo, bq, length, h, s, o_ref=o_ref
-        )
-        if s.activation == "softmax":  # for the dK/dV kernel, which runs after this one
-            plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], delta, mask=row_ok)
-        lo, hi = _kv_range(q_lo, bq, length, first_target, s)
-        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos and not rows_bias else None
-        lowest, step, _ = _pos_offsets(s, bq, bk)
+        seq = dict(start=start, length=length, h=h, params=params)
+        qt = _q_side(q_ref, ts_ref, q_lo=q_lo, bq=bq, do_ref=do_ref, lse_ref=lse_ref, o_ref=o_ref, **seq)
+        if params.activation == "softmax":  # for the dK/dV kernel, which runs after this one
+            plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], qt.delta, mask=qt.ok)
+        lo, hi = _kv_range(q_lo, bq, length, first_target, params)
+        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
+        lowest, step, _ = _pos_offsets(params, bq, bk)
 
-        exact = q.dtype == jnp.float32
+        exact = qt.q.dtype == jnp.float32
 
         def body(n, carry, masked, clipped):
             dq, far, hist = carry
             k_lo = n * bk
-            cols, _, k, v, ts_k = _kv_side(k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s)
-            bias_tile = _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok) if rows_bias else None
-            pos_tile = None if clipped or rows_bias else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=k_lo, bk=bk, **seq)
             sc, tt = _scores(
-                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile, bias_tile
+                qt, kt, start=start, h=h, bias=bias, params=params, clipped=clipped, pos_far=pos_far
             )
-            mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
-            dp = _dot(do, v, trans_b=True)
-            _, ds = _ds(sc, mask, dp, lse, delta, s, exact)
-            dq = dq + _dot(ds.astype(k.dtype), k)
-            total = jnp.sum(ds) if s.has_time or (s.has_pos and clipped) else None
-            if s.has_pos and clipped:  # the whole tile is the last bucket
+            mask = tiling.allowed(qt.rows, kt.cols, length, first_target, params) if masked else None
+            dp = _dot(qt.do, kt.v, trans_b=True)
+            _, ds = _ds(sc, mask, dp, lse=qt.lse, delta=qt.delta, params=params, exact=exact)
+            dq = dq + _dot(ds.astype(kt.k.dtype), kt.k)
+            total = jnp.sum(ds) if params.has_time or (params.has_pos and clipped) else None
+            if params.has_pos and clipped:  # the whole tile is the last bucket
                 far = far + total
-            elif s.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
+            elif params.has_pos:  # the tile's cells, summed per diagonal in XLA (_pos_grad)
                 slot = (q_lo - k_lo - lowest) // step
                 if pos_stores:  # this program's own slot: no other program writes it
                     plgpu.store(dpos_ref.at[pid, slot, pl.ds(0, bq), pl.ds(0, bk)], ds)
                 else:
                     plgpu.atomic_add(dpos_ref, (w % POS_SLOTS, h, slot, pl.ds(0, bq), pl.ds(0, bk)), ds)
-            if s.has_time:  # ds is zero on masked cells
+            if params.has_time:  # ds is zero on masked cells
                 hist = _time_hist(hist, ds, tt, time_ref, total)
             return dq, far, hist
 
@@ -691,17 +726,17 @@ def _dq_kernel(
             jnp.zeros((), jnp.float32),
             jnp.zeros((dtime_ref.shape[-1],), jnp.float32),
         )
-        f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, s)
+        f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, params)
         dq, far, hist = _split_loop(
-            lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init, clip_edge=_clip_edge_kv(q_lo, bk, s)
+            lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, init, clip_edge=_clip_edge_kv(q_lo, bk, params)
         )
-        if s.has_time:
+        if params.has_time:
             dtime_ref[pid, :] = hist
-        scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+        scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
         plgpu.store(
             dq_ref.at[pl.ds(start + q_lo, bq), h, :],
-            (dq * (s.alpha * scale)).astype(dq_ref.dtype),
-            mask=row_ok[:, None],
+            (dq * (params.alpha * scale)).astype(dq_ref.dtype),
+            mask=qt.ok[:, None],
         )
         dfar_ref[pid] = far
 
@@ -711,7 +746,9 @@ def _dq_kernel(
 
     @pl.when(w >= num_work)
     def _():
-        _zero_tail([(dq_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bq)
+        _zero_tail(
+            [(dq_ref, h)], offsets_ref, z=w - num_work, num_seqs=num_seqs, total_rows=total_rows, bq=bq
+        )
 
 
 def _dkv_kernel(
@@ -734,63 +771,48 @@ def _dkv_kernel(
     dk_ref,
     dv_ref,
     *,
-    s: Static,
+    params: KernelParams,
     heads: int,
     num_work: int,
     total_rows: int,
-    rows_bias: bool,
 ):
+    rows_bias = params.bias_rows
+    bias = _BiasRefs(pos_ref, pos_exp_ref, time_ref, bias_ref)
     pid = pl.program_id(0)
     h = pid % heads
     w = pid // heads
-    bq, bk = s.blocks.block_q_dkv, s.blocks.block_k_dkv
+    bq, bk = params.blocks.block_q_dkv, params.blocks.block_k_dkv
     num_seqs = offsets_ref.shape[0] - 1
 
     @pl.when((w < num_work) & (wv_ref[jnp.minimum(w, num_work - 1)] > 0))
     def _():
         b, n = wb_ref[w], wm_ref[w]
-        start, length, first_target = _seq(offsets_ref, targets_ref, b, s)
+        start, length, first_target = _seq(offsets_ref, targets_ref, b, params)
         k_lo = n * bk
-        cols, col_ok, k, v, ts_k = _kv_side(
-            k_ref, v_ref, ts_ref, start, k_lo, bk, length, h, s, with_ts=not rows_bias
-        )
-        lo, hi = _q_range(k_lo, bk, length, first_target, s)
-        pos_far = pos_ref[h, s.num_pos - 1] if s.has_pos and not rows_bias else None
+        seq = dict(start=start, length=length, h=h, params=params)
+        kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=k_lo, bk=bk, with_ts=not rows_bias, **seq)
+        lo, hi = _q_range(k_lo, bk, length, first_target, params)
+        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
 
         exact = q_ref.dtype == jnp.float32
 
         def body(m, carry, masked, clipped):
             dk, dv = carry
-            q_lo = m * bq
-            rows, row_ok, q, do, ts_q, lse, delta = _q_side(
-                q_ref,
-                do_ref,
-                ts_ref,
-                lse_ref,
-                delta_ref,
-                start,
-                q_lo,
-                bq,
-                length,
-                h,
-                s,
-                with_ts=not rows_bias,
-            )
-            bias_tile = _bias_tile(bias_ref, h, start, q_lo, bq, k_lo, bk, row_ok) if rows_bias else None
-            pos_tile = None if clipped or rows_bias else _pos_tile(pos_exp_ref, h, q_lo, k_lo, s, bq, bk)
+            refs = dict(do_ref=do_ref, lse_ref=lse_ref, delta_ref=delta_ref)
+            qt = _q_side(q_ref, ts_ref, q_lo=m * bq, bq=bq, with_ts=not rows_bias, **refs, **seq)
             sc, _ = _scores(
-                q, k, rows, cols, h, ts_q, ts_k, pos_ref, time_ref, s, clipped, pos_far, pos_tile, bias_tile
+                qt, kt, start=start, h=h, bias=bias, params=params, clipped=clipped, pos_far=pos_far
             )
-            mask = tiling.allowed(rows, cols, length, first_target, s) if masked else None
-            dp = _dot(do, v, trans_b=True)
-            p, ds = _ds(sc, mask, dp, lse, delta, s, exact)
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+            mask = tiling.allowed(qt.rows, kt.cols, length, first_target, params) if masked else None
+            dp = _dot(qt.do, kt.v, trans_b=True)
+            p, ds = _ds(sc, mask, dp, lse=qt.lse, delta=qt.delta, params=params, exact=exact)
+            dv = dv + _dot(p.astype(qt.do.dtype), qt.do, trans_a=True)
+            dk = dk + _dot(ds.astype(qt.q.dtype), qt.q, trans_a=True)
             return dk, dv
 
         init = (jnp.zeros((bk, k_ref.shape[-1]), jnp.float32), jnp.zeros((bk, v_ref.shape[-1]), jnp.float32))
         m_hi = cdiv_dyn(hi, bq)
-        f_lo, f_hi = _full_q(k_lo, bq, bk, first_target, m_hi, s)
+        f_lo, f_hi = _full_q(k_lo, bq, bk, first_target, m_hi, params)
         dk, dv = _split_loop(
             lo // bq,
             m_hi,
@@ -798,76 +820,85 @@ def _dkv_kernel(
             f_hi,
             body,
             init,
-            clip_edge=None if rows_bias else _clip_edge_q(k_lo, bk, bq, s),
+            clip_edge=None if rows_bias else _clip_edge_q(k_lo, bk, bq, params),
             clipped_below=False,
         )
-        scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+        scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
         plgpu.store(
             dk_ref.at[pl.ds(start + k_lo, bk), h, :],
-            (dk * (s.alpha * scale)).astype(dk_ref.dtype),
-            mask=col_ok[:, None],
+            (dk * (params.alpha * scale)).astype(dk_ref.dtype),
+            mask=kt.ok[:, None],
         )
         plgpu.store(
-            dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype), mask=col_ok[:, None]
+            dv_ref.at[pl.ds(start + k_lo, bk), h, :], (dv * scale).astype(dv_ref.dtype), mask=kt.ok[:, None]
         )
 
     @pl.when(w >= num_work)
     def _():
-        _zero_tail([(dk_ref, h), (dv_ref, h)], offsets_ref, w - num_work, num_seqs, total_rows, bk)
+        _zero_tail(
+            [(dk_ref, h), (dv_ref, h)],
+            offsets_ref,
+            z=w - num_work,
+            num_seqs=num_seqs,
+            total_rows=total_rows,
+            bq=bk,
+        )
 
 
-def _pos_grad(acc, far, head_of, width: int, s: Static):
+def _pos_grad(acc, far, head_of, width: int, params: KernelParams):
     """[H, width] position-table gradient from the dQ kernel's per-tile accumulator and clipped-tile sums."""
-    bq, bk = s.blocks.block_q, s.blocks.block_k
-    lowest, step, count = _pos_offsets(s, bq, bk)
+    bq, bk = params.blocks.block_q, params.blocks.block_k
+    lowest, step, count = _pos_offsets(params, bq, bk)
     off = (
         lowest
         + step * np.arange(count)[:, None, None]
         + np.arange(bq)[None, :, None]
         - np.arange(bk)[None, None, :]
     )
-    bucket = np.clip(off, 0, s.num_pos - 1).reshape(-1)  # masked cells (i < j) hold zeros
+    bucket = np.clip(off, 0, params.num_pos - 1).reshape(-1)  # masked cells (i < j) hold zeros
     heads = acc.shape[1]
     grad = jnp.zeros((heads, width), jnp.float32).at[:, bucket].add(jnp.sum(acc, axis=0).reshape(heads, -1))
-    return grad.at[:, s.num_pos - 1].add(jax.ops.segment_sum(far, head_of, num_segments=heads))
+    return grad.at[:, params.num_pos - 1].add(jax.ops.segment_sum(far, head_of, num_segments=heads))
 
 
-def backward(residuals, do, s: Static):
-    """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's."""
+def backward(residuals, d_out, params: KernelParams):
+    """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's, d_out."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias = residuals
     t, heads, _ = q.shape
-    rows_bias = uses_bias_rows(s, t, heads, q.dtype.itemsize)
-    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
     # softmax: the dQ kernel computes delta = rowsum(dO * O) from its own dO tiles (_delta) and hands it,
     # [H, T] float32 written on every row of a sequence, to the dK/dV kernel
-    delta_shape = (heads, t) if s.activation == "softmax" else (1, 1)
-    bq, bk = s.blocks.block_q, s.blocks.block_k
-    wb, wm, wv, num_work = tiling.work_list(lengths, bq, s.max_seq_len, t, "query")
+    delta_shape = (heads, t) if params.activation == "softmax" else (1, 1)
+    bq, bk = params.blocks.block_q, params.blocks.block_k
+    wb, wm, wv, num_work = tiling.work_list(lengths, bq, params.max_seq_len, t, "query")
     num_zero = cdiv(t, ZERO_TILES * bq)
     grid = (num_work + num_zero) * heads
-    params = plgpu.CompilerParams(num_warps=s.blocks.num_warps_bwd, num_stages=s.blocks.num_stages_bwd)
+    compiler_params = plgpu.CompilerParams(
+        num_warps=params.blocks.num_warps_bwd, num_stages=params.blocks.num_stages_bwd
+    )
     # Bias-table gradients into zeroed buffers, summed in XLA below: position, one [bq, bk] tile of dScore
     # per (program, tile offset) (or, with atomics, per (slot, head, tile offset)); time, one histogram row
     # per program.
-    num_offsets = _pos_offsets(s, bq, bk)[2]
-    pos_stores = s.has_pos and s.options.use_pos_grad_stores(num_work * heads * num_offsets * bq * bk * 4)
+    num_offsets = _pos_offsets(params, bq, bk)[2]
+    pos_stores = params.has_pos and params.options.use_pos_grad_stores(
+        num_work * heads * num_offsets * bq * bk * 4
+    )
     kernel = functools.partial(
         _dq_kernel,
-        s=s,
+        params=params,
         heads=heads,
         num_work=num_work,
         total_rows=t,
-        rows_bias=rows_bias,
         pos_stores=pos_stores,
     )
-    if not s.has_pos:
+    if not params.has_pos:
         pos_shape = (1,) * 4
     elif pos_stores:
         pos_shape = (num_work * heads, num_offsets, bq, bk)
     else:
         pos_shape = (POS_SLOTS, heads, num_offsets, bq, bk)
     pos_acc = jnp.zeros(pos_shape, jnp.float32)
-    time_acc = jnp.zeros((grid if s.has_time else 1, time_tab.shape[1]), jnp.float32)
+    time_acc = jnp.zeros((grid if params.has_time else 1, time_tab.shape[1]), jnp.float32)
     # Grid: (work item, head) over query tiles, then tail-zeroing programs.
     dq, pos_acc, far, time_acc, delta = pl.pallas_call(
         kernel,
@@ -880,8 +911,8 @@ def backward(residuals, do, s: Static):
             jax.ShapeDtypeStruct(delta_shape, jnp.float32),
         ),
         input_output_aliases={16: 1, 17: 3},
-        compiler_params=params,
-        interpret=s.interpret,
+        compiler_params=compiler_params,
+        interpret=params.interpret,
         name="jagged_attention_bwd_dq",
     )(
         wb,
@@ -894,10 +925,10 @@ def backward(residuals, do, s: Static):
         k,
         v,
         pos_tab,
-        _pos_expand_or_dummy(pos_tab, s, bq, bk, rows_bias),
+        _pos_expand_or_dummy(pos_tab, params, bq, bk),
         time_tab,
         bias,
-        do,
+        d_out,
         lse,
         o,
         pos_acc,
@@ -905,19 +936,17 @@ def backward(residuals, do, s: Static):
     )
     if pos_stores:  # program w * heads + h -> [work item, head, ...], as the atomic slots
         pos_acc = pos_acc.reshape(num_work, heads, *pos_acc.shape[1:])
-    bk = s.blocks.block_k_dkv
-    wb, wm, wv, num_work = tiling.work_list(lengths, bk, s.max_seq_len, t, "key")
+    bk = params.blocks.block_k_dkv
+    wb, wm, wv, num_work = tiling.work_list(lengths, bk, params.max_seq_len, t, "key")
     num_zero = cdiv(t, ZERO_TILES * bk)
-    kernel = functools.partial(
-        _dkv_kernel, s=s, heads=heads, num_work=num_work, total_rows=t, rows_bias=rows_bias
-    )
+    kernel = functools.partial(_dkv_kernel, params=params, heads=heads, num_work=num_work, total_rows=t)
     # Grid: (work item, head) over key tiles, heaviest first, then tail-zeroing programs.
     dk, dv = pl.pallas_call(
         kernel,
         grid=((num_work + num_zero) * heads,),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        compiler_params=params,
-        interpret=s.interpret,
+        compiler_params=compiler_params,
+        interpret=params.interpret,
         name="jagged_attention_bwd_dkv",
     )(
         wb,
@@ -930,26 +959,22 @@ def backward(residuals, do, s: Static):
         k,
         v,
         pos_tab,
-        _pos_expand_or_dummy(pos_tab, s, s.blocks.block_q_dkv, bk, rows_bias),
+        _pos_expand_or_dummy(pos_tab, params, params.blocks.block_q_dkv, bk),
         time_tab,
         bias,
-        do,
+        d_out,
         lse,
         delta,
     )
-    scale = 1.0 / s.max_seq_len if s.activation == "silu" else 1.0
+    scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
     head_of = jnp.arange(grid) % heads
     dpos = jnp.zeros(pos_tab.shape, jnp.float32)
-    if s.has_pos:
-        dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], s) * scale
+    if params.has_pos:
+        dpos = _pos_grad(pos_acc, far, head_of, pos_tab.shape[1], params) * scale
     dtime = jnp.zeros(time_tab.shape, jnp.float32)  # [H + 1, W]: the threshold row gets no gradient
-    if s.has_time:
+    if params.has_time:
         dtime = dtime.at[:heads].set(jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale)
     return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
-
-
-def _pad_last(x, size):
-    return x if x.shape[-1] == size else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
 def to_kernel_layout(
@@ -961,9 +986,9 @@ def to_kernel_layout(
     timestamps: Int[ArrayLike, " T"] | None,
     pos_bias: Float[ArrayLike, "H P"] | None,
     time_bias: Float[ArrayLike, "H NT"] | None,
-    s: Static,
+    params: KernelParams,
 ) -> tuple:
-    """The kernels' inputs (q, k, v, offsets, targets, ts, pos_tab, time_tab) from api.jagged_attention's.
+    """The kernels' inputs (q, k, v, offsets, targets, ts, pos_tab, time_tab) from jagged_attention's arguments.
 
     Head dims are zero-padded to powers of two (Triton tiles); the bias tables become float32 padded to a power
     of two wide, the time table with one extra row of bucket thresholds (time_thresholds); absent ones are
@@ -971,7 +996,7 @@ def to_kernel_layout(
     """
     t, heads, dqk = q.shape
     dv = v.shape[-1]
-    if t * heads * _pow2(max(dqk, dv)) >= 2**31:
+    if t * heads * next_pow2(max(dqk, dv)) >= 2**31:
         raise ValueError(
             f"the GPU kernel indexes with int32: T*H*D must be < 2**31, got shape {q.shape}, v {v.shape}"
         )
@@ -981,22 +1006,22 @@ def to_kernel_layout(
     pos_tab = (
         jnp.zeros((heads, 16), jnp.float32)
         if pos_bias is None
-        else _pad_last(pos_bias.astype(jnp.float32), _pow2(pos_bias.shape[1]))
+        else pad_last(pos_bias.astype(jnp.float32), next_pow2(pos_bias.shape[1]))
     )
     time_tab = jnp.zeros((heads + 1, 16), jnp.float32)
     if time_bias is not None:  # the table, plus one row of bucket thresholds the kernels compare against
-        width = _pow2(time_bias.shape[1])
+        width = next_pow2(time_bias.shape[1])
         time_tab = jnp.concatenate(
             [
-                _pad_last(time_bias.astype(jnp.float32), width),
+                pad_last(time_bias.astype(jnp.float32), width),
                 time_thresholds(time_bias.shape[1], width)[None],
             ]
         )
-    dqk_p, dv_p = _pow2(dqk), _pow2(dv)
+    dqk_p, dv_p = next_pow2(dqk), next_pow2(dv)
     return (
-        _pad_last(q, dqk_p),
-        _pad_last(k, dqk_p),
-        _pad_last(v, dv_p),
+        pad_last(q, dqk_p),
+        pad_last(k, dqk_p),
+        pad_last(v, dv_p),
         offsets,
         targets,
         ts,
@@ -1009,8 +1034,8 @@ def from_kernel_layout(
     out: Float[ArrayLike, "T H DvPadded"],
     v: Float[ArrayLike, "T H Dv"],
     offsets: Int[ArrayLike, " B1"],
-    s: Static,
+    params: KernelParams,
 ) -> Float[ArrayLike, "T H Dv"]:
     """[T, H, Dv] output: drops the head-dim padding."""
-    del offsets, s
+    del offsets, params
     return out[..., : v.shape[-1]]

@@ -10,10 +10,10 @@ class KernelOptions:
     """Static switches of the GPU kernels; the defaults are the shipped kernel. The TPU kernel ignores them.
 
     silu_bf16x2: the forward computes SiLU in packed bf16 (tanh.approx.bf16x2) for bf16 inputs, since P is
-      rounded to bf16 for the P.V matmul anyway: +9% forward at N=1024 on the H200, rel. L2 error vs the
-      float32 reference 4.0e-3 instead of 2.4e-3. False: float32 SiLU. The backward is float32 either way.
+      rounded to bf16 for the P.V matmul anyway: a faster forward for a slightly larger error, inside the bf16
+      tolerance (docs/kernels_jagged_attention.md). False: float32 SiLU. The backward is float32 either way.
     pos_expanded: the position bias of a tile is one block load of a per-tile-offset expanded table
-      (built by XLA once per call). False: a per-cell gather of the table (~2 ms slower forward at N=1024).
+      (built by XLA once per call). False: a per-cell gather of the table (a slower forward).
     pos_grad_stores: the dQ kernel hands each not-wholly-clipped tile's dScore (the position-table gradient,
       summed per diagonal in XLA) to XLA with a plain store into the program's own slot of a zeroed buffer
       (float32 [programs, tile offsets, bq, bk], used while it stays under pos_grad_max_bytes); False, or past
@@ -23,7 +23,8 @@ class KernelOptions:
       and both backward kernels load tile by tile, instead of each recomputing it per head with
       compare-select loops over the tile's buckets. Only the dQ kernel still visits the buckets, for the
       time table's gradient. Used when the array stays under bias_rows_max_bytes and 2**31 elements (the
-      kernels index with int32); otherwise the bias is computed in the kernels as before.
+      kernels index with int32); otherwise the kernels compute the bias. api.py decides it once per call
+      (KernelParams.bias_rows).
     """
 
     silu_bf16x2: bool = True

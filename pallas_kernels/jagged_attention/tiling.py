@@ -7,51 +7,25 @@ processing time first), which keeps all multiprocessors busy on heavy-tailed len
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import cdiv
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
-from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
 
-@dataclasses.dataclass(frozen=True)
-class Static:
-    """Everything a kernel is specialised on (hashable: it is a nondiff argument of the custom_vjp)."""
-
-    max_seq_len: int
-    activation: str
-    alpha: float
-    max_attn_len: int
-    has_targets: bool
-    has_pos: bool
-    has_time: bool
-    num_pos: int  # real bucket counts (the tables may be padded wider)
-    num_time: int
-    interpret: bool
-    blocks: BlockSizes
-    options: KernelOptions = KernelOptions()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def cdiv_dyn(a, b: int):
-    """cdiv of a traced non-negative int by a static one."""
-    return (a + b - 1) // b
-
-
-def bias_width(max_seq_len: int, key_tile: int = 128) -> int:
-    """Columns of the GPU kernels' bias_rows array: max_seq_len rounded up to the key tiles (at least 128)."""
-    step = max(128, key_tile)
+def bias_width(max_seq_len: int, blocks: BlockSizes) -> int:
+    """Columns of the GPU kernels' bias_rows array: max_seq_len rounded up to every key tile that reads it
+    (and to 128), so no kernel masks its columns."""
+    step = max(128, blocks.block_k, blocks.block_k_dkv)
     return cdiv(max_seq_len, step) * step
 
 
 def work_list(lengths: jax.Array, block: int, max_seq_len: int, total_rows: int, by: str):
-    """(seq, tile, valid) int32 arrays listing every tile of `block` rows, heaviest first.
+    """(seq, tile, valid, length): int32 arrays listing every tile of `block` rows, heaviest first, and their
+    static length.
 
     by="query": tile m of a sequence scans m + 1 key tiles (forward, dQ); by="key": key tile m is seen by
     ntiles - m query tiles (dK/dV). The length is static: min(cdiv(T, block) + B, B * cdiv(N, block)).
@@ -68,17 +42,18 @@ def work_list(lengths: jax.Array, block: int, max_seq_len: int, total_rows: int,
     return order // n_max, order % n_max, (key[order] >= 0).astype(jnp.int32), size
 
 
-def allowed(rows, cols, length, first_target, s: Static):
-    """bool[rows, cols]: the DESIGN.md mask (causal, window for non-targets, targets see history + self)."""
-    return allowed_2d(rows[:, None], cols[None, :], length, first_target, s)
+def allowed(rows, cols, length, first_target, params: KernelParams):
+    """bool[rows, cols]: the mask of reference.allowed_mask (causal, window for non-targets, targets see the
+    history and themselves)."""
+    return allowed_2d(rows[:, None], cols[None, :], length, first_target, params)
 
 
-def allowed_2d(r, c, length, first_target, s: Static):
+def allowed_2d(r, c, length, first_target, params: KernelParams):
     """allowed() for broadcastable row/column position arrays (TPU kernels build them with 2-D iotas)."""
     causal = c <= r
-    if s.max_attn_len > 0:
-        causal = causal & (r - c <= s.max_attn_len)
-    if s.has_targets:
+    if params.max_attn_len > 0:
+        causal = causal & (r - c <= params.max_attn_len)
+    if params.has_targets:
         causal = jnp.where(r >= first_target, (c < first_target) | (c == r), causal)
     return (r < length) & causal
 
