@@ -1,7 +1,9 @@
-"""Mosaic GPU jagged attention forward against the Triton forward: `python -m experiments bench mosaic_attention`.
+"""The Hopper forward's knobs: `python -m experiments bench mosaic_attention` (`bench attention` times the shipped
+forwards side by side; this one sweeps the Mosaic GPU kernel's tiles and schedule).
 
-The kernel is pallas_kernels/experimental/mosaic_gpu_jagged_attention.py; the Triton forward is the jagged
-package's GPU backend (gpu.forward on gpu.to_kernel_layout's inputs, the same contract). First checks the
+The kernel is pallas_kernels/jagged_attention/gpu_sm90.py; the Triton forward is jagged_attention with
+KernelOptions(hopper_forward=False) (with a bias: the bias_rows array it builds, or the computed bias past the
+array's cap, as the model runs it). First checks the
 Mosaic GPU forward (o and, for softmax, lse) against the float32 reference on fresh random inputs (relative
 L2 < 1e-2, no NaN, rows past offsets[B] zero), with and without the relative bias, then times both forwards
 in the same run (median of --reps after warm-up), and with --sweep the Mosaic kernel's tile knobs.
@@ -23,8 +25,9 @@ import numpy as np
 from experiments.benchmarks import shapes
 from experiments.benchmarks.attention import fwd_flops
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.experimental import mosaic_gpu_jagged_attention as mosaic_gpu
-from pallas_kernels.jagged_attention import gpu
+from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
+from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 
 
@@ -62,15 +65,18 @@ def _kernel_inputs(q, k, v, off, s, targets=None, extra=None):
 
 def _mosaic(s, knobs: dict):
     """knobs: forward_mosaic_gpu keyword options (block_k, stages, pingpong, half_diag, num_ctas)."""
-    return jax.jit(lambda inputs: mosaic_gpu.forward_mosaic_gpu(*inputs, s=s, **knobs))
+    return jax.jit(lambda inputs: mosaic_gpu.forward_mosaic_gpu(*inputs, params=s, **knobs))
 
 
-def _triton(s):
-    def forward(inputs):
-        o, residuals = gpu.forward(inputs, s)
-        return o, residuals[-2]  # (o, lse), as the Mosaic forward (residuals end with o, lse, bias)
-
-    return jax.jit(forward)
+def _triton(q, k, v, off, n, activation, extra):
+    """The shipped Triton forward through the public entry point (its own bias_rows decision)."""
+    options = KernelOptions(hopper_forward=False)
+    f = jax.jit(
+        lambda q, k, v, off, extra: jagged_attention(
+            q, k, v, off, max_seq_len=n, activation=activation, implementation="gpu", options=options, **extra
+        )
+    )
+    return lambda _inputs: f(q, k, v, off, extra)
 
 
 def check(
@@ -141,7 +147,9 @@ def bench(
     inputs = _kernel_inputs(q, k, v, off, s, extra=extra)
     row = {"case": name, "triton": float("nan")}
     if triton:
-        row["triton"] = _time_one("triton", _triton(s), inputs, flops, reps, name)
+        row["triton"] = _time_one(
+            "triton", _triton(q, k, v, off, n, activation, extra), inputs, flops, reps, name
+        )
     for label, knobs in knob_sets.items():
         if not mosaic_gpu.supports(s, q, v):
             print(f"{name} mosaic: not supported (D={d})", flush=True)

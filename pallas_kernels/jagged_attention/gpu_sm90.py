@@ -103,16 +103,27 @@ def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> 
     return KernelParams(**{**defaults, **fields})
 
 
-def supports(s: KernelParams, q, v) -> bool:
-    """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
+def is_hopper() -> bool:
+    """Whether jax's default device is a Hopper GPU (compute capability 9.x: H100, H200)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def wanted(hopper_forward: bool | None) -> bool:
+    """KernelOptions.hopper_forward resolved on this device: None means "on Hopper GPUs"."""
+    return is_hopper() if hopper_forward is None else hopper_forward
+
+
+def supports(params: KernelParams, q, v) -> bool:
+    """Whether forward_mosaic_gpu handles this call (otherwise the GPU backend runs its Triton forward)."""
     return (
-        not s.interpret
+        not params.interpret
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and v.dtype == q.dtype
         and q.shape[0] % ALIGN == 0
         and q.shape[-1] in HEAD_DIMS
         and v.shape[-1] in HEAD_DIMS
-        and s.activation in ("silu", "softmax")
+        and params.activation in ("silu", "softmax")
     )
 
 
@@ -180,7 +191,7 @@ def _kernel(
     lse_ref,
     scoped,
     *,
-    s: KernelParams,
+    params: KernelParams,
     heads: int,
     num_work: int,
     num_zero: int,
@@ -197,7 +208,7 @@ def _kernel(
     q_smem2, o_bufs, k_smem, v_smem, lse_bufs, bias_bufs = buffers
     tsq_smem2, tsk_smem, pos_smem2, time_smem2 = bias_bufs
     dqk, dv = q_smem2.shape[-1], v_smem.shape[-1]
-    has_bias = s.has_pos or s.has_time
+    has_bias = params.has_pos or params.has_time
 
     def rows_of(ref, row, size, h, d, col=0, cols=None):
         """[size, cols] GMEM window of head h at row, from column `col` (ref is [T, H * d])."""
@@ -235,9 +246,9 @@ def _kernel(
         start = offsets_ref[b]
         d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its aligned frame
         base = start - d  # global row of frame row 0
-        length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+        length = jnp.minimum(offsets_ref[b + 1] - start, params.max_seq_len)
         first_target = length
-        if s.has_targets:
+        if params.has_targets:
             first_target = length - jnp.clip(targets_ref[b], 0, length)
         tile_lo = work(1, wc) * (COMPUTE_WGS * bq)  # frame row
         # key tiles the whole CTA needs (the producer's range): the union of both consumers' ranges
@@ -252,9 +263,9 @@ def _kernel(
         end = d + length
         hi = jnp.where((q_lo < end) & (q_lo + bq > d), cdiv_dyn(jnp.minimum(q_lo + bq, end), bk), 0)
         lo = jnp.int32(0)
-        if s.max_attn_len > 0:
-            lo_col = jnp.maximum(jnp.maximum(q_lo, d) - s.max_attn_len, d)
-            if s.has_targets:  # a tile holding targets sees the whole history
+        if params.max_attn_len > 0:
+            lo_col = jnp.maximum(jnp.maximum(q_lo, d) - params.max_attn_len, d)
+            if params.has_targets:  # a tile holding targets sees the whole history
                 lo_col = jnp.where(q_lo + bq > d + first_target, d, lo_col)
             lo = lo_col // bk
         return jnp.minimum(lo, hi), hi
@@ -263,17 +274,17 @@ def _kernel(
         """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + bq) sees whole (no mask)."""
         f_hi = jnp.minimum(q_lo + 1, d + first_target) // bk  # below the diagonal and inside the history
         f_lo = cdiv_dyn(d, bk)  # frame rows before the sequence (in tile 0 when d > 0) are masked
-        if s.max_attn_len > 0:
-            f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk))
+        if params.max_attn_len > 0:
+            f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - params.max_attn_len, 0), bk))
         f_lo = jnp.clip(f_lo, lo, hi)
         return f_lo, jnp.clip(f_hi, f_lo, hi)
 
     def pos_far_end(q_lo, f_lo, f_hi):
         """Key tiles [f_lo, end) of the mask-free range lie wholly past the position table's last bucket:
         min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1 there, so the position bias is one scalar."""
-        if not s.has_pos:
+        if not params.has_pos:
             return f_lo
-        n_max = (q_lo - s.num_pos + 2) // bk - 1  # floor division: negative when no tile is that far
+        n_max = (q_lo - params.num_pos + 2) // bk - 1  # floor division: negative when no tile is that far
         return jnp.clip(n_max + 1, f_lo, f_hi)
 
     def aligned(row):
@@ -298,22 +309,22 @@ def _kernel(
         def _():
             row = aligned(base + tile_lo + wg * bq)
             plgpu.copy_gmem_to_smem(rows_of(q_ref, row, bq, h, dqk), q_smem2.at[wg], q_bar.at[wg])
-            if s.has_time:
+            if params.has_time:
                 plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem2.at[wg], q_bar.at[wg])
                 plgpu.copy_gmem_to_smem(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
-            if s.has_pos:
+            if params.has_pos:
                 plgpu.copy_gmem_to_smem(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
 
     def bias_tile(q_lo, step, width, ts_rows, slot, pos_scalar):
         """float32 [bq, width] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
         bias = None
-        if s.has_pos:
+        if params.has_pos:
             if pos_scalar is not None:
                 bias = pos_scalar
             else:
                 rel = (q_lo - step * bk) + _iota(interpret, (bq, width), 0) - _iota(interpret, (bq, width), 1)
-                bias = _gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, s.num_pos - 1))
-        if s.has_time:
+                bias = _gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
+        if params.has_time:
             cols = tsk_smem.at[slot] if width == bk else tsk_smem.at[slot, pl.ds(0, width)]
             ts_cols = _load_vector(interpret, cols, _COL)
             dt = lax.broadcast_in_dim(ts_rows, (bq, width), [0]) - lax.broadcast_in_dim(
@@ -322,7 +333,7 @@ def _kernel(
             x = jnp.maximum(dt, 1).astype(jnp.float32)
             # log(x) / 0.301 as log2(x) times a constant (no division); it is >= 0, so the int cast (truncation)
             # is the floor of the reference's bucket formula
-            bucket = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, s.num_time - 1)
+            bucket = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
             time_bias = _gather(interpret, time_smem2.at[wg], bucket)
             bias = time_bias if bias is None else bias + time_bias
         return bias
@@ -355,8 +366,8 @@ def _kernel(
             sync()
 
         plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
-        ts_rows = _load_vector(interpret, tsq_smem2.at[wg], _ROW) if s.has_time else None
-        pos_last = pos_smem2.at[wg][s.num_pos - 1] if s.has_pos else None
+        ts_rows = _load_vector(interpret, tsq_smem2.at[wg], _ROW) if params.has_time else None
+        pos_last = pos_smem2.at[wg][params.num_pos - 1] if params.has_pos else None
         pl.when(wg == 1)(sync)
         pl.loop(cta_lo, lo)(drain)
 
@@ -389,13 +400,13 @@ def _kernel(
                 else None
             )
             plgpu.barrier_arrive(k_free.at[slot])  # the key tile and its timestamps have been read
-            z = sc * s.alpha if bias is None else sc * s.alpha + bias
+            z = sc * params.alpha if bias is None else sc * params.alpha + bias
             mask = None
             if masked:
                 rows = (q_lo - d) + _iota(interpret, (bq, width), 0)  # sequence positions
                 cols = (step * bk - d) + _iota(interpret, (bq, width), 1)
-                mask = tiling.allowed_2d(rows, cols, length, first_target, s) & (cols >= 0)
-            if s.activation == "silu":
+                mask = tiling.allowed_2d(rows, cols, length, first_target, params) & (cols >= 0)
+            if params.activation == "silu":
                 (acc,) = carry
                 half = z * 0.5
                 p = half + half * jnp.tanh(half)
@@ -444,7 +455,7 @@ def _kernel(
             return (acc,) + carry_out
 
         acc = _cast(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
-        if s.activation == "silu":
+        if params.activation == "silu":
             carry = (acc,)
         else:
             carry = (
@@ -454,7 +465,7 @@ def _kernel(
             )
         masked = functools.partial(body, masked=True)
         carry = lax.fori_loop(lo, f_lo, masked, carry)  # window edge
-        if s.has_pos:  # far from the diagonal: the position bias is the last bucket's scalar
+        if params.has_pos:  # far from the diagonal: the position bias is the last bucket's scalar
             carry = lax.fori_loop(f_lo, p_end, functools.partial(body, masked=False, pos_far=True), carry)
         carry = lax.fori_loop(p_end, f_hi, functools.partial(body, masked=False), carry)
         if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
@@ -471,13 +482,13 @@ def _kernel(
         pl.loop(hi, cta_hi)(drain)
         pl.when(wg == 0)(sync)
         load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
-        if s.activation == "silu":
-            out = carry[0] * (1.0 / s.max_seq_len)
+        if params.activation == "silu":
+            out = carry[0] * (1.0 / params.max_seq_len)
         else:
             acc, m_i, l_i = carry
             l_safe = jnp.where(l_i > 0, l_i, 1.0)
             out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-        lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if s.activation == "softmax" else None
+        lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if params.activation == "softmax" else None
         out = out.astype(o_ref.dtype)
 
         def epilogue(i):
@@ -560,7 +571,7 @@ def _kernel(
                     plgpu.barrier_wait(k_free.at[slot])
 
                 plgpu.copy_gmem_to_smem(rows_of(k_ref, row, bk, h, dqk), k_smem.at[slot], k_bar.at[slot])
-                if s.has_time:
+                if params.has_time:
                     plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bk)], tsk_smem.at[slot], k_bar.at[slot])
 
                 @pl.when(j >= stages)
@@ -626,7 +637,7 @@ def forward_mosaic_gpu(
     ts,
     pos_tab,
     time_tab,
-    s: KernelParams,
+    params: KernelParams,
     *,
     block_k: int | None = None,
     stages: int | None = None,
@@ -641,10 +652,10 @@ def forward_mosaic_gpu(
     row, of bucket thresholds, which this kernel does not need: it takes the log directly).
     """
     t, heads, dqk = q.shape
-    default_bk, default_stages = default_tiles(max(dqk, v.shape[-1]), s.has_pos or s.has_time)
+    default_bk, default_stages = default_tiles(max(dqk, v.shape[-1]), params.has_pos or params.has_time)
     block_k = block_k or default_bk
     stages = stages or default_stages
-    if not s.has_targets:
+    if not params.has_targets:
         targets = jnp.zeros((1,), jnp.int32)
     dv = v.shape[-1]
     tile = COMPUTE_WGS * BLOCK_Q
@@ -652,24 +663,26 @@ def forward_mosaic_gpu(
         raise ValueError(
             f"the Mosaic GPU kernel needs a token capacity T that is a multiple of {ALIGN}, got {t}"
         )
-    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
     # tiles of each sequence's aligned frame: frame length L + offsets[b] % ALIGN (at most ALIGN - 1 more rows
     # per sequence, hence the larger static bounds)
     frame = jnp.where(lengths > 0, lengths + offsets[:-1] % ALIGN, 0)
     wb, wm, wv, num_work = tiling.work_list(
-        frame, tile, s.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0], "query"
+        frame, tile, params.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0], "query"
     )
     work = jnp.stack([wb, wm, wv])
     num_zero = cdiv(t, ZERO_TILES * tile)
-    softmax = s.activation == "softmax"
-    pos_width = cdiv(s.num_pos, TABLE_ALIGN) * TABLE_ALIGN
-    time_width = cdiv(s.num_time, TABLE_ALIGN) * TABLE_ALIGN
-    ts = ts.astype(jnp.int32) if s.has_time else jnp.zeros((ALIGN,), jnp.int32)
-    pos_rows = _table_rows(pos_tab, heads, pos_width) if s.has_pos else jnp.zeros((1, 4), jnp.float32)
-    time_rows = _table_rows(time_tab, heads, time_width) if s.has_time else jnp.zeros((1, 4), jnp.float32)
+    softmax = params.activation == "softmax"
+    pos_width = cdiv(params.num_pos, TABLE_ALIGN) * TABLE_ALIGN
+    time_width = cdiv(params.num_time, TABLE_ALIGN) * TABLE_ALIGN
+    ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
+    pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
+    time_rows = (
+        _table_rows(time_tab, heads, time_width) if params.has_time else jnp.zeros((1, 4), jnp.float32)
+    )
     # each copy into a ring slot / query buffer arrives once on its barrier
-    k_arrivals = 1 + int(s.has_time)
-    q_arrivals = 1 + 2 * int(s.has_time) + int(s.has_pos)
+    k_arrivals = 1 + int(params.has_time)
+    q_arrivals = 1 + 2 * int(params.has_time) + int(params.has_pos)
 
     def entry(
         work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, ts_ref, pos_ref, time_ref, o_ref, lse_ref
@@ -680,10 +693,10 @@ def forward_mosaic_gpu(
             return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
 
         bias_smem = (
-            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.int32) if s.has_time else None,
-            plgpu.SMEM((stages, block_k), jnp.int32) if s.has_time else None,
-            plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if s.has_pos else None,
-            plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if s.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((stages, block_k), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
+            plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )
         smem = (
             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dqk), q.dtype, transforms=swz),
@@ -714,7 +727,7 @@ def forward_mosaic_gpu(
                 o_ref,
                 lse_ref,
                 sc,
-                s=s,
+                params=params,
                 heads=heads,
                 num_work=num_work,
                 num_zero=num_zero,
@@ -753,7 +766,14 @@ def forward_mosaic_gpu(
     )(*ins)
     o = o.reshape(t, heads, dv)
     if softmax:
-        lse = _tile_lse(lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, s.max_seq_len)
+        lse = _tile_lse(
+            lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, params.max_seq_len
+        )
     else:
         lse = jnp.zeros((heads, t), jnp.float32)
     return o, lse
+
+
+def forward(inputs, params: KernelParams):
+    """(o, lse) from gpu.to_kernel_layout's inputs with the tiles measured fastest (default_tiles)."""
+    return forward_mosaic_gpu(*inputs, params=params)
