@@ -29,7 +29,9 @@ from pallas_kernels.jagged_attention.options import KernelOptions
 
 def _inputs(lengths, h, d, rng, dtype=jnp.bfloat16):
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    t = int(offsets[-1])
+    # token capacity: the tokens rounded up to a multiple of 8 (a packed batch's capacity is; the Mosaic GPU
+    # forward needs it, and without it the GPU backend quietly runs the Triton forward)
+    t = -(-int(offsets[-1]) // 8) * 8
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
     q, k, v, do = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys)
     return q, k, v, do, jnp.asarray(offsets)
