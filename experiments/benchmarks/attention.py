@@ -22,14 +22,16 @@ import numpy as np
 
 from experiments.benchmarks import shapes
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import jagged_attention
+from pallas_kernels.jagged_attention import gpu_sm90, jagged_attention
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 
 
 def _inputs(lengths, h, d, rng, dtype=jnp.bfloat16):
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    t = int(offsets[-1])
+    # token capacity: the tokens rounded up to a multiple of 8 (a packed batch's capacity is; the Mosaic GPU
+    # forward needs it, and without it the GPU backend quietly runs the Triton forward)
+    t = -(-int(offsets[-1]) // 8) * 8
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
     q, k, v, do = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys)
     return q, k, v, do, jnp.asarray(offsets)
@@ -45,6 +47,18 @@ def _time(fn, *args, reps: int) -> float:
 
 def _kernel_impl() -> str:
     return "interpret" if jax.default_backend() == "cpu" else "pallas"
+
+
+def _forwards(options: KernelOptions | None) -> list[tuple[str, KernelOptions | None]]:
+    """(label, options) of each GPU forward to time: on a Hopper GPU both the Triton and the Mosaic GPU forward
+    (KernelOptions.hopper_forward; the backward is the Triton one in both rows), elsewhere the default."""
+    if not gpu_sm90.is_hopper():
+        return [("pallas (ours)", options)]
+    base = options or KernelOptions()
+    return [
+        ("ours, Triton fwd", dataclasses.replace(base, hopper_forward=False)),
+        ("ours, Mosaic GPU fwd", dataclasses.replace(base, hopper_forward=True)),
+    ]
 
 
 def _fwd_bwd(impl, n, activation, block_sizes=None, options=None, **kw):
@@ -99,38 +113,44 @@ def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
                     time_bias=jnp.asarray(rng.standard_normal((h, 64)) * 0.3, jnp.float32),
                 )
 
-            def loss(q, k, v, pb, tb, impl):
+            def loss(q, k, v, pb, tb, impl, options):
                 kk = dict(kw, pos_bias=pb, time_bias=tb) if kw else {}
                 o = jagged_attention(
-                    q, k, v, off, max_seq_len=n, activation=activation, implementation=impl, **kk
+                    q,
+                    k,
+                    v,
+                    off,
+                    max_seq_len=n,
+                    activation=activation,
+                    implementation=impl,
+                    options=options,
+                    **kk,
                 )
                 return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
             pb, tb = kw.get("pos_bias"), kw.get("time_bias")
             argn = (0, 1, 2, 3, 4) if kw else (0, 1, 2)
-            got = jax.jit(jax.grad(loss, argnums=argn, has_aux=True), static_argnums=5)(
-                q, k, v, pb, tb, _kernel_impl()
-            )
+            grads = jax.jit(jax.grad(loss, argnums=argn, has_aux=True), static_argnums=(5, 6))
             f32 = lambda x: None if x is None else x.astype(jnp.float32)
-            want = jax.jit(jax.grad(loss, argnums=argn, has_aux=True), static_argnums=5)(
-                f32(q), f32(k), f32(v), pb, tb, "reference"
-            )
-            names = ["out", "dq", "dk", "dv", "dpos", "dtime"]
-            vals = [got[1]] + list(got[0])
-            refs = [want[1]] + list(want[0])
-            errs, ok = [], True
-            for name, a, r in zip(names, vals, refs):
-                a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-                e = np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)
-                finite = bool(np.isfinite(a).all())
-                ok = ok and finite and e < CHECK_BAR
-                errs.append(f"{name}={e:.1e}" + ("" if finite else "(NaN!)"))
-            rows.append(
-                f"check {activation:7s} {'targets+window+bias' if kw else 'plain':20s} "
-                + " ".join(errs)
-                + (" -> OK" if ok else " -> FAIL")
-            )
-            print(rows[-1], flush=True)
+            want = grads(f32(q), f32(k), f32(v), pb, tb, "reference", None)
+            for label, options in _forwards(None):
+                got = grads(q, k, v, pb, tb, _kernel_impl(), options)
+                names = ["out", "dq", "dk", "dv", "dpos", "dtime"]
+                vals = [got[1]] + list(got[0])
+                refs = [want[1]] + list(want[0])
+                errs, ok = [], True
+                for name, a, r in zip(names, vals, refs):
+                    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+                    e = np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)
+                    finite = bool(np.isfinite(a).all())
+                    ok = ok and finite and e < CHECK_BAR
+                    errs.append(f"{name}={e:.1e}" + ("" if finite else "(NaN!)"))
+                rows.append(
+                    f"check {activation:7s} {'targets+window+bias' if kw else 'plain':20s} [{label}] "
+                    + " ".join(errs)
+                    + (" -> OK" if ok else " -> FAIL")
+                )
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -160,11 +180,12 @@ def bench_case(
         kw["time_bias"] = jnp.asarray(rng.standard_normal((h, num_time)) * 0.1, jnp.float32)
     if num_pos:
         kw["pos_bias"] = jnp.asarray(rng.standard_normal((h, num_pos)) * 0.1, jnp.float32)
-    fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, options, **kw)
-    tf = _time(fwd, q, k, v, off, reps=reps)
-    tb = _time_bwd(bwd, q, k, v, off, do, reps=reps)
-    out.append((name, "pallas (ours)", flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
-    del fwd, bwd
+    for label, opts in _forwards(options):
+        fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, opts, **kw)
+        tf = _time(fwd, q, k, v, off, reps=reps)
+        tb = _time_bwd(bwd, q, k, v, off, do, reps=reps)
+        out.append((name, label, flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
+        del fwd, bwd
     if with_ref:  # padded reference; memory B*H*N^2*4 bytes, so maybe on a sub-batch
         sub = lengths if ref_batch is None else lengths[:ref_batch]
         q2, k2, v2, do2, off2 = _inputs(sub, h, d, rng)
@@ -363,7 +384,29 @@ def main(argv: list[str]) -> int:
             args.reps,
             ref_batch=32,
         )
+        for shape in (shapes.NVIDIA_D256, shapes.NVIDIA_D64):
+            rows += bench_case(
+                f"silu equal N={shape.max_seq_len} B={shape.batch} H={shape.heads} D={shape.head_dim}",
+                shape.sample_lengths(rng),
+                shape.heads,
+                shape.head_dim,
+                "silu",
+                rng,
+                args.reps,
+                with_ref=False,
+            )
         gem = shapes.GEM_H200_BIAS
+        rows += bench_case(
+            f"silu lognormal N={tail.max_seq_len} B={tail.batch} + pos {gem.num_pos} / time {gem.num_time} bias",
+            tail.sample_lengths(rng),
+            tail.heads,
+            tail.head_dim,
+            "silu",
+            rng,
+            args.reps,
+            with_ref=False,
+            **_bias(gem),
+        )
         for name, bias in (
             ("+ pos/time bias", shapes.WIDE_BIAS),
             (f"+ pos {gem.num_pos} / time {gem.num_time} bias (gem_h200)", gem),

@@ -68,6 +68,9 @@ class BlockShape:
 PEER_N1024 = JaggedShape(batch=512, max_seq_len=1024, heads=4, head_dim=128)
 PEER_N4096 = JaggedShape(batch=512, max_seq_len=4096, heads=4, head_dim=128)
 HEAVY_TAIL = JaggedShape(batch=2048, max_seq_len=4096, heads=4, head_dim=128, lengths="lognormal")
+# NVIDIA's CUTLASS HSTU kernel's published H100 shapes (full-length sequences): D=256 at N=4096, D=64 at N=16384
+NVIDIA_D256 = JaggedShape(batch=64, max_seq_len=4096, heads=4, head_dim=256, lengths="equal")
+NVIDIA_D64 = JaggedShape(batch=16, max_seq_len=16384, heads=4, head_dim=64, lengths="equal")
 # dense causal softmax, equal lengths: the cuDNN comparison (B=8 T=4096 H=16)
 SOFTMAX_DENSE = JaggedShape(batch=8, max_seq_len=4096, heads=16, head_dim=128, lengths="equal")
 # the relative bias of configs/gem_h200.toml (num_position_buckets, num_time_buckets), and a wide one

@@ -9,6 +9,7 @@ bias_rows array is used) is made here, in KernelParams. Implementation names: pa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,6 +19,7 @@ from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels import implementations
 from pallas_kernels.checks import check_jagged_qkv
+from pallas_kernels.jagged_attention import gpu_sm90
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -185,5 +187,7 @@ def jagged_attention(
         options=options,
         bias_rows=bias_rows,
     )
+    if kernel == "gpu" and gpu_sm90.wanted(options.hopper_forward):
+        params = dataclasses.replace(params, hopper_forward=gpu_sm90.supports(params, q, v))
     extras = (num_targets, timestamps, pos_bias, time_bias)
     return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)

@@ -575,13 +575,20 @@ def forward(inputs, params: KernelParams):
     t, heads, _ = q.shape
     bq = params.blocks.block_q
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
-    wb, wm, wv, num_work = tiling.work_list(lengths, bq, params.max_seq_len, t, "query")
-    num_zero = cdiv(t, ZERO_TILES * bq)
     bias = (
         bias_rows(offsets, ts, pos_tab, time_tab, params, total_rows=t, heads=heads, dtype=q.dtype)
         if params.bias_rows
         else jnp.zeros((1, 16, 16), q.dtype)
     )
+    if (
+        params.hopper_forward
+    ):  # the Mosaic GPU forward computes the bias itself; the array serves the backward
+        from pallas_kernels.jagged_attention import gpu_sm90
+
+        o, lse = gpu_sm90.forward(inputs, params)
+        return o, (*inputs, o, lse, bias)
+    wb, wm, wv, num_work = tiling.work_list(lengths, bq, params.max_seq_len, t, "query")
+    num_zero = cdiv(t, ZERO_TILES * bq)
     kernel = functools.partial(_fwd_kernel, params=params, heads=heads, num_work=num_work, total_rows=t)
     # Grid: one program per (work item, head), heads fastest so the heaviest tiles start first; then
     # num_zero programs per head that zero rows past offsets[B]. Blocks: whole arrays (masked row loads).

@@ -25,6 +25,11 @@ class KernelOptions:
       time table's gradient. Used when the array stays under bias_rows_max_bytes and 2**31 elements (the
       kernels index with int32); otherwise the kernels compute the bias. api.py decides it once per call
       (KernelParams.bias_rows).
+    hopper_forward: the GPU forward runs the Mosaic GPU kernel (gpu_sm90.py: wgmma, TMA, warp-specialised,
+      the relative bias computed in the kernel) instead of the Triton one. None: on Hopper GPUs (H100, H200)
+      for every call gpu_sm90.supports (bf16/fp16, head dims 64/128/256, T a multiple of 8); True: whenever it
+      supports the call, whatever the device (tests lower it on CPU); False: never. The backward is the Triton
+      one either way. api.py decides it once per call (KernelParams.hopper_forward).
     """
 
     silu_bf16x2: bool = True
@@ -33,6 +38,7 @@ class KernelOptions:
     pos_grad_max_bytes: int = 4 << 30
     bias_rows: bool = True
     bias_rows_max_bytes: int = 8 << 30
+    hopper_forward: bool | None = None
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""

@@ -15,6 +15,8 @@ class KernelParams:
     bias_rows: the GPU kernels load the relative bias from the [H, T, W] bias_rows array (KernelOptions) that
     forward builds. api.py decides it once, with the key tiles that will read the array; backends obey it. No
     default: whoever builds a KernelParams decides it.
+    hopper_forward: the GPU backend's forward is the Mosaic GPU kernel (gpu_sm90.py), decided by api.py from
+    KernelOptions.hopper_forward, the device and gpu_sm90.supports.
     """
 
     max_seq_len: int
@@ -30,3 +32,4 @@ class KernelParams:
     blocks: BlockSizes
     bias_rows: bool
     options: KernelOptions = KernelOptions()
+    hopper_forward: bool = False

@@ -6,14 +6,11 @@ a producer that TMA-loads key/value tiles into a ring of shared-memory slots, an
 warpgroups of BLOCK_Q = 64 query rows each that issue wgmma and do the activation, so one's elementwise
 work overlaps the other's matrix work.
 
-Status: experimental, outside pallas_kernels.jagged_attention: never timed faster than the Triton forward
-(docs/kernels_jagged_attention.md). Nothing calls it but its tests and its benchmark
-(`python -m experiments bench mosaic_attention`).
+Contract: the same as the Triton backend's forward (pallas_kernels.jagged_attention.gpu.forward): the output
+and the softmax lse from gpu.to_kernel_layout's inputs. supports() lists what it handles: bf16/fp16, head dims
+64 or 128, SiLU or softmax, targets, window, and the relative position and time bias.
 
-Design (same contract as the Triton backend's forward, pallas_kernels.jagged_attention.gpu.forward: the
-output and the softmax lse from to_kernel_layout's inputs, so it can become that backend's forward;
-supports() lists what it handles: no relative bias, Dqk = Dv = 128, bf16/fp16; SiLU or softmax, targets,
-window):
+Design:
 * Work list: tiling.work_list(lengths, 2 * BLOCK_Q, ...), heaviest first, items (head fastest) then tail
   items that zero rows past offsets[B]. Persistent grid (default): NUM_SMS CTAs walk that list with a
   stride; the K/V ring and its barrier phases run on across items, so the producer prefetches the next
@@ -23,31 +20,39 @@ window):
   consumer derives its own key-tile range [lo, hi) (causal, window, targets) and its mask-free middle;
   the producer loads the union of both ranges, and a consumer releases the slots outside its own range
   (after waiting for their data, so an early release never completes a phase the other still holds).
-* Jagged loads: TMA boxes of bk rows of one head at arbitrary row starts. Rows past the sequence belong
-  to the next sequence and are masked in the scores; boxes past T are zero-filled by TMA. Rows past
-  offsets[B] must hold finite values (0 * NaN = NaN in the PV product), as any real token does.
+* Jagged loads: TMA boxes of bk rows of one head at arbitrary row starts. Mosaic GPU tiles the GMEM side of a
+  TMA by (8, 64), so a load's row start must be a multiple of 8: every sequence is processed in its aligned
+  frame (frame row f = global row start - start % ALIGN + f), and frame rows outside the sequence are masked
+  in the scores and never stored. Boxes past T are zero-filled by TMA. Rows past offsets[B] must hold finite
+  values (0 * NaN = NaN in the PV product), as any real token does.
 * Jagged stores: a consumer never writes rows outside [start, start + length): its tile is staged in an
   unswizzled shared buffer and stored as up to 7 power-of-two-row TMA boxes (binary decomposition of the
-  valid row count, as in jax's ragged_dot_mgpu). Rows of a sequence past max_seq_len are not written
-  (as in gpu.py; the reference has zeros there, so callers keep L_b <= max_seq_len as api.py requires).
+  valid row count). Rows of a sequence past max_seq_len are not written (the reference has zeros there, so
+  callers keep L_b <= max_seq_len as api.py requires).
+* Relative bias in the kernel, O(T) extra memory at any N: each consumer loads its head's position and time
+  tables (float32, one row each) and its rows' timestamps with its query rows; the producer loads the key
+  tile's timestamps with the keys. Per score element the consumer computes the position bucket min(i - j,
+  P - 1) and the time bucket floor(log(max(ts_i - ts_j, 1)) / 0.301) (clipped to NT - 1) and gathers both
+  tables from shared memory (one ld.shared each, through inline Mosaic GPU code: Pallas has no gather).
+  Key tiles wholly past the position table's last bucket add that bucket's value as a scalar instead.
 * Ping-pong (FA3): the two consumers meet on a barrier twice per key tile so that one's activation runs
   while the other's wgmmas do. half_diag: a consumer whose last visible key lies in the first half of
   its last 128-key tile (the first consumer's diagonal tile) uses half-width wgmmas there.
-* SiLU: with h = alpha * s / 2, silu(alpha * s) = h + h * tanh(h) (tanh.approx via approx_math);
-  1/max_seq_len is applied once to the accumulator.
-* Softmax: base-2 online softmax; lse goes to a tile-major [items, H, 2 * BLOCK_Q] buffer (a 1-D TMA of a
-  whole consumer tile) and is gathered to [H, T] in XLA (a tile never holds two sequences' lse).
+* SiLU: with h = z / 2, silu(z) = h + h * tanh(h) (tanh.approx via approx_math); 1/max_seq_len is applied
+  once to the accumulator.
+* Softmax: base-2 online softmax; a row that has seen no visible key yet keeps m = -inf and subtracts 0, so
+  a window-edge tile that masks whole rows leaves them at zero rather than NaN. lse goes to a tile-major
+  [items, H, 2 * BLOCK_Q] buffer (a 1-D TMA of a whole consumer tile) and is gathered to [H, T] in XLA.
 
 CPU checks: tests/test_jagged_attention_mosaic_gpu.py lowers the kernel for several configs
 (`lower(lowering_platforms=("cuda",))`) and runs it in Mosaic GPU interpret mode against the reference,
-with the two wgmma calls replaced by plain dots there (interpret=True: the interpreter has neither
-transposed wgmma operands nor run_state). Numbers come only from the device
-(experiments/benchmarks/mosaic_attention.py).
+with the wgmma calls replaced by plain dots and the shared-memory gathers by jnp indexing there (the
+interpreter has neither transposed wgmma operands, run_state nor inline Mosaic GPU code). Numbers come only
+from the device (experiments/benchmarks/mosaic_attention.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -61,35 +66,26 @@ from pallas_kernels.common import cdiv, cdiv_dyn
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.params import KernelParams
+from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
 COMPUTE_WGS = 2
 ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
 LOG2E = 1.4426950408889634
 NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
-# Mosaic GPU tiles the GMEM side of a TMA into swizzled shared memory by the (8, 64) smem tiling, so a load's
-# row start must be a multiple of 8 (and T too): every sequence is processed in its aligned frame, frame row
-# f = global row start - start % ALIGN + f, and the frame rows before the sequence are masked and not stored.
-ALIGN = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class Bringup:
-    """Bring-up switches (jax 0.11.2's Mosaic GPU layout inference rejected the first version; these isolate why).
-
-    flat_work: work list as one 1-D array; split_staging: one output/lse staging buffer per consumer (no
-    sub-views of untransformed shared memory); flat_gmem: q/k/v/o as [T, H * D] with column slices, lse 1-D.
-    """
-
-    flat_work: bool = True
-    split_staging: bool = True
-    flat_gmem: bool = True
+ALIGN = 8  # row alignment of a TMA box's start (see the module docstring: aligned frames)
+HEAD_DIMS = (64, 128, 256)  # multiples of 64 (the 128-byte swizzle); 256 needs 64-key tiles (shared memory)
+# output columns staged (and stored) at a time: D = 256 stores its tile in four quarters (shared memory)
+O_COLS = {64: 64, 128: 128, 256: 64}
+_LOG2_TO_BUCKET = math.log(2.0) / LOG_TIME_DIVISOR  # log(x) / LOG_TIME_DIVISOR = log2(x) * this
+TABLE_ALIGN = 32  # floats: each consumer's copy of a bias table starts 128-byte aligned in shared memory
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector laid out like the rows of a wgmma tile
+_COL = plgpu.Layout.WGMMA.reduce(0)  # a [bk] vector laid out like its columns
 
 
 def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> KernelParams:
-    """The KernelParams of a call without relative bias (what this kernel supports), not interpreted, with the
-    GPU backend's default tiles (so the Triton forward it is compared with runs as jagged_attention runs it);
-    `fields` override any field (tests)."""
+    """The KernelParams of a call, not interpreted, with the GPU backend's default tiles (so the Triton forward
+    it is compared with runs as jagged_attention runs it); `fields` override any field."""
     defaults = dict(
         max_seq_len=max_seq_len,
         activation=activation,
@@ -107,18 +103,27 @@ def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> 
     return KernelParams(**{**defaults, **fields})
 
 
-def supports(s: KernelParams, q, v) -> bool:
-    """Whether forward_mosaic_gpu handles this call (otherwise use the Triton kernel)."""
+def is_hopper() -> bool:
+    """Whether jax's default device is a Hopper GPU (compute capability 9.x: H100, H200)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def wanted(hopper_forward: bool | None) -> bool:
+    """KernelOptions.hopper_forward resolved on this device: None means "on Hopper GPUs"."""
+    return is_hopper() if hopper_forward is None else hopper_forward
+
+
+def supports(params: KernelParams, q, v) -> bool:
+    """Whether forward_mosaic_gpu handles this call (otherwise the GPU backend runs its Triton forward)."""
     return (
-        not s.has_pos
-        and not s.has_time
-        and not s.interpret
+        not params.interpret
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and v.dtype == q.dtype
         and q.shape[0] % ALIGN == 0
-        and q.shape[-1] == 128
-        and v.shape[-1] == 128
-        and s.activation in ("silu", "softmax")
+        and q.shape[-1] in HEAD_DIMS
+        and v.shape[-1] in HEAD_DIMS
+        and params.activation in ("silu", "softmax")
     )
 
 
@@ -131,6 +136,31 @@ def _iota(interpret: bool, shape, dim: int):
     if interpret:
         return lax.broadcasted_iota(jnp.int32, shape, dim)
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _load_vector(interpret: bool, ref, layout):
+    """A 1-D shared-memory ref as a vector in a wgmma row or column layout."""
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+
+def _gather(interpret: bool, table_ref, idx):
+    """table_ref[idx] for an int32 [bq, bk] tile in the wgmma layout: one ld.shared per element (Pallas Mosaic
+    GPU has no gather, so the loads are written in Mosaic GPU's own API, inline)."""
+    if interpret:
+        return table_ref[...][idx]
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct(idx.shape, jnp.float32, plgpu.Layout.WGMMA),
+    )
+    def gather(ctx, table, cells):
+        del ctx
+        index = ir.IndexType.get()
+        return cells.foreach(lambda v, _: memref.load(table, [arith.index_cast(index, v)]), create_array=True)
+
+    return gather(table_ref, idx)
 
 
 def _store_rows(src_smem, dst, nrows, max_rows: int, first=0):
@@ -154,11 +184,14 @@ def _kernel(
     q_ref,
     k_ref,
     v_ref,
+    ts_ref,
+    pos_ref,
+    time_ref,
     o_ref,
     lse_ref,
     scoped,
     *,
-    s: KernelParams,
+    params: KernelParams,
     heads: int,
     num_work: int,
     num_zero: int,
@@ -169,27 +202,20 @@ def _kernel(
     pingpong: bool,
     num_ctas: int | None,
     half_diag: bool,
-    bringup: Bringup,
 ):
     wg = lax.axis_index("wg")
-    (q_smem2, o_bufs, k_smem, v_smem, lse_bufs), (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
-    dv = v_smem.shape[-1]
-    flat = bringup.flat_gmem
+    buffers, (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
+    q_smem2, o_bufs, k_smem, v_smem, lse_bufs, bias_bufs = buffers
+    tsq_smem2, tsk_smem, pos_smem2, time_smem2 = bias_bufs
+    dqk, dv = q_smem2.shape[-1], v_smem.shape[-1]
+    has_bias = params.has_pos or params.has_time
 
-    def rows_of(ref, row, size, h, d):
-        """[size, d] GMEM window of head h at row (ref is [T, H, d], or [T, H * d] when flat)."""
-        if flat:
-            return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
-        return ref.at[pl.ds(row, size), h]
+    def rows_of(ref, row, size, h, d, col=0, cols=None):
+        """[size, cols] GMEM window of head h at row, from column `col` (ref is [T, H * d])."""
+        return ref.at[pl.ds(row, size), pl.ds(h * d + col, cols or d)]
 
     def work(k, wc):
-        return work_ref[k * num_work + wc] if bringup.flat_work else work_ref[k, wc]
-
-    def staged(bufs, i):
-        """Consumer i's staging buffer: its own allocation (split) or a sub-view of a stacked one."""
-        if bufs is None:
-            return None
-        return bufs[i] if bringup.split_staging else bufs.at[i]
+        return work_ref[k * num_work + wc]
 
     bq, bk = BLOCK_Q, block_k
     dtype = q_ref.dtype
@@ -220,9 +246,9 @@ def _kernel(
         start = offsets_ref[b]
         d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its aligned frame
         base = start - d  # global row of frame row 0
-        length = jnp.minimum(offsets_ref[b + 1] - start, s.max_seq_len)
+        length = jnp.minimum(offsets_ref[b + 1] - start, params.max_seq_len)
         first_target = length
-        if s.has_targets:
+        if params.has_targets:
             first_target = length - jnp.clip(targets_ref[b], 0, length)
         tile_lo = work(1, wc) * (COMPUTE_WGS * bq)  # frame row
         # key tiles the whole CTA needs (the producer's range): the union of both consumers' ranges
@@ -237,9 +263,9 @@ def _kernel(
         end = d + length
         hi = jnp.where((q_lo < end) & (q_lo + bq > d), cdiv_dyn(jnp.minimum(q_lo + bq, end), bk), 0)
         lo = jnp.int32(0)
-        if s.max_attn_len > 0:
-            lo_col = jnp.maximum(jnp.maximum(q_lo, d) - s.max_attn_len, d)
-            if s.has_targets:  # a tile holding targets sees the whole history
+        if params.max_attn_len > 0:
+            lo_col = jnp.maximum(jnp.maximum(q_lo, d) - params.max_attn_len, d)
+            if params.has_targets:  # a tile holding targets sees the whole history
                 lo_col = jnp.where(q_lo + bq > d + first_target, d, lo_col)
             lo = lo_col // bk
         return jnp.minimum(lo, hi), hi
@@ -248,10 +274,18 @@ def _kernel(
         """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + bq) sees whole (no mask)."""
         f_hi = jnp.minimum(q_lo + 1, d + first_target) // bk  # below the diagonal and inside the history
         f_lo = cdiv_dyn(d, bk)  # frame rows before the sequence (in tile 0 when d > 0) are masked
-        if s.max_attn_len > 0:
-            f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - s.max_attn_len, 0), bk))
+        if params.max_attn_len > 0:
+            f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + bq - 1 - params.max_attn_len, 0), bk))
         f_lo = jnp.clip(f_lo, lo, hi)
         return f_lo, jnp.clip(f_hi, f_lo, hi)
+
+    def pos_far_end(q_lo, f_lo, f_hi):
+        """Key tiles [f_lo, end) of the mask-free range lie wholly past the position table's last bucket:
+        min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1 there, so the position bias is one scalar."""
+        if not params.has_pos:
+            return f_lo
+        n_max = (q_lo - params.num_pos + 2) // bk - 1  # floor division: negative when no tile is that far
+        return jnp.clip(n_max + 1, f_lo, f_hi)
 
     def aligned(row):
         return pl.multiple_of(row, ALIGN)
@@ -267,17 +301,42 @@ def _kernel(
             plgpu.barrier_wait(sched)
 
     def load_q(i):
-        """Starts the TMA of this consumer's query rows of the CTA's i-th item (if it is a real tile)."""
+        """Starts the TMAs of this consumer's query rows of the CTA's i-th item (if it is a real tile), with the
+        rows' timestamps and the head's bias tables when the call has a relative bias."""
         h, _, valid, base, _, _, _, tile_lo, _, _ = info(i)
 
         @pl.when(valid & (i < num_iters))
         def _():
-            q_smem = q_smem2.at[wg]
-            plgpu.copy_gmem_to_smem(
-                rows_of(q_ref, aligned(base + tile_lo + wg * bq), bq, h, q_smem.shape[-1]),
-                q_smem,
-                q_bar.at[wg],
+            row = aligned(base + tile_lo + wg * bq)
+            plgpu.copy_gmem_to_smem(rows_of(q_ref, row, bq, h, dqk), q_smem2.at[wg], q_bar.at[wg])
+            if params.has_time:
+                plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem2.at[wg], q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
+            if params.has_pos:
+                plgpu.copy_gmem_to_smem(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
+
+    def bias_tile(q_lo, step, width, ts_rows, slot, pos_scalar):
+        """float32 [bq, width] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
+        bias = None
+        if params.has_pos:
+            if pos_scalar is not None:
+                bias = pos_scalar
+            else:
+                rel = (q_lo - step * bk) + _iota(interpret, (bq, width), 0) - _iota(interpret, (bq, width), 1)
+                bias = _gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
+        if params.has_time:
+            cols = tsk_smem.at[slot] if width == bk else tsk_smem.at[slot, pl.ds(0, width)]
+            ts_cols = _load_vector(interpret, cols, _COL)
+            dt = lax.broadcast_in_dim(ts_rows, (bq, width), [0]) - lax.broadcast_in_dim(
+                ts_cols, (bq, width), [1]
             )
+            x = jnp.maximum(dt, 1).astype(jnp.float32)
+            # log(x) / 0.301 as log2(x) times a constant (no division); it is >= 0, so the int cast (truncation)
+            # is the floor of the reference's bucket formula
+            bucket = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
+            time_bias = _gather(interpret, time_smem2.at[wg], bucket)
+            bias = time_bias if bias is None else bias + time_bias
+        return bias
 
     def consumer_item(i, h, w, base, d, length, first_target, tile_lo, cta_lo, cta_hi, g0):
         # Key tile n of this item sits in ring slot (g0 + n - cta_lo) % stages. This consumer computes tiles
@@ -290,6 +349,7 @@ def _kernel(
         lo = jnp.where(hi > lo, lo, cta_lo)
         hi = jnp.where(hi > lo, hi, cta_lo)
         f_lo, f_hi = mask_free(q_lo, d, first_target, lo, hi)
+        p_end = pos_far_end(q_lo, f_lo, f_hi)
 
         def slot_at(n):
             return slot_of(g0 + n - cta_lo)
@@ -306,6 +366,8 @@ def _kernel(
             sync()
 
         plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
+        ts_rows = _load_vector(interpret, tsq_smem2.at[wg], _ROW) if params.has_time else None
+        pos_last = pos_smem2.at[wg][params.num_pos - 1] if params.has_pos else None
         pl.when(wg == 1)(sync)
         pl.loop(cta_lo, lo)(drain)
 
@@ -313,7 +375,7 @@ def _kernel(
         def _():
             plgpu.barrier_wait(k_bar.at[slot_at(lo)])
 
-        def body(step, carry, masked: bool, width: int = bk):
+        def body(step, carry, masked: bool, width: int = bk, pos_far: bool = False):
             # width < bk: only the first `width` keys of the tile are visible to this consumer (its diagonal
             # tile when its rows start the tile): half-size QK and PV wgmmas on the leading rows of the slot.
             slot = slot_at(step)
@@ -332,27 +394,36 @@ def _kernel(
                 sync()
             else:
                 sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, width), jnp.float32))
-            plgpu.barrier_arrive(k_free.at[slot])
+            bias = (
+                bias_tile(q_lo, step, width, ts_rows, slot, pos_last if pos_far else None)
+                if has_bias
+                else None
+            )
+            plgpu.barrier_arrive(k_free.at[slot])  # the key tile and its timestamps have been read
+            z = sc * params.alpha if bias is None else sc * params.alpha + bias
             mask = None
             if masked:
                 rows = (q_lo - d) + _iota(interpret, (bq, width), 0)  # sequence positions
                 cols = (step * bk - d) + _iota(interpret, (bq, width), 1)
-                mask = tiling.allowed_2d(rows, cols, length, first_target, s) & (cols >= 0)
-            if s.activation == "silu":
+                mask = tiling.allowed_2d(rows, cols, length, first_target, params) & (cols >= 0)
+            if params.activation == "silu":
                 (acc,) = carry
-                half = sc * (0.5 * s.alpha)
+                half = z * 0.5
                 p = half + half * jnp.tanh(half)
                 if masked:
                     p = jnp.where(mask, p, 0.0)
                 carry_out = ()
             else:
                 acc, m_i, l_i = carry
-                x = sc * (s.alpha * LOG2E)
+                x = z * LOG2E
                 if masked:
                     x = jnp.where(mask, x, -jnp.inf)
                 m_new = jnp.maximum(m_i, x.max(axis=1))
-                corr = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(x - lax.broadcast_in_dim(m_new, x.shape, [0]))
+                # A row that has seen no visible key yet (a window edge tile can mask a whole row) keeps
+                # m = -inf; subtracting 0 instead keeps its p and correction at 0 rather than NaN.
+                m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                corr = jnp.exp2(m_i - m_sub)
+                p = jnp.exp2(x - lax.broadcast_in_dim(m_sub, x.shape, [0]))
                 l_i = l_i * corr + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(corr, acc.shape, [0])
                 carry_out = (m_new, l_i)
@@ -384,18 +455,19 @@ def _kernel(
             return (acc,) + carry_out
 
         acc = _cast(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
-        if s.activation == "silu":
+        if params.activation == "silu":
             carry = (acc,)
         else:
-            row_layout = plgpu.Layout.WGMMA.reduce(1)
             carry = (
                 acc,
-                _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), row_layout),
-                _cast(interpret, jnp.zeros((bq,), jnp.float32), row_layout),
+                _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), _ROW),
+                _cast(interpret, jnp.zeros((bq,), jnp.float32), _ROW),
             )
         masked = functools.partial(body, masked=True)
         carry = lax.fori_loop(lo, f_lo, masked, carry)  # window edge
-        carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
+        if params.has_pos:  # far from the diagonal: the position bias is the last bucket's scalar
+            carry = lax.fori_loop(f_lo, p_end, functools.partial(body, masked=False, pos_far=True), carry)
+        carry = lax.fori_loop(p_end, f_hi, functools.partial(body, masked=False), carry)
         if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
             # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
             half_ok = jnp.minimum(q_lo + bq, d + length) - (hi - 1) * bk <= bk // 2
@@ -410,58 +482,60 @@ def _kernel(
         pl.loop(hi, cta_hi)(drain)
         pl.when(wg == 0)(sync)
         load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
-        if s.activation == "silu":
-            out = carry[0] * (1.0 / s.max_seq_len)
+        if params.activation == "silu":
+            out = carry[0] * (1.0 / params.max_seq_len)
         else:
             acc, m_i, l_i = carry
             l_safe = jnp.where(l_i > 0, l_i, 1.0)
             out = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
-        lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if s.activation == "softmax" else None
+        lse = (m_i + jnp.log(l_safe) * LOG2E) * (1.0 / LOG2E) if params.activation == "softmax" else None
         out = out.astype(o_ref.dtype)
 
         def epilogue(i):
-            o_smem, lse_smem = staged(o_bufs, i), staged(lse_bufs, i)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's stores have read o_smem
+            o_smem = o_bufs[i]
+            o_cols = o_smem.shape[-1]
+            for col in range(0, dv, o_cols):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores have read o_smem
+                if lse is not None and col == 0:
+                    lse_bufs[i][...] = lse
+                o_smem[...] = out if o_cols == dv else out[:, col : col + o_cols]
+                plgpu.commit_smem()
+                _store_rows(
+                    o_smem,
+                    lambda off, size, col=col: rows_of(
+                        o_ref, base + q_lo + first_row + off, size, h, dv, col, o_cols
+                    ),
+                    jnp.maximum(last_row - first_row, 0),
+                    bq,
+                    first=first_row,
+                )
             if lse is not None:
-                lse_smem[...] = lse
-            o_smem[...] = out
-            plgpu.commit_smem()
-            _store_rows(
-                o_smem,
-                lambda off, size: rows_of(o_ref, base + q_lo + first_row + off, size, h, dv),
-                jnp.maximum(last_row - first_row, 0),
-                bq,
-                first=first_row,
-            )
-            if lse is not None:
-                if flat:
-                    dst = lse_ref.at[pl.ds(((w * heads + h) * COMPUTE_WGS + i) * bq, bq)]
-                else:
-                    dst = lse_ref.at[w, h, pl.ds(i * bq, bq)]
-                plgpu.copy_smem_to_gmem(lse_smem, dst)
+                dst = lse_ref.at[pl.ds(((w * heads + h) * COMPUTE_WGS + i) * bq, bq)]
+                plgpu.copy_smem_to_gmem(lse_bufs[i], dst)
 
-        if bringup.split_staging:  # static buffers: one branch per consumer
-            for i in range(COMPUTE_WGS):
-                pl.when(wg == i)(functools.partial(epilogue, i))
-        else:
-            epilogue(wg)
+        for i in range(COMPUTE_WGS):  # static buffers: one branch per consumer
+            pl.when(wg == i)(functools.partial(epilogue, i))
 
     def zero_tail(h, w):
-        o_smem = staged(o_bufs, 0)
+        o_smem = o_bufs[0]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
         tail = offsets_ref[num_seqs]
+        o_cols = o_smem.shape[-1]
         for i in range(ZERO_TILES * COMPUTE_WGS):
             lo = ((w - num_work) * ZERO_TILES * COMPUTE_WGS + i) * bq
             first = jnp.clip(tail - lo, 0, bq)  # rows [lo, lo + first) are real tokens
             count = jnp.where(lo < total_rows, bq - first, 0)
-            _store_rows(
-                o_smem,
-                lambda off, size, lo=lo, first=first: rows_of(o_ref, lo + first + off, size, h, dv),
-                count,
-                bq,
-            )
+            for col in range(0, dv, o_cols):
+                _store_rows(
+                    o_smem,
+                    lambda off, size, lo=lo, first=first, col=col: rows_of(
+                        o_ref, lo + first + off, size, h, dv, col, o_cols
+                    ),
+                    count,
+                    bq,
+                )
 
     @pl.when(wg < COMPUTE_WGS)
     def _consumer():
@@ -490,24 +564,21 @@ def _kernel(
             def _(n):
                 j = g + n - cta_lo  # the CTA's running key-tile count
                 slot = slot_of(j)
+                row = aligned(base + n * bk)
 
                 @pl.when(j >= stages)
                 def _():
                     plgpu.barrier_wait(k_free.at[slot])
 
-                plgpu.copy_gmem_to_smem(
-                    rows_of(k_ref, aligned(base + n * bk), bk, h, k_smem.shape[-1]),
-                    k_smem.at[slot],
-                    k_bar.at[slot],
-                )
+                plgpu.copy_gmem_to_smem(rows_of(k_ref, row, bk, h, dqk), k_smem.at[slot], k_bar.at[slot])
+                if params.has_time:
+                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bk)], tsk_smem.at[slot], k_bar.at[slot])
 
                 @pl.when(j >= stages)
                 def _():
                     plgpu.barrier_wait(v_free.at[slot])
 
-                plgpu.copy_gmem_to_smem(
-                    rows_of(v_ref, aligned(base + n * bk), bk, h, dv), v_smem.at[slot], v_bar.at[slot]
-                )
+                plgpu.copy_gmem_to_smem(rows_of(v_ref, row, bk, h, dv), v_smem.at[slot], v_bar.at[slot])
 
             return g + cta_hi - cta_lo
 
@@ -542,6 +613,21 @@ def _tile_lse(lse_tiles, offsets, work, num_work: int, total_rows: int, max_seq_
     return jnp.where(ok[:, None], lse, 0.0).T
 
 
+def default_tiles(head_dim: int, has_bias: bool) -> tuple[int, int]:
+    """(key-tile rows, ring slots) measured fastest on the H200: 128 x 2, or 64 x 2 at D = 256 (two 2-slot K/V
+    rings of 128 x 256 exceed shared memory), or 64 x 3 with a relative bias (its per-element bucket and gather
+    work needs the registers a 128-key score tile would take)."""
+    if head_dim > 128:
+        return 64, 2
+    return (64, 3) if has_bias else (128, 2)
+
+
+def _table_rows(table, heads: int, width: int):
+    """The first `heads` rows of a float32 bias table, `width` (a multiple of TABLE_ALIGN) wide."""
+    table = table[:heads, :width]
+    return jnp.pad(table, ((0, 0), (0, width - table.shape[1])))
+
+
 def forward_mosaic_gpu(
     q,
     k,
@@ -551,24 +637,25 @@ def forward_mosaic_gpu(
     ts,
     pos_tab,
     time_tab,
-    s: KernelParams,
+    params: KernelParams,
     *,
-    block_k: int = 128,
-    stages: int = 2,
+    block_k: int | None = None,
+    stages: int | None = None,
     pingpong: bool = True,
     num_ctas: int | None = NUM_SMS,
     half_diag: bool = False,
     interpret: bool = False,
-    bringup: Bringup | None = None,
 ):
     """(o [T, H, Dv], lse float32 [H, T]) from gpu.to_kernel_layout's inputs, as gpu.forward (see supports()).
 
-    bringup: None is Bringup(), the version measured last.
+    The bias tables are gpu.to_kernel_layout's: float32, each head's row padded (the time table has one more
+    row, of bucket thresholds, which this kernel does not need: it takes the log directly).
     """
-    bringup = bringup or Bringup()
-    del ts, pos_tab, time_tab  # no relative bias (supports() says so)
     t, heads, dqk = q.shape
-    if not s.has_targets:
+    default_bk, default_stages = default_tiles(max(dqk, v.shape[-1]), params.has_pos or params.has_time)
+    block_k = block_k or default_bk
+    stages = stages or default_stages
+    if not params.has_targets:
         targets = jnp.zeros((1,), jnp.int32)
     dv = v.shape[-1]
     tile = COMPUTE_WGS * BLOCK_Q
@@ -576,38 +663,53 @@ def forward_mosaic_gpu(
         raise ValueError(
             f"the Mosaic GPU kernel needs a token capacity T that is a multiple of {ALIGN}, got {t}"
         )
-    lengths = jnp.minimum(offsets[1:] - offsets[:-1], s.max_seq_len)
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
     # tiles of each sequence's aligned frame: frame length L + offsets[b] % ALIGN (at most ALIGN - 1 more rows
     # per sequence, hence the larger static bounds)
     frame = jnp.where(lengths > 0, lengths + offsets[:-1] % ALIGN, 0)
     wb, wm, wv, num_work = tiling.work_list(
-        frame, tile, s.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0], "query"
+        frame, tile, params.max_seq_len + ALIGN - 1, t + (ALIGN - 1) * frame.shape[0], "query"
     )
     work = jnp.stack([wb, wm, wv])
     num_zero = cdiv(t, ZERO_TILES * tile)
-    softmax = s.activation == "softmax"
-    flat = bringup.flat_gmem
-    split = bringup.split_staging
+    softmax = params.activation == "softmax"
+    pos_width = cdiv(params.num_pos, TABLE_ALIGN) * TABLE_ALIGN
+    time_width = cdiv(params.num_time, TABLE_ALIGN) * TABLE_ALIGN
+    ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
+    pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
+    time_rows = (
+        _table_rows(time_tab, heads, time_width) if params.has_time else jnp.zeros((1, 4), jnp.float32)
+    )
+    # each copy into a ring slot / query buffer arrives once on its barrier
+    k_arrivals = 1 + int(params.has_time)
+    q_arrivals = 1 + 2 * int(params.has_time) + int(params.has_pos)
 
-    def entry(work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
+    def entry(
+        work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, ts_ref, pos_ref, time_ref, o_ref, lse_ref
+    ):
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-        def staging(shape, dtype):
-            if split:
-                return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
-            return plgpu.SMEM((COMPUTE_WGS,) + shape, dtype)
+        def per_consumer(shape, dtype):
+            return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
 
+        bias_smem = (
+            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((stages, block_k), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
+            plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
+        )
         smem = (
             plgpu.SMEM((COMPUTE_WGS, BLOCK_Q, dqk), q.dtype, transforms=swz),
-            staging((BLOCK_Q, dv), v.dtype),
+            per_consumer((BLOCK_Q, O_COLS[dv]), v.dtype),
             plgpu.SMEM((stages, block_k, dqk), k.dtype, transforms=swz),
             plgpu.SMEM((stages, block_k, dv), v.dtype, transforms=swz),
-            staging((BLOCK_Q,), jnp.float32) if softmax else None,
+            per_consumer((BLOCK_Q,), jnp.float32) if softmax else None,
+            bias_smem,
         )
         loaded = (
+            plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=COMPUTE_WGS),
         )
         freed = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
         sched = plgpu.Barrier(num_arrivals=COMPUTE_WGS)
@@ -619,10 +721,13 @@ def forward_mosaic_gpu(
                 q_ref,
                 k_ref,
                 v_ref,
+                ts_ref,
+                pos_ref,
+                time_ref,
                 o_ref,
                 lse_ref,
                 sc,
-                s=s,
+                params=params,
                 heads=heads,
                 num_work=num_work,
                 num_zero=num_zero,
@@ -633,7 +738,6 @@ def forward_mosaic_gpu(
                 pingpong=pingpong,
                 num_ctas=num_ctas,
                 half_diag=half_diag,
-                bringup=bringup,
             ),
             smem,
             loaded,
@@ -642,18 +746,18 @@ def forward_mosaic_gpu(
             collective_axes="wg",
         )
 
-    lse_shape = (num_work if softmax else 1, heads, tile)
-    if flat:
-        lse_shape = (math.prod(lse_shape),)
-    o_shape = (t, heads * dv) if flat else (t, heads, dv)
-    ins = (work.reshape(-1) if bringup.flat_work else work, offsets, targets.astype(jnp.int32))
-    ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)) if flat else (q, k, v)
+    lse_shape = (math.prod((num_work if softmax else 1, heads, tile)),)
+    ins = (work.reshape(-1), offsets, targets.astype(jnp.int32))
+    ins += (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), ts, pos_rows, time_rows)
     # Grid: (head, work item) with heads fastest (heaviest items first), then num_zero tail items per head
     # that zero rows past offsets[B]; or (persistent) NUM_SMS CTAs walking that list. Three warpgroups per
     # CTA: two consumers, one TMA producer.
     o, lse_tiles = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct(o_shape, v.dtype), jax.ShapeDtypeStruct(lse_shape, jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((t, heads * dv), v.dtype),
+            jax.ShapeDtypeStruct(lse_shape, jnp.float32),
+        ),
         grid=(heads, num_work + num_zero) if num_ctas is None else (num_ctas,),
         grid_names=("heads", "items") if num_ctas is None else ("sm",),
         num_threads=COMPUTE_WGS + 1,
@@ -662,7 +766,14 @@ def forward_mosaic_gpu(
     )(*ins)
     o = o.reshape(t, heads, dv)
     if softmax:
-        lse = _tile_lse(lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, s.max_seq_len)
+        lse = _tile_lse(
+            lse_tiles.reshape(num_work, heads, tile), offsets, work, num_work, t, params.max_seq_len
+        )
     else:
         lse = jnp.zeros((heads, t), jnp.float32)
     return o, lse
+
+
+def forward(inputs, params: KernelParams):
+    """(o, lse) from gpu.to_kernel_layout's inputs with the tiles measured fastest (default_tiles)."""
+    return forward_mosaic_gpu(*inputs, params=params)

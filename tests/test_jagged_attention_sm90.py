@@ -1,0 +1,165 @@
+"""The Hopper (Mosaic GPU) jagged attention forward (pallas_kernels/jagged_attention/gpu_sm90.py): the GPU
+backend's choice of forward, lowering for several configs, and GPU interpret mode vs reference.
+
+Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
+primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
+(`python -m experiments bench mosaic_attention` checks numbers there). The interpret-mode test runs the same kernel
+(producer/consumer warpgroups, barriers, TMA copies, jagged stores) on CPU with the two wgmma calls swapped for
+plain dots (the interpreter has neither transposed wgmma operands nor run_state).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments.benchmarks import shapes
+from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
+from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
+
+
+def _static(n, activation, d=128, **kw):
+    return mosaic_gpu.static(n, activation, d, **kw)
+
+
+def _tables(b, h, t, num_pos=16, num_time=8):
+    """gpu.to_kernel_layout's (targets, ts, pos_tab, time_tab) inputs: random timestamps and tables."""
+    rng = np.random.default_rng(0)
+    return (
+        jnp.asarray(rng.integers(0, 40, size=b), jnp.int32),
+        jnp.asarray(rng.integers(0, 10**7, size=t), jnp.int32),
+        jnp.asarray(rng.standard_normal((h, num_pos)), jnp.float32),
+        jnp.asarray(
+            rng.standard_normal((h + 1, num_time)), jnp.float32
+        ),  # + the thresholds row (unused here)
+    )
+
+
+def _lowered(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "activation,d,block_k,stages,n,num_ctas,half_diag,window,targets,bias",
+    [
+        ("silu", 128, 128, 2, 1024, 132, True, 0, False, False),
+        ("silu", 128, 64, 3, 4096, None, False, 100, True, True),
+        ("softmax", 128, 128, 2, 4096, 132, False, 0, False, True),
+        ("softmax", 64, 64, 2, 200, None, True, 0, True, False),
+        ("silu", 256, None, None, 1024, 132, False, 300, True, True),
+    ],
+)
+def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, half_diag, window, targets, bias):
+    """The whole Pallas -> Mosaic GPU lowering (layouts, shared-memory plan, the inline gathers) succeeds: a
+    construct Mosaic GPU rejects raises here."""
+    t, h, b = 3000, 4, 7
+    sd = jax.ShapeDtypeStruct
+    tables = tuple(sd(x.shape, x.dtype) for x in _tables(b, h, t))
+    args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tables
+    bias_fields = dict(has_pos=True, has_time=True, num_pos=16, num_time=8) if bias else {}
+    params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **bias_fields)
+    text = _lowered(
+        lambda *a: mosaic_gpu.forward_mosaic_gpu(
+            *a, params=params, block_k=block_k, stages=stages, num_ctas=num_ctas, half_diag=half_diag
+        ),
+        *args,
+    )
+    assert text.count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("hopper_forward", [True, False])
+def test_gpu_backend_picks_the_forward(hopper_forward):
+    """KernelOptions.hopper_forward decides which forward the GPU backend lowers (the Triton backward either
+    way, fed the Mosaic forward's residuals), and an unsupported call (head dim 32) keeps the Triton forward."""
+    t, h = 1024, 2
+    sd = jax.ShapeDtypeStruct
+    options = KernelOptions(hopper_forward=hopper_forward)
+
+    def loss(q, k, v, offsets, ts, pos, tim):
+        out = jagged_attention(
+            q, k, v, offsets, max_seq_len=256, implementation="gpu", options=options,
+            timestamps=ts, pos_bias=pos, time_bias=tim,
+        )  # fmt: skip
+        return out.astype(jnp.float32).sum()
+
+    for d, mosaic in ((128, hopper_forward), (32, False)):
+        args = (sd((t, h, d), jnp.bfloat16),) * 3 + (
+            sd((5,), jnp.int32), sd((t,), jnp.int32), sd((h, 16), jnp.float32), sd((h, 8), jnp.float32)
+        )  # fmt: skip
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        assert ("mosaic_gpu" in text) == mosaic, (d, hopper_forward)
+        assert ("jagged_attention_fwd" in text) == (not mosaic), (d, hopper_forward)
+        assert "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text  # Triton backward
+
+
+def test_supports():
+    q = jnp.zeros((8, 2, 128), jnp.bfloat16)
+    assert mosaic_gpu.supports(_static(256, "silu"), q, q)
+    assert mosaic_gpu.supports(_static(256, "softmax"), q, q)
+    assert mosaic_gpu.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
+    assert mosaic_gpu.supports(_static(256, "silu", has_pos=True, has_time=True, num_pos=5, num_time=3), q, q)
+    assert not mosaic_gpu.supports(_static(256, "silu", interpret=True), q, q)
+    assert not mosaic_gpu.supports(_static(256, "silu"), q[:7], q[:7])  # T % 8 != 0
+    assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
+    for d, ok in ((64, True), (256, True), (32, False), (96, False)):
+        qd = jnp.zeros((8, 2, d), jnp.bfloat16)
+        assert mosaic_gpu.supports(_static(256, "silu", d), qd, qd) == ok, d
+
+
+def test_not_wanted_off_hopper():
+    """On this CPU the default (None) does not pick the Mosaic forward; True and False are obeyed."""
+    assert not mosaic_gpu.is_hopper()
+    assert not mosaic_gpu.wanted(None)
+    assert mosaic_gpu.wanted(True) and not mosaic_gpu.wanted(False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "activation,d,block_k,pingpong,half_diag,window,bias",
+    [("silu", 64, 64, False, False, 40, True), ("softmax", 128, 128, True, True, 0, False)],
+)
+def test_interpret_matches_reference(activation, d, block_k, pingpong, half_diag, window, bias):
+    """One persistent CTA (num_ctas=1) walks every item (the K/V ring and barrier phases run on across items).
+
+    The one-CTA-per-item grid (num_ctas=None) is only lowered here: the interpreter runs its many mostly idle
+    CTAs one after another, which takes minutes.
+    """
+    from jax._src.pallas.mosaic_gpu.interpret import params as gp
+
+    # softmax: a 2-tile sequence whose second consumer holds 2 rows, an empty one, length 1, one ending mid-tile;
+    # silu with the bias (64-key tiles, slower to interpret): window edges, unaligned starts, unsorted timestamps,
+    # and 5 position buckets, so rows past 128 see a key tile wholly past the last bucket (the scalar path)
+    lengths = [130, 0, 1, 70] if activation == "softmax" else [150, 0, 1, 37]
+    n, h = shapes.MOSAIC_SMALL.max_seq_len, 1  # the interpreter runs one head at a time
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    t = (int(offsets[-1]) + 20 + 7) // 8 * 8  # capacity past offsets[B], a multiple of mosaic_gpu.ALIGN
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16) for _ in range(3))
+    targets, ts, pos, tim = _tables(len(lengths), h, t, num_pos=5, num_time=8)
+    extra = dict(timestamps=ts, pos_bias=pos, time_bias=tim[:h]) if bias else {}
+    bias_fields = dict(has_pos=True, has_time=True, num_pos=5, num_time=8) if bias else {}
+    params = _static(n, activation, d, max_attn_len=window, has_targets=True, **bias_fields)
+    inputs = gpu.to_kernel_layout(
+        q, k, v, jnp.asarray(offsets), targets, extra.get("timestamps"), extra.get("pos_bias"),
+        extra.get("time_bias"), params,
+    )  # fmt: skip
+    # TMA zero-fills boxes past the array: the interpreter's "uninitialized" reads with zero fill do the same
+    interpret = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+    with gp.force_gpu_interpret_mode(interpret):
+        o, lse = mosaic_gpu.forward_mosaic_gpu(
+            *inputs, params=params, block_k=block_k, stages=2, num_ctas=1, pingpong=pingpong,
+            half_diag=half_diag, interpret=True,
+        )  # fmt: skip
+    want = jagged_attention_reference(
+        q, k, v, jnp.asarray(offsets), max_seq_len=n, activation=activation, num_targets=targets,
+        max_attn_len=window, **extra,
+    )  # fmt: skip
+    o, want = np.asarray(o, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(o).all()
+    assert np.linalg.norm(o - want) / np.linalg.norm(want) < 1e-2
+    assert not o[offsets[-1] :].any()
+    if activation == "softmax":
+        lse_want = softmax_lse_reference(q, k, offsets, n, params.alpha, targets, window)
+        np.testing.assert_allclose(np.asarray(lse)[:, : offsets[-1]], lse_want[:, : offsets[-1]], atol=1e-2)
