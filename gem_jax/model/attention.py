@@ -1,6 +1,6 @@
 """The model's one attention entry point: every jagged attention in gem_jax goes through here.
 
-It forwards to `pallas_kernels.jagged_attention` (DESIGN.md's signature); `implementation="auto"`
+It forwards to `pallas_kernels.jagged_attention` (docs/design.md, Kernels); `implementation="auto"`
 picks the Pallas kernel on GPU/TPU and the jnp reference on CPU. Dropout on the attention weights
 (`weight_dropout` with an rng, training only) exists only in the padded jnp reference, which then runs
 whatever the implementation: O(B N^2) memory, fine for the short sequences of next-item training.

@@ -19,8 +19,9 @@ from gem_jax.config import Config
 from gem_jax.data.batch import JaggedBatch
 from gem_jax.embeddings import FeatureIds, segment_ids
 from gem_jax.model.hstu import HSTUTower
-from gem_jax.model.layers import Dense, param
+from gem_jax.model.layers import Dense
 from gem_jax.model.wukong import WukongStack
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
 _FEATURE_SALT = 1_000_003  # keeps features' ids apart in the shared sparse table
