@@ -5,7 +5,7 @@ The kernel is pallas_kernels/experimental/mosaic_gpu_jagged_attention.py; the Tr
 package's GPU backend (gpu.forward on gpu.to_kernel_layout's inputs, the same contract). First checks the
 Mosaic GPU forward (o and, for softmax, lse) against the float32 reference on fresh random
 inputs (relative L2 < 1e-2, no NaN, rows past offsets[B] zero), then times both forwards in the same run
-(median of --reps after warm-up). TFLOP/s use the peer's formula: sum_b 2 H (Dqk + Dv) L_b^2 / 2.
+(median of --reps after warm-up). TFLOP/s use the usual count (docs/design.md): sum_b 2 H (Dqk + Dv) L_b^2 / 2.
 """
 
 from __future__ import annotations
