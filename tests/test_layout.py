@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the reverse. `gem_jax` alone is the package's __init__.
 FLOORS = (
     ("pallas_kernels",),
-    ("gem_jax.config", "gem_jax.typing"),
+    ("gem_jax.dtypes", "gem_jax.typing"),  # dtypes: the one dtype table the config's choices come from
+    ("gem_jax.config",),
     ("gem_jax", "gem_jax.data", "gem_jax.distributed", "gem_jax.parallel", "gem_jax.precision"),
     ("gem_jax.embeddings",),
     ("gem_jax.model",),
