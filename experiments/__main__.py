@@ -1,7 +1,7 @@
-"""`python -m experiments {train,eval,bench,profile,sweep}`: the user-facing entry point.
+"""`python -m experiments {train,eval,bench,profile,fuzz,sweep}`: the user-facing entry point.
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
-  python -m experiments eval --workdir runs/tiny
+  python -m experiments eval --workdir runs/tiny   (validation metrics of the chosen, else the latest, checkpoint)
   python -m experiments bench NAME [args...]   (NAME: see `python -m experiments bench --help`)
   python -m experiments profile [--config C] [--set ...] [--steps N] [--out DIR]   (docs/profiling.md)
   python -m experiments fuzz attention --seconds S   (randomized kernel-vs-reference sweep)
@@ -69,7 +69,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="A:B",
         help="trace global steps A..B-1 with jax.profiler into <workdir>/profile (docs/profiling.md)",
     )
-    ev = sub.add_parser("eval", help="evaluate the latest checkpoint of a run")
+    ev = sub.add_parser(
+        "eval", help="validation metrics of a run's chosen checkpoint (best/), else its latest; reads only"
+    )
     ev.add_argument("--workdir", required=True)
     ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     for p in (train, ev):
@@ -82,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     from experiments import sweep
 
     sweep.add_arguments(sub.add_parser("sweep", help="run a grid of configs, one subprocess per point"))
-    bench = sub.add_parser("bench", help="kernel benchmarks (GPU)")
+    bench = sub.add_parser("bench", help="benchmarks (most need a GPU; each: bench NAME --help)")
     bench.add_argument("name", choices=sorted(BENCHMARKS))
     bench.add_argument("args", nargs=argparse.REMAINDER)
     profile = sub.add_parser("profile", help="where a train step's time goes (jax.profiler)", add_help=False)
@@ -181,7 +183,16 @@ def _profile(argv: list[str]) -> int:
 
 def _format_summary(summary: dict, task_lines: list[str]) -> str:
     lines = [f"== {summary.get('workdir')} at step {summary.get('step')}"]
-    if "wall_time_s" in summary:
+    if summary.get("already_finished"):
+        lines += [
+            f"   already finished at step {summary['step']}: nothing to train "
+            f"({summary['train_time_s']:.1f} s of training over all its invocations)",
+            f"   evaluate it again: python -m experiments eval --workdir {summary['workdir']}; "
+            "to train again, give another --workdir",
+        ]
+        if summary.get("final") or summary.get("eval"):
+            lines.append("   its last recorded metrics (metrics.jsonl):")
+    elif "wall_time_s" in summary:
         if summary.get("interrupted"):
             state = "interrupted (checkpoint saved)"
         elif summary.get("stopped_early"):
@@ -192,6 +203,7 @@ def _format_summary(summary: dict, task_lines: list[str]) -> str:
             state = "done"
         lines.append(
             f"   {state}: {summary['wall_time_s']:.1f} s on {summary['devices']} x {summary['device_kind']}"
+            f" ({summary['train_time_s']:.1f} s of training over all invocations)"
         )
     final = summary.get("final") or {}
     if final:

@@ -61,9 +61,9 @@ COVER = (
 # (whole array, per sequence) relative L2 tolerances by input dtype.
 TOLERANCE = {"float32": (1e-4, 1e-3), "bfloat16": (1e-2, 5e-2)}
 CHECKS = ("out", "dq", "dk", "dv", "dpos", "dtime")
-# A gradient's error is relative to max(its reference norm, this x the case's |dv| reference): the old
-# softmax-delta bug (dO rounded differently in two places) gave |dq| 0.76 against |dv| 450 (ratio 1.7e-3,
-# x10^4 = 17, a failure); the fixed kernel's float32 noise is about 5e-5 (0.001 after the floor).
+# A gradient's error is relative to max(its reference norm, this x the case's |dv| reference): a softmax
+# delta computed from dO rounded differently in two places gives |dq| 0.76 against |dv| 450 (ratio 1.7e-3,
+# x10^4 = 17, a failure); a correct kernel's float32 noise is about 5e-5 (0.001 after the floor).
 ZERO_REFERENCE_FLOOR = 1e-4
 # A crashed family is skipped from then on; this many crashes in a row (a device that is gone, e.g. after
 # an illegal memory access) end the sweep.

@@ -10,7 +10,8 @@ same layout the hybrid mesh gives). `describe_mesh` prints the chosen device ord
 
 A batch is a stack of jagged packs whose leading "shard" axis is split over the data-parallel mesh
 axes; process p feeds the contiguous block of packs its devices hold (`check_process_shards`).
-Parameters carry logical names (see `model/layers.param`) that the rules map to mesh axes.
+Parameters carry logical names (`param` tags them, `state_shardings` reads them) that the rules map to
+mesh axes.
 """
 
 from __future__ import annotations
@@ -225,6 +226,16 @@ def check_process_shards(devices: np.ndarray, config: ParallelConfig) -> None:
                 f"`parallel.rules.shard` {axes}: process {p} holds batch shards {sorted(owned[p])}, not "
                 f"the block {p * local}..{(p + 1) * local - 1}; list the slow axes first in the rule"
             )
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
+    """A parameter tagged with logical axis names (mapped to mesh axes by `state_shardings`).
+
+    Here rather than in the model's layers so that the embeddings' dense table, a floor below the
+    model, tags its rows the same way.
+    """
+    assert len(axes) == len(shape), (axes, shape)
+    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
 
 
 def state_shardings(abstract_params: nnx.State, mesh: Mesh, config: ParallelConfig) -> dict:

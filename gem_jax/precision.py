@@ -3,7 +3,8 @@
 Model code asks the policy by layer name (`policy.compute_dtype("hstu/0/uvqk")`); the config's
 `precision.overrides` maps name prefixes to dtypes, so a layer's precision changes without touching
 model code. With `precision.fp8`, the Dense layers named by `precision.fp8_layers` run their GEMMs in
-FP8 (`policy.fp8_recipe(name)`, gem_jax/model/fp8.py); their output keeps the layer's compute dtype.
+FP8 with the `FP8Recipe` that `policy.fp8_recipe(name)` returns (gem_jax/model/fp8.py applies it);
+their output keeps the layer's compute dtype.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from jax.typing import DTypeLike
 
 from gem_jax.config import ConfigError, PrecisionConfig
 from gem_jax.dtypes import DTYPES, FLOAT_DTYPES
-from gem_jax.model.fp8 import FP8Recipe
 
 
 def _dtype(name: str, key: str) -> DTypeLike:
@@ -74,3 +74,22 @@ class PrecisionPolicy:
                 "task heads and logit layers never run in FP8"
             )
         return self.fp8
+
+
+# The recipe is defined here, a floor below the model, so that the policy can hold one.
+RECIPES = ("delayed", "current")
+
+
+@dataclass(frozen=True)
+class FP8Recipe:
+    """How an FP8 layer scales its tensors (from `precision.fp8_recipe`, `_amax_history`, `_margin`)."""
+
+    kind: str = "delayed"  # "delayed" | "current"
+    amax_history: int = 1024  # steps of amax kept by the delayed recipe (TE's and flax's default)
+    margin: int = 0  # binades of headroom below the format's max
+
+    def __post_init__(self):
+        if self.kind not in RECIPES:
+            raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.kind!r}")
+        if self.amax_history < 1 or self.margin < 0:
+            raise ValueError(f"FP8 amax_history must be >= 1 and margin >= 0, got {self}")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +13,19 @@ import jax.numpy as jnp
 from gem_jax.config import Config, load_config
 from gem_jax.data.pipeline import packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def public_data_file(name: str) -> Path | None:
+    """A public data file (README, "Public data": e.g. "sasrec/Games.txt"), or None where no copy is here.
+
+    Looked up in $GEM_JAX_PUBLIC_DATA, then in ../shared/data beside the checkout (where the project's
+    machines keep the files; the package never looks there), then in the repository's own data/ folder.
+    """
+    folders = [os.environ.get("GEM_JAX_PUBLIC_DATA"), ROOT.parent / "shared" / "data", ROOT / "data"]
+    found = [Path(f) / name for f in folders if f and (Path(f) / name).is_file()]
+    return found[0] if found else None
 
 
 def cli_env() -> dict[str, str]:
@@ -19,6 +35,32 @@ def cli_env() -> dict[str, str]:
     env.pop("XLA_FLAGS", None)
     env["JAX_PLATFORMS"] = "cpu"
     return env
+
+
+def run_cli(*args: str, timeout: float = 600, env: dict[str, str] | None = None, **kwargs):
+    """Runs `python -m experiments ARGS` from the repository root with `cli_env()` (one CPU device) and
+    returns the finished process, its output captured as text; `kwargs` go to subprocess.run."""
+    return subprocess.run(
+        [sys.executable, "-m", "experiments", *args],
+        cwd=ROOT,
+        env=cli_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kwargs,
+    )
+
+
+def start_cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    """`run_cli` without waiting: the running process (pipes, signals are the caller's: `kwargs` go to
+    subprocess.Popen; by default stdout and stderr are text pipes)."""
+    kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **kwargs}
+    return subprocess.Popen(
+        [sys.executable, "-m", "experiments", *args],
+        cwd=ROOT,
+        env=cli_env() if env is None else env,
+        **kwargs,
+    )
 
 
 SMALL = [

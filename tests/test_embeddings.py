@@ -426,7 +426,7 @@ def test_checkpoint_on_4_devices_restores_on_8_with_another_plan(tmp_path):
     )
 
 
-def test_config_describes_todays_tables_and_named_ones(tmp_path):
+def test_config_describes_default_tables_and_named_ones(tmp_path):
     e = load_config(None).embeddings
     assert {n: (t.rows, t.dim) for n, t in e.resolved_tables().items()} == {
         "items": (e.item_rows, e.dim),

@@ -19,7 +19,7 @@ from gem_jax.config import ConfigError, PrecisionConfig
 from gem_jax.model import fp8
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.layers import Dense
-from gem_jax.precision import PrecisionPolicy
+from gem_jax.precision import RECIPES, FP8Recipe, PrecisionPolicy
 from tests.helpers import dense_embeddings, first_pack, small_config, stacks
 
 # ----------------------------------------------------------------------------- scaling math
@@ -98,7 +98,7 @@ def test_quantize_saturates_instead_of_nan_or_inf():
 
 def test_stale_delayed_scale_saturates_the_layer_without_nan():
     """A delayed scale from small amaxes meets a 1000x larger input: outputs clip, never NaN/Inf."""
-    layer = fp8.FP8Matmul(fp8.FP8Recipe("delayed", 2))
+    layer = fp8.FP8Matmul(FP8Recipe("delayed", 2))
     layer.amax_history[...] = jnp.full((3, 2), 1.0)
     for name, scale in fp8.scales_from_history(layer.amax_history[...], 0).items():
         getattr(layer, name).set_value(scale)  # as the trainer's update_meta keeps them
@@ -122,7 +122,7 @@ def _split(layer: nnx.Module):
 def test_delayed_steps_use_the_previous_history():
     """Three steps by hand: step t quantises with scales from the amaxes of steps < t, and its own
     amaxes (the probe's cotangent) are rolled in after it, with the scales of step t + 1."""
-    layer = fp8.FP8Matmul(fp8.FP8Recipe("delayed", 2))
+    layer = fp8.FP8Matmul(FP8Recipe("delayed", 2))
     graphdef, _, histories, probes = _split(layer)
     key = jax.random.key(0)
     w = jax.random.normal(key, (8, 4))
@@ -157,7 +157,7 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_dense_matches_bf16_within_format_precision(recipe):
     """Forward and both gradients of an FP8 Dense against float32 and against a bf16 Dense, within
     the formats' error bounds (`fp8.dot_error_bound`: forward e4m3 x e4m3 0.051, dX e5m2 x e4m3 and
@@ -313,7 +313,7 @@ def fp8_gemms(lowered_text: str) -> tuple[list[tuple[str, str]], int]:
 _ONE_LAYER = sorted([("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")])  # Y, dX, dW
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_each_fp8_gemm_has_the_cublaslt_fp8_pattern(recipe):
     policy = PrecisionPolicy.from_config(PrecisionConfig(fp8=True, fp8_layers=("t/",), fp8_recipe=recipe))
     graphdef, params, histories, probes = _split(Dense("t/0", 64, 32, policy, rngs=nnx.Rngs(0)))

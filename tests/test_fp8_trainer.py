@@ -5,8 +5,6 @@ checkpoint/resume bitwise, and an FP8 run learns like BF16."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -20,7 +18,7 @@ from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
-from tests.helpers import cli_env, small_config, stacks
+from tests.helpers import run_cli, small_config, stacks
 
 ROOT = Path(__file__).resolve().parent.parent
 FP8 = ("precision.fp8=true", "model.num_layers=1", "model.wukong_layers=1")
@@ -152,25 +150,16 @@ def test_fp8_run_reaches_the_auc_bar_of_the_default_config(tmp_path):
     """The README's main job with FP8 on (the tolerant HSTU and Wukong layers), cut to 250 of its 400
     steps (the suite's time budget; the schedule follows): click AUC >= 0.70, the bar the full BF16 run
     is held to (tests/test_train.py). Measured 0.728 on CPU."""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments",
-            "train",
-            "--workdir",
-            str(tmp_path),
-            "--set",
-            "train.progress=false",
-            "--set",
-            "precision.fp8=true",
-            "--set",
-            "train.steps=250",
-        ],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "train",
+        "--workdir",
+        str(tmp_path),
+        "--set",
+        "train.progress=false",
+        "--set",
+        "precision.fp8=true",
+        "--set",
+        "train.steps=250",
         timeout=1200,
     )
     assert r.returncode == 0, r.stderr[-3000:]

@@ -4,8 +4,6 @@ deliberately wrong kernel is caught with a replayable case."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 
 from experiments import fuzz
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,12 +67,17 @@ def test_a_wrong_kernel_is_caught_with_a_replayable_case(monkeypatch, how, words
 
 
 def test_cli_prints_the_table_and_exit_code():
-    r = subprocess.run(
-        [sys.executable, "-m", "experiments", "fuzz", "attention", "--seconds", "120", "--max-cases", "2"]
-        + ["--max-families", "1", "--implementation", "reference"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    r = run_cli(
+        "fuzz",
+        "attention",
+        "--seconds",
+        "120",
+        "--max-cases",
+        "2",
+        "--max-families",
+        "1",
+        "--implementation",
+        "reference",
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-2000:]
@@ -93,7 +97,7 @@ def test_a_crashing_kernel_is_reported_and_ends_the_sweep(monkeypatch):
 
 def test_zero_reference_gradient_is_judged_against_the_case_scale():
     """dq is exactly zero when every row is a target seeing only itself: float32 noise must pass and
-    an error of the size the old softmax-delta bug made (|dq| 0.76 at |dv| 450) must fail."""
+    an error of the size a wrongly rounded softmax delta makes (|dq| 0.76 at |dv| 450) must fail."""
     zero = np.zeros((6, 2, 4))
     offsets = np.array([0, 6])
     floor = fuzz.ZERO_REFERENCE_FLOOR * 450.0

@@ -1,14 +1,12 @@
 """Interaction loaders, dense remapping, leave-one-out split and sampled negatives."""
 
-import pathlib
 import time
 
 import numpy as np
 import pytest
 
 from gem_jax.data import interactions as ix
-
-SHARED_DATA = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+from tests.helpers import public_data_file
 
 
 def write(tmp_path, text, name="data.txt"):
@@ -253,7 +251,7 @@ def test_negatives_errors(user_items, num_items, num, needle):
 
 # --- the real files --------------------------------------------------------------------------
 
-# (file, format, interactions, users, items) from ../shared/data/README.md.
+# (file, format, interactions, users, items) of the public files (README, "Public data"), counted once.
 README_NUMBERS = [
     ("sasrec/Games.txt", "pairs", 287_107, 31_013, 23_715),
     ("iclrec/Beauty.txt", "user_lines", 198_502, 22_363, 12_101),
@@ -261,13 +259,15 @@ README_NUMBERS = [
 ]
 
 
-@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason=f"shared data directory {SHARED_DATA} absent")
 @pytest.mark.parametrize("name, fmt, interactions, users, items", README_NUMBERS)
 def test_real_files_match_readme(name, fmt, interactions, users, items):
-    data = ix.load_interactions(SHARED_DATA / name)
+    path = public_data_file(name)
+    if path is None:
+        pytest.skip(f"no copy of the public file {name} here")
+    data = ix.load_interactions(path)
     assert data.format == fmt
     assert (data.num_interactions, data.num_users, data.num_items) == (interactions, users, items)
-    # The shared files use dense 1-based ids already: remapping keeps the item numbering.
+    # The public files use dense 1-based ids already: remapping keeps the item numbering.
     np.testing.assert_array_equal(data.item_ids[1:], np.arange(1, items + 1))
     split = ix.leave_one_out(data)
     assert split.num_train_interactions + 2 * split.num_evaluated == interactions

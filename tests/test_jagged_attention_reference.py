@@ -1,4 +1,4 @@
-"""The jnp reference against a per-pair numpy loop written straight from DESIGN.md's rules."""
+"""The jnp reference against a per-pair numpy loop written straight from docs/design.md's rules."""
 
 import inspect
 import math

@@ -14,7 +14,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from gem_jax.config import config_to_toml, load_config
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
-from tests.helpers import SMALL
+from tests.helpers import SMALL, start_cli
 from tests.test_retrieval import SMALL_ARGS, write_cyclic_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,9 +54,6 @@ def _start_two_processes(workdir: Path, config, extra: list[str]) -> list[subpro
     procs = []
     for i in range(2):
         args = [
-            sys.executable,
-            "-m",
-            "experiments",
             "train",
             "--config",
             str(config_path),
@@ -66,9 +62,7 @@ def _start_two_processes(workdir: Path, config, extra: list[str]) -> list[subpro
         ]
         args += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
         with open(workdir.parent / f"{workdir.name}.{i}.log", "w") as log:
-            procs.append(
-                subprocess.Popen([*args, *extra], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-            )
+            procs.append(start_cli(*args, *extra, env=env, stdout=log, stderr=subprocess.STDOUT, text=False))
     return procs
 
 

@@ -1,4 +1,4 @@
-"""The next-item options of the real-data round 2: full softmax (with label smoothing), dropout on
+"""The next-item training options: full softmax (with label smoothing), dropout on
 the attention weights, and the published baselines' "score history 0" full-ranking variant."""
 
 from __future__ import annotations

@@ -3,9 +3,6 @@
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +11,7 @@ import pytest
 from experiments import trace_analysis as ta
 from gem_jax.config import load_config
 from gem_jax.train.flops import FLOP_GROUPS, train_step_flops, train_step_flops_by_group
+from tests.helpers import cli_env, run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,19 +216,11 @@ def test_flop_groups_sum_to_the_step_count():
 # ----------------------------------------------------------------------------- end to end (CPU)
 
 
-def _one_device_env():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI as a user runs it
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
 @pytest.mark.slow
 def test_profile_command_on_tiny(tmp_path):
     out = tmp_path / "profile"
-    cmd = [sys.executable, "-m", "experiments", "profile", "--config", "configs/tiny.toml"]
-    cmd += ["--steps", "2", "--batches", "2", "--pipeline-batches", "3", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_one_device_env(), capture_output=True, text=True, timeout=600)
+    args = ["profile", "--config", "configs/tiny.toml", "--steps", "2", "--batches", "2"]
+    proc = run_cli(*args, "--pipeline-batches", "3", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| attention fwd |" in proc.stdout and "perfetto" in proc.stdout
 
@@ -284,9 +274,10 @@ def test_notebook_executes(tmp_path, monkeypatch):
     import nbclient  # the test extra installs them (and ipykernel, matplotlib): no skip
     import nbformat
 
-    for key, value in _one_device_env().items():
+    for key, value in cli_env().items():  # one CPU device, as a user's notebook kernel
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
     monkeypatch.setenv("GEM_PROFILE_OUT", str(tmp_path / "nb"))
     monkeypatch.setenv("GEM_PROFILE_STEPS", "2")
     notebook = nbformat.read(ROOT / "notebooks" / "profile.ipynb", as_version=4)

@@ -1,4 +1,4 @@
-"""Reliability of runs (issue 17), one test per failure: the run record refuses a changed config or
+"""Reliability of runs, one test per failure: the run record refuses a changed config or
 data file and leaves the workdir byte-identical; a corrupt latest checkpoint falls back to the
 previous one; one trainer per workdir; signals during compilation, data-worker start-up and
 training end cleanly; metrics.jsonl has no duplicate steps after kill -9 and resume.
@@ -31,7 +31,7 @@ from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.run_record import RecordMismatch, RunRecord, data_fingerprint
 from gem_jax.train.step import Trainer
 from gem_jax.train.workdir_lock import WorkdirError, WorkdirLock, WorkdirLocked
-from tests.helpers import cli_env, poison_loss, small_config
+from tests.helpers import poison_loss, run_cli, small_config, start_cli
 from tests.test_retrieval import small as small_next_item
 from tests.test_retrieval import write_cyclic_pairs
 
@@ -76,28 +76,9 @@ def _config_args(tmp_path: Path, *overrides: str) -> list[str]:
     return ["--config", str(path)]
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "experiments", *args],
-        cwd=ROOT,
-        env=cli_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def _start(*args: str) -> subprocess.Popen:
     """The CLI in its own session (so a signal to the group reaches it and its workers, as Ctrl-C would)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "experiments", *args],
-        cwd=ROOT,
-        env=cli_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    return start_cli(*args, start_new_session=True)
 
 
 def _wait_for(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
@@ -161,14 +142,14 @@ def test_changed_config_is_refused_and_the_workdir_is_untouched(trained, tmp_pat
     before = _snapshot(workdir)
     # data.num_workers too: the worker count decides which examples a batch holds (not `may_change`).
     args = _config_args(tmp_path, "model.model_dim=48", "train.learning_rate=0.01", "data.num_workers=2")
-    r = _cli("train", "--workdir", str(workdir), *args)
+    r = run_cli("train", "--workdir", str(workdir), *args)
     assert r.returncode == 2
     line = _one_line_error(r.stderr)
     assert "model.model_dim 32 -> 48" in line and "train.learning_rate" in line and str(workdir) in line
     assert "data.num_workers 0 -> 2" in line
     assert _snapshot(workdir) == before
     # `eval` reads the record, which the refused run did not touch, and writes nothing either.
-    r = _cli("eval", "--workdir", str(workdir))
+    r = run_cli("eval", "--workdir", str(workdir))
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["step"] == 20
     assert _snapshot(workdir) == before
@@ -303,7 +284,7 @@ def test_second_trainer_is_refused_while_the_lock_is_held(trained, tmp_path):
     stale.mkdir()
     with WorkdirLock(workdir):
         before = _snapshot(workdir)
-        r = _cli("train", "--workdir", str(workdir), *_config_args(tmp_path))
+        r = run_cli("train", "--workdir", str(workdir), *_config_args(tmp_path))
         assert r.returncode == 2
         line = _one_line_error(r.stderr)
         assert f"pid {os.getpid()} on host {socket.gethostname()}" in line
@@ -343,7 +324,7 @@ def test_workdir_that_is_a_file_or_not_writable(tmp_path):
         loop.train(make_task(_config()), a_file)
     with pytest.raises(WorkdirError, match="is a file"):
         loop.train(make_task(_config()), a_file / "sub")
-    r = _cli("train", "--workdir", str(a_file), *_config_args(tmp_path))
+    r = run_cli("train", "--workdir", str(a_file), *_config_args(tmp_path))
     assert r.returncode == 2 and "is not a directory" in _one_line_error(r.stderr)
     locked_dir = tmp_path / "ro"
     locked_dir.mkdir()
@@ -366,7 +347,7 @@ def test_sigint_during_compilation_exits_cleanly(tmp_path):
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, (proc.returncode, err[-3000:])  # not -11 (the segfault before the fix)
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])  # not -11 (a segfault)
     _ends_with(err, "SIGINT: exiting (nothing to save yet)")
     assert not [p for p in (workdir / "checkpoints").iterdir()]
 
@@ -449,7 +430,7 @@ def test_unreadable_data_file_is_one_line_exit_2(tmp_path, content, needle):
     data = tmp_path / "data.bin"
     data.write_bytes(content)
     config = ROOT / "configs" / "games_sasrec.toml"
-    r = _cli(
+    r = run_cli(
         "train", "--config", str(config), "--workdir", str(tmp_path / "run"), "--set", f"data.path={data}"
     )
     assert r.returncode == 2

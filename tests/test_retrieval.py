@@ -5,8 +5,6 @@ exit 2."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,6 +20,7 @@ from gem_jax.model.next_item import NextItemModel, bce_loss, sampled_softmax_los
 from gem_jax.precision import PrecisionPolicy
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 NUM_ITEMS = 40
@@ -319,29 +318,49 @@ def test_config_checks():
 def test_malformed_file_exits_2_naming_file_and_line(tmp_path):
     bad = tmp_path / "bad.txt"
     bad.write_text("1 2\n1 3\n1 x\n")
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "experiments",
-            "train",
-            "--config",
-            str(ROOT / "configs" / "games_sasrec.toml"),
-            "--workdir",
-            str(tmp_path / "run"),
-            "--set",
-            f"data.path={bad}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    config = str(ROOT / "configs" / "games_sasrec.toml")
+    out = run_cli(
+        "train", "--config", config, "--workdir", str(tmp_path / "run"), "--set", f"data.path={bad}"
     )
     assert out.returncode == 2, out.stderr
     assert f"{bad}:3" in out.stderr
     missing = tmp_path / "missing.txt"
     with pytest.raises(ConfigError, match="not found"):
         load_next_item_data(small(missing))
+
+
+@pytest.mark.parametrize(
+    "config, source",
+    [
+        ("games_sasrec", "github.com/kang205/SASRec, file data/Video.txt, saved as data/sasrec/Games.txt"),
+        (
+            "beauty_hstu",
+            "github.com/salesforce/ICLRec, file data/Beauty.txt, saved as data/iclrec/Beauty.txt",
+        ),
+    ],
+)
+def test_next_item_config_without_its_data_names_where_to_get_it(tmp_path, config, source):
+    """The configs read the local data/ folder; without the file, one line (exit 2) says where it comes
+    from and how to point the run elsewhere, and nothing is written."""
+    path = load_config(ROOT / "configs" / f"{config}.toml").data.path
+    assert path.startswith("data/"), path
+    if (ROOT / path).exists():
+        pytest.skip(f"{path} is present in this checkout")
+    out = run_cli(
+        "train", "--config", f"configs/{config}.toml", "--workdir", str(tmp_path / "run"), timeout=300
+    )
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "config error: `data.path`: interactions file not found"
+    ), lines
+    assert source in lines[0] and "--set data.path=FILE" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_file_of_no_public_set_points_to_the_readme(tmp_path):
+    with pytest.raises(ConfigError, match=r'not found: .*"Public data"; or pass --set data.path=FILE$'):
+        load_next_item_data(small(tmp_path / "mine.txt"))
 
 
 # ----------------------------------------------------------------------------- resumption and processes
@@ -403,10 +422,10 @@ def test_processes_split_each_step_and_together_see_the_epoch(tmp_path):
 def test_cli_trains_next_item_task(tmp_path):
     """`python -m experiments train` runs the next-item task through the same loop as ranking."""
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
-    args = [sys.executable, "-m", "experiments", "train", "--workdir", str(tmp_path / "run")]
+    args = ["train", "--workdir", str(tmp_path / "run")]
     for o in SMALL_ARGS + ["retrieval.epochs=5", "retrieval.eval_every_epochs=5", f"data.path={data}"]:
         args += ["--set", o]
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = run_cli(*args)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["epoch"] == 5 and not summary["interrupted"]

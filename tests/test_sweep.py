@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
-import sys
 from functools import partial
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.hlo import collective_bytes, type_bytes
 from experiments.sweep import GridError, Point, load_grid, run_point
+from tests.helpers import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,10 +116,9 @@ def _one_batch_size_grid(tmp_path: Path) -> Path:
 
 
 def _sweep(out: Path, grid: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    args = [sys.executable, "-m", "experiments", "sweep", "--config", "configs/tiny.toml"]
-    args += ["--grid", str(grid), "--out", str(out)]
-    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return run_cli(
+        "sweep", "--config", "configs/tiny.toml", "--grid", str(grid), "--out", str(out), timeout=900
+    )
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
-from tests.helpers import cli_env, poison_loss, small_config, stacks
+from tests.helpers import cli_env, poison_loss, small_config, stacks, start_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -113,9 +113,6 @@ def test_two_axis_mesh_runs():
 
 def test_sigterm_saves_a_checkpoint(tmp_path):
     args = [
-        sys.executable,
-        "-m",
-        "experiments",
         "train",
         "--workdir",
         str(tmp_path),
@@ -132,9 +129,7 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
     ]
     for o in ("data.examples_per_shard=8", "data.tokens_per_shard=512", "model.num_layers=1"):
         args += ["--set", o]
-    proc = subprocess.Popen(
-        args, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    proc = start_cli(*args)
     metrics = tmp_path / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):

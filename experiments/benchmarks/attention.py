@@ -1,8 +1,8 @@
 """Benchmark of jagged attention on one accelerator: `python -m experiments bench attention`.
 
 Checks the Pallas kernel against the float32 reference on fresh random inputs first, then times forward
-and backward (median of many reps after warm-up) for the issue's shapes, against the padded XLA reference
-and, for softmax, cuDNN. TFLOP/s use the peer's formula (DESIGN.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
+and backward (median of many reps after warm-up) for the shapes in shapes.py, against the padded XLA reference
+and, for softmax, cuDNN. TFLOP/s use the usual count (docs/design.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
 backward = 2.5 x forward; backward times exclude the forward pass (residuals are computed once before timing);
 "useful" means the same count whatever the implementation computes.
 """

@@ -13,7 +13,7 @@
    the whole history (pallas_kernels.jagged_attention).
 
 FLOPs: a block of n tokens costs 2 H (Dqk + Dv) n^2 forward (half that when causal,
-DESIGN.md's convention), backward = 2.5 x forward. Bytes: each input read once and
+docs/design.md's convention), backward = 2.5 x forward. Bytes: each input read once and
 each output written once (forward: q, k, v, o; backward: q, k, v, do, dq, dk, dv).
 """
 
@@ -105,7 +105,7 @@ def check(seed: int, smoke: bool, num_cases: int) -> bool:
         )
         errs = {name: _rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "out"), got, ref)}
         # bf16 operands: ~2e-3 expected. fp32: Triton's fp32 dots on the H200 ran at
-        # TF32 precision (4-5e-4 measured, 2026-11-29), like XLA's default on GPU.
+        # TF32 precision (4-5e-4 measured on the H200), like XLA's default on GPU.
         tol = 2e-2 if dtype == jnp.bfloat16 else 2e-3
         spare_zero = all(bool(jnp.all(x[real:] == 0)) for x in got)
         finite = all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in got)

@@ -1,6 +1,6 @@
 """Benchmark of the sparse embeddings: `python -m experiments bench embeddings [--small] [options]`.
 
-Workload (issue 11): 16 tables x 4M rows x dim 128 fp32, batch 65536, one sum-pooled bag per table
+Workload: 16 tables x 4M rows x dim 128 fp32, batch 65536, one sum-pooled bag per table
 per example, bag lengths uniform in [1, 40], ids Zipf(1.1) folded into the table (id mod rows).
 The batch is split over all local devices (one shard_map shard each); tables follow the planner
 (one device: data_parallel) unless `--sharding` names a type.
@@ -8,8 +8,8 @@ The batch is split over all local devices (one shard_map shard each); tables fol
 1. Correctness, on fresh random ids and two tables of the benchmark's size: pooled outputs, the
    updated rows and the row-wise Adagrad accumulators of `gem_jax.embeddings` against the dense jnp
    reference (gem_jax/embeddings/reference.py). A failure stops the benchmark (exit 1).
-2. torch.nn.EmbeddingBag (mode="sum", sparse=True) + torch.optim.Adagrad (element-wise state, as
-   the issue's baseline) on the same ids, when torch is importable: forward, forward + backward +
+2. torch.nn.EmbeddingBag (mode="sum", sparse=True) + torch.optim.Adagrad (element-wise state: the
+   usual PyTorch baseline) on the same ids, when torch is importable: forward, forward + backward +
    update. Run before ours so that torch's memory is freed (torch.cuda.empty_cache) before JAX
    allocates (XLA_PYTHON_CLIENT_PREALLOCATE=false).
 3. Ours: forward (lookup) and the full step (lookup -> activation gradients -> sparse row-wise
@@ -17,7 +17,7 @@ The batch is split over all local devices (one shard_map shard each); tables fol
    where a device owns the rows: a fused gather + masked sum); the forward again without the bound
    (gather + segment_sum scatter-add); on one device, a hand-written padded-bag forward in plain XLA.
 
-Bytes moved, the floor the issue quotes: forward reads every looked-up row (ids x dim x 4 B) and
+Bytes moved, the memory-traffic floor: forward reads every looked-up row (ids x dim x 4 B) and
 writes the pooled bags; the step adds reading the bags' gradients and reading + writing every
 touched (unique) row and its accumulator. Achieved TB/s = those bytes / measured time, against the
 H200's measured 3.87 TB/s.
@@ -330,9 +330,7 @@ def main(argv=None) -> int:
             f"{moved[key] / HBM_TBPS / 1e9:.3f} |"
         )
     if torch_times:
-        print(
-            "\ntorch's step uses torch.optim.Adagrad (element-wise state) on sparse gradients, as the issue's baseline."
-        )
+        print("\ntorch's step uses torch.optim.Adagrad (element-wise state) on sparse gradients.")
     return 0
 
 

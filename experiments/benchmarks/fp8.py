@@ -30,7 +30,7 @@ from gem_jax.config import PrecisionConfig, load_config
 from gem_jax.model import fp8
 from gem_jax.model.gem import GEMModel
 from gem_jax.model.layers import Dense
-from gem_jax.precision import PrecisionPolicy
+from gem_jax.precision import RECIPES, PrecisionPolicy
 
 CUBLAS_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
 
@@ -233,8 +233,8 @@ def main(argv: list[str]) -> int:
         args.config, args.square, args.reps = "configs/tiny.toml", 128, 1
     recipes = args.recipes.split(",")
     for recipe in recipes:
-        if recipe not in fp8.RECIPES:
-            parser.error(f"--recipes: unknown recipe {recipe!r} (known: {', '.join(fp8.RECIPES)})")
+        if recipe not in RECIPES:
+            parser.error(f"--recipes: unknown recipe {recipe!r} (known: {', '.join(RECIPES)})")
     config = load_config(args.config, args.overrides)
     shapes = model_gemm_shapes(config)
     if args.small:  # the largest model GEMM only: the run is there to exercise the code

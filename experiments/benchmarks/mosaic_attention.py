@@ -7,7 +7,7 @@ array's cap, as the model runs it). First checks the
 Mosaic GPU forward (o and, for softmax, lse) against the float32 reference on fresh random inputs (relative
 L2 < 1e-2, no NaN, rows past offsets[B] zero), with and without the relative bias, then times both forwards
 in the same run (median of --reps after warm-up), and with --sweep the Mosaic kernel's tile knobs.
-TFLOP/s use the peer's formula: sum_b 2 H (Dqk + Dv) L_b^2 / 2 (the same count with or without a bias).
+TFLOP/s use the usual count (docs/design.md): sum_b 2 H (Dqk + Dv) L_b^2 / 2 (the same count with or without a bias).
 """
 
 from __future__ import annotations

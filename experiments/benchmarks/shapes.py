@@ -1,6 +1,6 @@
 """Named problem sizes shared by the kernel tests and the benchmarks: one definition per shape.
 
-Device shapes are the ones docs/benchmarks.md and DESIGN.md report numbers for; small shapes are what
+Device shapes are the ones docs/benchmarks.md and docs/design.md report numbers for; small shapes are what
 the CPU tests run in Pallas interpret mode (and the benchmarks' smoke modes).
 """
 
@@ -64,7 +64,7 @@ class BlockShape:
 
 # --- device shapes (bf16) ---------------------------------------------------------------------------------
 
-# generative-recommenders' HSTU benchmark shapes (DESIGN.md "Measured on the H200"): the peer comparison
+# generative-recommenders' HSTU benchmark shapes (docs/benchmarks.md): the peer comparison
 PEER_N1024 = JaggedShape(batch=512, max_seq_len=1024, heads=4, head_dim=128)
 PEER_N4096 = JaggedShape(batch=512, max_seq_len=4096, heads=4, head_dim=128)
 HEAVY_TAIL = JaggedShape(batch=2048, max_seq_len=4096, heads=4, head_dim=128, lengths="lognormal")

@@ -1,6 +1,6 @@
 """Public sequential-recommendation interaction files: load, validate, remap, split, sample.
 
-Two text formats are read (see ``../shared/data/README.md``):
+Two text formats are read (the README's "Public data" says where the public files come from):
 
 * ``"pairs"`` (SASRec): one ``user item`` pair per line, each user's lines in time order.
 * ``"user_lines"`` (ICLRec): one line per user, ``uid i1 i2 ...`` in time order.
@@ -19,7 +19,7 @@ Decisions (every one of them counted in :class:`Interactions`, nothing is droppe
 * Repeated ``(user, item)`` interactions are real events and are kept; they are counted
   (``repeated_interactions``).
 * Dense ids: items ``1..num_items`` (0 is padding) and users ``0..num_users-1``, both in
-  increasing order of raw id, so files whose ids are already dense 1-based (all three shared
+  increasing order of raw id, so files whose ids are already dense 1-based (all three public
   files) keep their item numbering.
 
 Everything is numpy on the host; the per-line validation loop is the only Python loop over

@@ -100,6 +100,27 @@ def resolve_data_path(path: str) -> Path:
     return REPO_ROOT / p
 
 
+# The public files the next-item configs read, by their place under the local data/ folder (README,
+# "Public data"): where each comes from, for the error that reports one missing.
+PUBLIC_DATA = {
+    "sasrec/Games.txt": "the SASRec authors' repository, github.com/kang205/SASRec, file data/Video.txt",
+    "iclrec/Beauty.txt": "the ICLRec authors' repository, github.com/salesforce/ICLRec, file data/Beauty.txt",
+    "iclrec/Sports_and_Outdoors.txt": (
+        "the ICLRec authors' repository, github.com/salesforce/ICLRec, file data/Sports_and_Outdoors.txt"
+    ),
+}
+
+
+def missing_file_hint(path: str) -> str:
+    """Where to get a missing interactions file, and how to point a run at a copy elsewhere."""
+    place = "/".join(Path(path).parts[-2:])
+    if place in PUBLIC_DATA:
+        get = f"get it from {PUBLIC_DATA[place]}, saved as data/{place}"
+    else:
+        get = 'the public sets and where they come from are in the README, "Public data"'
+    return f"{get}; or pass --set data.path=FILE"
+
+
 def _load(config: Config) -> Interactions:
     path = resolve_data_path(config.data.path)
     try:
@@ -108,7 +129,10 @@ def _load(config: Config) -> Interactions:
         where = (
             "" if Path(config.data.path).is_absolute() else f" (also tried {REPO_ROOT / config.data.path})"
         )
-        raise ConfigError(f"`data.path`: interactions file not found: {config.data.path}{where}") from None
+        raise ConfigError(
+            f"`data.path`: interactions file not found: {config.data.path}{where}; "
+            f"{missing_file_hint(config.data.path)}"
+        ) from None
     except (ValueError, UnicodeDecodeError) as e:  # the loader's message names the file and line
         raise ConfigError(f"`data.path`: {e}") from None
 

@@ -19,8 +19,8 @@ gradient, optimizer pass or collective. Checkpoints: save `emb.to_logical(state)
 array and `[rows]` accumulator per table, shapes independent of the device count and plan) and
 restore with `emb.from_logical(...)` onto any plan, using `emb.logical_shardings()` as the target.
 
-`hash_ids`, `segment_ids` and `HashedEmbedding` (the dense nnx table) stay for the models until
-phase 2 moves them onto the collection.
+`hash_ids` and `segment_ids` are shared with the models; `HashedEmbedding` is the dense nnx table the
+next-item model keeps its item table in (dense.py says why).
 """
 
 from gem_jax.embeddings.collection import EmbeddingCollection, FeatureIds, Residuals

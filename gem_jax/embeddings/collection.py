@@ -30,6 +30,7 @@ from gem_jax.embeddings.hashing import hash_ids, segment_ids
 from gem_jax.embeddings.optimizers import RowWiseAdagrad, SparseOptimizer
 from gem_jax.embeddings.optimizers import from_config as optimizer_from_config
 from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
+from gem_jax.parallel import fast_axes, shard_axes
 
 
 class FeatureIds(NamedTuple):
@@ -128,8 +129,6 @@ class EmbeddingCollection:
         cls, config: Config, mesh: Mesh, extra_tables: Mapping[str, TableConfig] | None = None
     ) -> EmbeddingCollection:
         """The collection the config describes (`extra_tables`: e.g. a model's data-sized table)."""
-        from gem_jax.parallel import fast_axes, shard_axes
-
         e = config.embeddings
         batch_axes = shard_axes(config.parallel)
         fast = e.fast_axes

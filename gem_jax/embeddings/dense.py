@@ -1,12 +1,12 @@
-"""Today's embedding table: a dense nnx Param, `jnp.take` lookups, pooled bags via segment_sum.
+"""A dense embedding table: one nnx Param, `jnp.take` lookups, pooled bags via segment_sum.
 
-Kept until phase 2 moves gem.py and retrieval.py onto the sharded tables of this package (see
-docs/embeddings.md); the train step passes it replicated, so its gradient is table-sized.
+The next-item model's item table (`hashed=False`: id i is row i, since the table doubles as the tied
+output layer and a hash collision would merge two items' scores). It is small (10^4-10^5 items) and
+trained by the dense optimizer like any parameter, so its gradient is table-sized; the ranking task's
+large tables live in `EmbeddingCollection` (sharded, sparse updates; docs/embeddings.md).
 
-Raw ids (any int32) are hashed into the table's rows, so the id space can exceed the table. Rows
-carry the logical axis "rows" so the rules table can shard them (row-wise) across the mesh.
-`hashed=False` makes id i row i (dense ids, e.g. next-item retrieval, where the table doubles as
-the output layer and a hash collision would merge two items' scores).
+With `hashed=True` raw ids (any int32) are hashed into the table's rows, so the id space can exceed the
+table. Rows carry the logical axis "rows", so the rules table can shard them (row-wise) over the mesh.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.embeddings.hashing import hash_ids
-from gem_jax.model.layers import param
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
 

@@ -51,27 +51,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, ArrayLike, Float
 
+from gem_jax.precision import FP8Recipe
+
 E4M3 = jnp.float8_e4m3fn  # inputs and weights: 3 mantissa bits, max 448
 E5M2 = jnp.float8_e5m2  # output gradients: 2 mantissa bits, max 57344, more range
-RECIPES = ("delayed", "current")
 _ROWS = ("input", "weight", "grad")  # rows of an AmaxHistory / entries of an AmaxProbe
 _FORMATS = (E4M3, E4M3, E5M2)
 SCALES = ("x_scale", "w_scale", "g_scale")  # the DequantScale attributes of an FP8Matmul, one per row
-
-
-@dataclasses.dataclass(frozen=True)
-class FP8Recipe:
-    """How an FP8 layer scales its tensors (from `precision.fp8_recipe`, `_amax_history`, `_margin`)."""
-
-    kind: str = "delayed"  # "delayed" | "current"
-    amax_history: int = 1024  # steps of amax kept by the delayed recipe (TE's and flax's default)
-    margin: int = 0  # binades of headroom below the format's max
-
-    def __post_init__(self):
-        if self.kind not in RECIPES:
-            raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.kind!r}")
-        if self.amax_history < 1 or self.margin < 0:
-            raise ValueError(f"FP8 amax_history must be >= 1 and margin >= 0, got {self}")
 
 
 class FP8Meta(nnx.Variable):

@@ -19,8 +19,9 @@ from gem_jax.config import Config
 from gem_jax.data.batch import JaggedBatch
 from gem_jax.embeddings import FeatureIds, segment_ids
 from gem_jax.model.hstu import HSTUTower
-from gem_jax.model.layers import Dense, param
+from gem_jax.model.layers import Dense
 from gem_jax.model.wukong import WukongStack
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
 _FEATURE_SALT = 1_000_003  # keeps features' ids apart in the shared sparse table
@@ -124,9 +125,9 @@ class GEMModel(nnx.Module):
             if self.context is not None:
                 ctx = self.context(feature_tokens.reshape(b_cap, -1)).reshape(b_cap * n_ctx, m.model_dim)
                 # The context slots are each real example's first n_ctx tokens: write them in place. A
-                # scatter of B x n_ctx rows whose gradient is a gather of as many, where gathering a
-                # context row for every token had a T-row scatter-add as its gradient (9 ms of the
-                # gem_h200 step, 16 ms of gem_long's, on the H200).
+                # scatter of B x n_ctx rows has a gather of as many as its gradient; gathering a context
+                # row for every token would have a T-row scatter-add (9 ms of the gem_h200 step, 16 ms
+                # of gem_long's, measured on the H200).
                 slot = jnp.arange(n_ctx)[None, :]
                 slots = jnp.where(slot < lengths[:, None], offsets[:-1, None] + slot, t_cap)  # [B, n_ctx]
                 tokens = tokens.at[slots.reshape(-1)].set(ctx.astype(jnp.float32), mode="drop")

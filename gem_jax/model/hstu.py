@@ -19,9 +19,10 @@ from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import AttentionSpec, attention
-from gem_jax.model.layers import Dense, LayerNorm, dropout, param
+from gem_jax.model.layers import Dense, LayerNorm, dropout
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.model.sasrec import SASRecLayer
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
 

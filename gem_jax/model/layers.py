@@ -8,13 +8,8 @@ from flax import nnx
 from jaxtyping import Array, ArrayLike, Float
 
 from gem_jax.model.fp8 import FP8Matmul
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
-
-
-def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str | None, ...], dtype) -> nnx.Param:
-    """A parameter tagged with logical axis names (mapped to mesh axes by `gem_jax.parallel`)."""
-    assert len(axes) == len(shape), (axes, shape)
-    return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=axes)
 
 
 class Dense(nnx.Module):

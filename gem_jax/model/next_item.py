@@ -21,7 +21,8 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from gem_jax.config import Config
 from gem_jax.embeddings import HashedEmbedding, segment_ids
 from gem_jax.model.hstu import HSTUTower
-from gem_jax.model.layers import Dense, dropout, param
+from gem_jax.model.layers import Dense, dropout
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import ArrayLike, Float
 
-from gem_jax.model.layers import Dense, LayerNorm, param
+from gem_jax.model.layers import Dense, LayerNorm
+from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
 

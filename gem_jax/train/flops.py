@@ -5,7 +5,7 @@ Counted (a multiply-add = 2 FLOPs; backward = 2 x forward for every GEMM, so a t
 - per real token: the token projection (2 E D) and, per HSTU layer, the fused UVQK projection
   (2 D H (2 Dv + 2 Dqk)) and the output projection (2 H Dv D);
 - attention, per HSTU layer and per sequence of length L, as the kernel peers count it
-  (DESIGN.md): forward 2 H (Dqk + Dv) L^2 / 2, backward 2.5 x forward (so 3.5 x forward in all).
+  (docs/design.md): forward 2 H (Dqk + Dv) L^2 / 2, backward 2.5 x forward (so 3.5 x forward in all).
   With `model.long_history`, a layer does full attention over the R = context + min(recent_len,
   history) + candidates recent rows (R^2 / 2 in place of L^2 / 2) plus causal BlockAttention over
   all L rows (about L * block_size / 2); a pyramid layer with fraction f counts ceil(f * history)

@@ -25,6 +25,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -239,7 +240,8 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
         else:
             state, progress = trainer.init_state(), Progress()
         step = start = int(state.step)
-        will_train = step < total and progress.stopped is None and (stop_after is None or step < stop_after)
+        already_finished = progress.stopped is not None or step >= total
+        will_train = not already_finished and (stop_after is None or step < stop_after)
         first = next(data_iter) if will_train else None
     writer = MetricsWriter(workdir, resume_step=start)
     peak = device_peak_flops(jax.devices()[0].device_kind)
@@ -250,10 +252,11 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
     saved_step = latest
     bar = None
     window = TraceWindow(profile_steps, workdir / "profile")
-    if tc.progress and jax.process_index() == 0:
+    if tc.progress and jax.process_index() == 0 and will_train:
         from tqdm import tqdm
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    say = _message_printer(bar)
 
     def save() -> None:
         nonlocal saved_step
@@ -330,14 +333,21 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 if eval_now:
                     with jax.profiler.TraceAnnotation("evaluation"):
                         last_eval = _evaluate(
-                            task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start
+                            task,
+                            evaluate,
+                            trainer,
+                            state,
+                            step,
+                            progress,
+                            best,
+                            writer,
+                            last_values,
+                            t_start,
+                            say=say,
                         )
                     if out_of_time and progress.stopped is None:
                         progress.stopped = "time"
-                        print(
-                            f"stopping: train.max_minutes={tc.max_minutes} spent at step {step}",
-                            file=sys.stderr,
-                        )
+                        say(f"stopping: train.max_minutes={tc.max_minutes} spent at step {step}")
                 if save_now:
                     save()
                 if bar is not None:
@@ -352,7 +362,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
         signalled = signal_pending()  # the agreed flag: every process then scores the test split, or none
         finished = progress.stopped is not None or step >= total
         test = (
-            _score_test(task, evaluate, trainer, best, checkpoints, progress, workdir, writer)
+            _score_test(task, evaluate, trainer, best, checkpoints, progress, workdir, writer, say)
             if finished and not signalled
             else None
         )
@@ -361,6 +371,8 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
         if bar is not None:
             bar.close()
         writer.close()
+    if already_finished:  # nothing trained: report what the run's records hold
+        last_values, last_eval = _recorded_metrics(workdir, step)
     return {
         "workdir": str(workdir),
         "step": step,
@@ -376,7 +388,11 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
         "eval": last_eval,
         "test": test,
         "final": last_values,
+        "already_finished": already_finished,
         "wall_time_s": time.perf_counter() - t_start,
+        # Training time over every invocation of the run (the time budget's clock; compilation and
+        # start-up excluded), as recorded at the last checkpoint when nothing was trained now.
+        "train_time_s": progress.train_time_s if already_finished else time.perf_counter() - t_train,
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
     }
@@ -398,8 +414,43 @@ def _best(task: Task, progress: Progress) -> dict[str, Any] | None:
     }
 
 
+def _message_printer(bar) -> Callable[[str], None]:
+    """Prints the loop's messages to stderr, each on a line of its own while the progress bar shows.
+
+    In a terminal tqdm clears the bar, prints and redraws it. In a log file nothing is redrawn (the
+    bar's updates are separated by carriage returns only), so the message starts a new line after
+    the bar's last state instead of sharing its line.
+    """
+
+    def say(text: str) -> None:
+        if bar is None:
+            print(text, file=sys.stderr)
+        elif sys.stderr.isatty():
+            bar.write(text, file=sys.stderr)
+        else:
+            print(f"\n{text}", file=sys.stderr)
+
+    return say
+
+
+def _recorded_metrics(workdir: Path, step: int) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """The last logged training values and validation metrics at or before `step`, from metrics.jsonl."""
+    final: dict[str, float] = {}
+    valid = None
+    path = workdir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        record = json.loads(line)
+        if record.get("step", step + 1) > step:
+            continue
+        if record.get("split") == "valid":
+            valid = record["valid"]
+        elif "loss" in record:
+            final = {k: v for k, v in record.items() if k != "step" and isinstance(v, float)}
+    return final, valid
+
+
 def _evaluate(
-    task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start
+    task, evaluate, trainer, state, step, progress, best, writer, last_values, t_start, *, say
 ) -> dict[str, Any]:
     """Validation metrics after `step`; keeps the best checkpoint and counts towards patience."""
     t_eval = time.perf_counter()
@@ -432,17 +483,14 @@ def _evaluate(
     )
     shown = "  ".join(f"{k} {v:.4f}" for k, v in flatten(valid).items() if isinstance(v, float))
     loss = f"loss {last_values['loss']:.4f} " if "loss" in last_values else ""
-    print(f"step {step} {_where(task, step)}{loss}valid {shown}{' *' if improved else ''}", file=sys.stderr)
+    say(f"step {step} {_where(task, step)}{loss}valid {shown}{' *' if improved else ''}")
     if progress.stopped == "patience":
-        print(
-            f"stopping: {progress.bad_evals} evaluations without a better {task.select_metric}",
-            file=sys.stderr,
-        )
+        say(f"stopping: {progress.bad_evals} evaluations without a better {task.select_metric}")
     return valid
 
 
 def _score_test(
-    task, evaluate, trainer, best, checkpoints, progress, workdir, writer
+    task, evaluate, trainer, best, checkpoints, progress, workdir, writer, say
 ) -> dict[str, Any] | None:
     """The test split, scored once per run for the chosen checkpoint; later calls read test.json."""
     if "test" not in evaluate.splits:
@@ -456,10 +504,9 @@ def _score_test(
             if problem is None:
                 source, step = best, progress.best_step
             else:
-                print(
+                say(
                     f"the chosen checkpoint (step {progress.best_step}) is {problem}: scoring the newest "
-                    "intact checkpoint instead",
-                    file=sys.stderr,
+                    "intact checkpoint instead"
                 )
         if step is None:
             step = checkpoints.newest_intact(move_aside=False)

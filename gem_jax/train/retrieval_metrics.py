@@ -9,7 +9,7 @@ Both protocols reduce to "rank of the target among candidate scores" and share o
 * Masked candidates carry ``-inf`` and so never outrank a finite target score.
 * NaN is pessimistic too: a NaN candidate outranks the target, a NaN target is ranked last.
 
-Protocols (see ``../shared/data/README.md``):
+Protocols (docs/results.md, "Protocol", has the published numbers of each):
 
 * sampled (SASRec): the target against 100 negatives drawn by
   ``gem_jax.data.interactions.sample_negatives`` -> :func:`sampled_ranks`.

@@ -30,7 +30,7 @@ def position_buckets(delta: Int[ArrayLike, ...], num_buckets: int) -> Int[ArrayL
 def allowed_mask(
     lengths: Int[ArrayLike, " B"], num_targets: Int[ArrayLike, " B"], max_seq_len: int, max_attn_len: int
 ) -> jax.Array:
-    """bool[B, N, N]: may position i of sequence b attend position j (DESIGN.md, Kernels)."""
+    """bool[B, N, N]: may position i of sequence b attend position j (docs/design.md, Kernels)."""
     pos = jnp.arange(max_seq_len, dtype=jnp.int32)
     i = pos[None, :, None]
     j = pos[None, None, :]

@@ -1,0 +1,71 @@
+"""The CLI as a new user meets it: the help names every command, a log file keeps the loop's messages on
+lines of their own, and re-running a finished run says so with its metrics and total training time."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+
+import pytest
+
+from experiments.__main__ import _format_summary, _parser
+from gem_jax.tasks import make_task
+from gem_jax.train import loop
+from tests.helpers import small_config
+
+
+def test_help_names_every_command_and_what_eval_reads():
+    text = _parser().format_help()
+    commands = re.search(r"\{([a-z_,]+)\}", text).group(1).split(",")
+    assert {"train", "eval", "bench", "profile", "fuzz", "sweep"} <= set(commands)
+    first_line = re.search(r"`python -m experiments \{([a-z_,]+)\}`", text).group(1).split(",")
+    assert sorted(first_line) == sorted(commands), "the description's first line lists other commands"
+    for command in commands:
+        assert f"python -m experiments {command}" in text, f"no usage line for {command}"
+    eval_help = " ".join(re.search(r"\n    eval\s+(.+?)\n    \S", text, re.S).group(1).split())  # wrapped
+    assert "chosen" in eval_help and "latest" in eval_help, eval_help
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A short ranking run with the progress bar on, its stderr captured as a log file would hold it."""
+    workdir = tmp_path_factory.mktemp("finished")
+    config = small_config(
+        "train.steps=6", "train.progress=true", "train.log_every=3", "train.checkpoint_every=3"
+    )
+    log = io.StringIO()  # not a TTY
+    with contextlib.redirect_stderr(log):
+        summary = loop.train(make_task(config), workdir)
+    return config, workdir, summary, log.getvalue()
+
+
+def test_log_file_keeps_messages_off_the_progress_bars_line(finished_run):
+    _, _, summary, log = finished_run
+    assert "train:" in log and "\r" in log  # the bar was drawn
+    lines = log.split("\n")
+    evaluation = [line for line in lines if "valid" in line]
+    assert evaluation and all(line.startswith(f"step {summary['step']} ") for line in evaluation), evaluation
+    bars = [line for line in lines if "train:" in line]
+    assert all(line.split("\r")[-1].startswith("train:") for line in bars), bars  # nothing after a bar
+    assert "100%" in bars[-1].split("\r")[-1]  # the closed bar's last state ends its own line
+
+
+def test_rerunning_a_finished_run_says_so_with_its_metrics_and_total_time(finished_run):
+    config, workdir, first, _ = finished_run
+    log = io.StringIO()
+    with contextlib.redirect_stderr(log):
+        again = loop.train(make_task(config), workdir)
+    assert not first["already_finished"] and again["already_finished"]
+    assert again["step"] == first["step"] == 6
+    assert "train:" not in log.getvalue()  # no progress bar for nothing to train
+    assert again["eval"] == first["eval"]  # read back from metrics.jsonl
+    assert again["final"]["loss"] == first["final"]["loss"]
+    # The first invocation's training time as its last checkpoint recorded it, not this one's 0.
+    assert 0 < again["train_time_s"] <= first["train_time_s"]
+
+    text = _format_summary(again, make_task(config).summary_lines(again))
+    assert f"already finished at step 6: nothing to train ({again['train_time_s']:.1f} s" in text
+    assert f"python -m experiments eval --workdir {workdir}" in text and "another --workdir" in text
+    assert f"click      AUC {first['eval']['click']['auc']:.4f}" in text
+    assert "done:" not in text
