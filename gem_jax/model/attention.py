@@ -2,8 +2,9 @@
 
 A layer builds one `AttentionSpec` from the model config (the static settings of its attention calls) and
 passes it down; `attention` forwards it to `pallas_kernels.jagged_attention` (docs/design.md, Kernels).
-Dropout on the attention weights (`weight_dropout` with an rng, training only) exists only in the padded jnp reference, which then runs
-whatever the implementation: O(B N^2) memory, fine for the short sequences of next-item training.
+Dropout on the attention weights (`weight_dropout` with an rng, training only) exists only in the padded jnp
+reference, which then runs whatever the implementation: O(B N^2) memory, fine for the short sequences of
+next-item training.
 """
 
 from __future__ import annotations
