@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from gem_jax.config import Config, load_config
-from gem_jax.data.pipeline import packed_dataset
+from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
 
 
@@ -59,9 +59,7 @@ def stacks(config: Config, shards: int, start: int = 0):
     d, m = config.data, config.model
     gen = SyntheticAds(d, num_tasks=len(m.tasks))
     ds = packed_dataset(
-        gen.example,
-        num_examples=None,
-        start=start,
+        example_range(gen.example, start, None),
         examples_capacity=d.examples_per_shard,
         tokens_capacity=d.tokens_per_shard,
         num_sparse_features=d.num_sparse_features,

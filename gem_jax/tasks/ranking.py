@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config, ConfigError
 from gem_jax.data.batch import JaggedBatch
-from gem_jax.data.pipeline import packed_dataset
+from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids
@@ -65,9 +65,7 @@ class RankingTask:
     def _dataset(self, *, num_examples: int | None, start: int, process_index: int, process_count: int):
         d, m = self.config.data, self.config.model
         return packed_dataset(
-            self.generator.example,
-            num_examples=num_examples,
-            start=start,
+            example_range(self.generator.example, start, num_examples),
             examples_capacity=d.examples_per_shard,
             tokens_capacity=d.tokens_per_shard,
             num_sparse_features=d.num_sparse_features,
