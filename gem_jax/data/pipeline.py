@@ -80,7 +80,9 @@ def packed_dataset(
     return ShardStacks(streams, shards, reshard)
 
 
-def example_range(example_fn: Callable[[int], dict[str, Any]], start: int, num: int | None) -> grain.MapDataset:
+def example_range(
+    example_fn: Callable[[int], dict[str, Any]], start: int, num: int | None
+) -> grain.MapDataset:
     """Examples `example_fn(start), example_fn(start + 1), ...`: `num` of them, or endless for None."""
     stop = start + num if num is not None else 2**62
     return grain.MapDataset.range(start, stop).map(example_fn)
