@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from gem_jax.config import ConfigError, load_config
+    from gem_jax.data.records.errors import DataError
     from gem_jax.tasks import make_task
     from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
     from gem_jax.train.run_record import RunRecord
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except WorkdirError as e:
         print(f"workdir error: {e}", file=sys.stderr)
+        return 2
+    except DataError as e:
+        print(f"data error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:
         print(f"training diverged: {e}", file=sys.stderr)

@@ -22,10 +22,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Input data: the synthetic ads task (`kind="synthetic"`) or next-item data from a file."""
+    """Input data: the synthetic ads task (`kind="synthetic"`), ranking records from shards
+    (`kind="records"`, docs/data.md) or next-item data from a file (`kind="interactions"`)."""
 
-    kind: str = "synthetic"  # "synthetic" | "interactions"
-    path: str = ""  # file for kind="interactions"
+    kind: str = "synthetic"  # "synthetic" | "records" | "interactions"
+    path: str = ""  # kind="interactions": the file; "records": the training shard set (a directory or a glob)
     seed: int = 0
     # Synthetic ads task.
     num_items: int = 20_000  # raw item id space (Zipf-distributed)
@@ -46,6 +47,15 @@ class DataConfig:
     tokens_per_shard: int = 2048  # token capacity of one shard's pack
     eval_examples: int = 4096
     num_workers: int = 0  # grain worker processes generating train examples (0: in the main process)
+    # Records (kind="records"). The shards' own schema.json says what a record holds; these pick from it.
+    eval_path: str = ""  # validation shard set ("" = none)
+    test_path: str = ""  # test shard set, scored once for the chosen checkpoint ("" = none)
+    # Record sparse feature -> the embedding feature (`embeddings.features`) that pools it, in the order of
+    # the model's feature tokens; {} = every sparse feature of the shards, in their order, into "sparse".
+    sparse_features: dict[str, str] = field(default_factory=dict)
+    dense_features: tuple[str, ...] = ()  # record dense features read, in order; () = all of the shards'
+    bad_records: str = "stop"  # a record that breaks the schema: "stop" (one line naming it) | "skip"
+    max_bad_records: int = 1000  # "skip": the most a run may skip; past it the run stops
 
 
 SHARDING_TYPES = ("auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d")
@@ -328,7 +338,11 @@ def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("rules", "overrides"):
+        if (
+            isinstance(v, dict)
+            and isinstance(out.get(k), dict)
+            and k not in ("rules", "overrides", "sparse_features")
+        ):
             out[k] = _merge(out[k], v)
         else:
             out[k] = v
@@ -383,7 +397,7 @@ def validate(config: Config, source: str) -> Config:
             ("auto", "reference", "pallas", "interpret"),
         ),
         "embeddings.pooling": (config.embeddings.pooling, ("mean", "sum")),
-        "data.kind": (d.kind, ("synthetic", "interactions")),
+        "data.kind": (d.kind, ("synthetic", "records", "interactions")),
     }
     _check_choices(choices, source)
     _validate_ranges(config, source)
@@ -422,7 +436,36 @@ def validate(config: Config, source: str) -> Config:
     _validate_precision(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
+    _validate_records(config, source)
     return config
+
+
+def _validate_records(config: Config, source: str) -> None:
+    """The `data` keys of ranking records (`data.kind = "records"`); what the shards hold is checked
+    against them when the task opens the shards (gem_jax/data/records/dataset.py)."""
+    d = config.data
+    _check_choices({"data.bad_records": (d.bad_records, ("stop", "skip"))}, source)
+    if d.kind != "records":
+        named = [k for k in ("eval_path", "test_path", "sparse_features", "dense_features") if getattr(d, k)]
+        if named:
+            raise ConfigError(f'{source}: `data.{named[0]}` is read only with data.kind = "records"')
+        if d.max_history_len < 1:
+            raise ConfigError(f"{source}: `data.max_history_len` must be >= 1, got {d.max_history_len}")
+        return
+    if not d.path:
+        raise ConfigError(f'{source}: `data.path` must name the training shards for data.kind = "records"')
+    if d.sparse_features and len(d.sparse_features) != d.num_sparse_features:
+        raise ConfigError(
+            f"{source}: `data.sparse_features` names {len(d.sparse_features)} features, "
+            f"`data.num_sparse_features` is {d.num_sparse_features}: they must agree"
+        )
+    if d.dense_features and len(d.dense_features) != d.num_dense_features:
+        raise ConfigError(
+            f"{source}: `data.dense_features` names {len(d.dense_features)} features, "
+            f"`data.num_dense_features` is {d.num_dense_features}: they must agree"
+        )
+    if config.train.select_metric and not d.eval_path:
+        raise ConfigError(f"{source}: `train.select_metric` needs `data.eval_path` (the validation shards)")
 
 
 RANKING_METRICS = ("auc", "ne")
@@ -609,7 +652,7 @@ RANGES: dict[str, Range] = {
     "data.latent_dim": AT_LEAST_1,
     "data.history_len_mean": POSITIVE,
     "data.history_len_sigma": AT_LEAST_0,
-    "data.max_history_len": AT_LEAST_1,
+    "data.max_history_len": AT_LEAST_0,  # 0 (records only): the history removed
     "data.empty_history_fraction": FRACTION,
     "data.num_candidates": AT_LEAST_1,
     "data.num_sparse_features": AT_LEAST_0,
@@ -620,6 +663,7 @@ RANGES: dict[str, Range] = {
     "data.tokens_per_shard": AT_LEAST_1,
     "data.eval_examples": AT_LEAST_1,
     "data.num_workers": AT_LEAST_0,
+    "data.max_bad_records": AT_LEAST_0,
     "embeddings.dim": AT_LEAST_1,
     "embeddings.item_rows": AT_LEAST_1,
     "embeddings.action_rows": AT_LEAST_1,

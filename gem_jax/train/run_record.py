@@ -4,7 +4,8 @@ Files (all written atomically):
 
 * `config.toml`: the resolved config of the run, written once when the run starts.
 * `run.json`: written once beside it: the data fingerprint (synthetic data: its generator settings;
-  an interactions file: its path, size and sha256), the code version (package version, git commit
+  an interactions file: its path, size and sha256; records: every shard's name, size and sha256 as its
+  schema.json lists them), the code version (package version, git commit
   and whether the tree had uncommitted changes, jax version), the creation time and host.
 * `resumes.jsonl`: one line per later invocation: time, host, code version, the checkpoint step it
   resumed from, and the settings in `MAY_CHANGE` that differ from `config.toml` (its effective
@@ -56,6 +57,8 @@ MAY_CHANGE = (
     "model.attention_implementation",  # the same function computed by another kernel (e.g. GPU -> CPU)
     "model.attention_bias_rows_gib",  # the same function, the relative bias precomputed or not
     "data.path",  # only when the file's content (size and sha256) is the recorded one
+    "data.eval_path",  # records: only when the shards are the recorded ones (names, sizes, sha256)
+    "data.test_path",
     # Another mesh or embedding plan: checkpoints hold every array in a device-count-free form (tables
     # as [rows, dim]), so a run resumes on another number of devices (the global batch follows it).
     "parallel.mesh_shape",
@@ -94,10 +97,14 @@ def data_fingerprint(config: Config) -> dict[str, Any]:
     """
     d = config.data
     if d.kind == "interactions":
-        from gem_jax.data.next_item import resolve_data_path
+        from gem_jax.data.paths import resolve_data_path
 
         path = resolve_data_path(d.path).resolve()
         return {"kind": d.kind, "path": str(path), "size": path.stat().st_size, "sha256": files.sha256(path)}
+    if d.kind == "records":
+        from gem_jax.data.records.dataset import records_fingerprint
+
+        return {"kind": d.kind, **records_fingerprint(d)}
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_DATA_IDENTITY}
     return {"kind": d.kind, "generator": settings}
 

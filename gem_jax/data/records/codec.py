@@ -1,0 +1,277 @@
+"""One request as bytes: a compact little-endian layout that decodes with one `np.frombuffer` and slices.
+
+A record is int32 words (floats are float32 bit patterns in the same buffer, read through `.view`):
+
+    MAGIC  DTYPES  L_items  L_actions  L_times  C  K  D  F  request_time
+    request_id (2 words)  user_id (2 words)  bag_length x F
+    history items [L] | candidate items [C]   (contiguous: the example's item ids, oldest first)
+    history actions [L]   history timestamps [L]
+    labels [C x K] (float32)   dense [D] (float32)   sparse ids [sum of bag lengths]
+
+Every list carries its own length and every record the counts and dtypes it was written with, so a
+record that breaks its shard set's schema (another dtype, a cut record, history lists of unequal length,
+an id out of range, a NaN) is recognised when read and named, not misread. `check` is the one set of
+rules: the writers apply it before writing, the reader (reader.py) and `data validate` after reading.
+Decoding and checking a record costs a few microseconds (numpy reductions over views, no copies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from gem_jax.data.records.schema import INT32_MAX, RecordSchema
+
+MAGIC = int.from_bytes(b"GEMR", "little")
+DTYPES = int.from_bytes(b"i\x04f\x04", "little")  # ids int32, floats float32
+_FIXED = 14  # header words before the bag lengths
+
+
+class Invalid(ValueError):
+    """A record breaks the schema; the message says how (the caller names the shard and index)."""
+
+
+@dataclasses.dataclass
+class Record:
+    """One request (docs/data.md): the log schema as numpy arrays."""
+
+    request_id: int
+    user_id: int
+    timestamp: int  # request time, seconds (candidates carry it)
+    candidates: np.ndarray  # int [C] item ids
+    labels: np.ndarray  # float [C, K]: one label per candidate and task
+    sparse: list[np.ndarray]  # F bags of ids, in the schema's order
+    dense: np.ndarray  # float [D]
+    history_items: np.ndarray  # int [L], oldest first
+    history_actions: np.ndarray  # int [L]
+    history_timestamps: np.ndarray  # int [L], non-decreasing, <= timestamp
+
+
+# ----------------------------------------------------------------------------- encoding
+
+
+def _ids(name: str, values: Any) -> np.ndarray:
+    a = np.asarray(values)
+    if a.size == 0:
+        return np.zeros(0, np.int32)
+    if a.dtype.kind not in "iu":
+        raise Invalid(f"{name} are {a.dtype}, expected integers")
+    if a.ndim != 1:
+        raise Invalid(f"{name} have shape {a.shape}, expected a list")
+    if a.min() < -(2**31) or a.max() > INT32_MAX:
+        raise Invalid(f"{name} hold {a.max() if a.max() > INT32_MAX else a.min()}, outside int32")
+    return a.astype(np.int32, copy=False)
+
+
+def _floats(name: str, values: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    a = np.asarray(values)
+    if a.size and a.dtype.kind not in "fiub":
+        raise Invalid(f"{name} are {a.dtype}, expected numbers")
+    a = a.astype(np.float32)
+    if shape is not None and a.shape != shape:
+        raise Invalid(f"{name} have shape {a.shape}, expected {shape}")
+    return a
+
+
+def _int64_words(value: int, name: str) -> np.ndarray:
+    if not -(2**63) <= int(value) < 2**63:
+        raise Invalid(f"{name} {value} does not fit int64")
+    return np.array([int(value)], np.int64).view(np.int32)
+
+
+def encode(record: Record) -> bytes:
+    """The record's bytes. Raises Invalid for values of the wrong type (e.g. float ids) or outside int32;
+    the schema's rules are `check`'s."""
+    items = _ids("history item ids", record.history_items)
+    actions = _ids("history action ids", record.history_actions)
+    times = _ids("history timestamps", record.history_timestamps)
+    candidates = _ids("candidate item ids", record.candidates)
+    labels = _floats("labels", record.labels)
+    if labels.ndim != 2 or labels.shape[0] != len(candidates):
+        raise Invalid(f"labels have shape {labels.shape}, expected [{len(candidates)} candidates, tasks]")
+    dense = _floats("dense features", record.dense)
+    bags = [_ids(f"sparse feature {j} ids", b) for j, b in enumerate(record.sparse)]
+    timestamp = int(record.timestamp)
+    if not -(2**31) <= timestamp <= INT32_MAX:
+        raise Invalid(f"request timestamp {timestamp} outside int32 (seconds)")
+    header = np.array(
+        [
+            MAGIC,
+            DTYPES,
+            len(items),
+            len(actions),
+            len(times),
+            len(candidates),
+            labels.shape[1],
+            len(dense),
+            len(bags),
+        ],
+        np.int32,
+    )
+    parts = [
+        header,
+        np.array([timestamp], np.int32),
+        _int64_words(record.request_id, "request id"),
+        _int64_words(record.user_id, "user id"),
+        np.array([len(b) for b in bags], np.int32),
+        items,
+        candidates,
+        actions,
+        times,
+        labels.reshape(-1).view(np.int32),
+        dense.view(np.int32),
+        *bags,
+    ]
+    return np.concatenate(parts).astype("<i4", copy=False).tobytes()
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+@dataclasses.dataclass
+class Parsed:
+    """Views into one record's words (no copies)."""
+
+    words: np.ndarray
+    timestamp: int
+    items: np.ndarray  # [L + C]: history, then candidates
+    num_history: int
+    actions: np.ndarray  # [L]
+    times: np.ndarray  # [L]
+    labels: np.ndarray  # [C, K] float32
+    dense: np.ndarray  # [D] float32
+    bag_lengths: np.ndarray  # [F]
+    sparse_values: np.ndarray  # [sum of bag lengths]
+
+    @property
+    def request_id(self) -> int:
+        return int(self.words[10:12].view(np.int64)[0])
+
+    @property
+    def user_id(self) -> int:
+        return int(self.words[12:14].view(np.int64)[0])
+
+
+def parse(data: bytes, schema: RecordSchema) -> Parsed:
+    """The record's fields as views, after checking its layout against the schema (Invalid if not)."""
+    if len(data) % 4 or len(data) < 4 * _FIXED:
+        raise Invalid(f"{len(data)} bytes: not a record (cut or of another format)")
+    w = np.frombuffer(data, "<i4")
+    if w[0] != MAGIC:
+        raise Invalid("not a gem-jax record (bad magic): another format, or a corrupt record")
+    if w[1] != DTYPES:
+        kinds = int(w[1]).to_bytes(4, "little")
+        raise Invalid(
+            f"wrong type: written with ids {chr(kinds[0])}{kinds[1]} and floats {chr(kinds[2])}{kinds[3]}, "
+            "the schema has ids i4 and floats f4"
+        )
+    n_items, n_actions, n_times, c, k, d, f = (int(x) for x in w[2:9])
+    if not n_items == n_actions == n_times:
+        raise Invalid(
+            f"history lists of unequal length: {n_items} items, {n_actions} actions, {n_times} timestamps"
+        )
+    expect = (
+        schema.num_candidates,
+        len(schema.tasks),
+        len(schema.dense_features),
+        len(schema.sparse_features),
+    )
+    if (c, k, d, f) != expect:
+        raise Invalid(
+            f"{c} candidates, {k} labels each, {d} dense and {f} sparse features; the schema has "
+            f"{expect[0]}, {expect[1]}, {expect[2]} and {expect[3]}"
+        )
+    if n_items < 0:
+        raise Invalid(f"negative history length {n_items}")
+    bags = w[_FIXED : _FIXED + f]
+    if f and bags.min() < 0:
+        raise Invalid(f"negative bag length {bags.min()}")
+    p = _FIXED + f
+    body = 3 * n_items + c + c * k + d + int(bags.sum())
+    if len(w) != p + body:
+        raise Invalid(
+            f"{len(data)} bytes where its lengths need {4 * (p + body)} (a cut or malformed record)"
+        )
+    items = w[p : p + n_items + c]
+    p += n_items + c
+    actions = w[p : p + n_items]
+    times = w[p + n_items : p + 2 * n_items]
+    p += 2 * n_items
+    labels = w[p : p + c * k].view(np.float32).reshape(c, k)
+    dense = w[p + c * k : p + c * k + d].view(np.float32)
+    return Parsed(w, int(w[9]), items, n_items, actions, times, labels, dense, bags, w[p + c * k + d :])
+
+
+def _out_of_range(name: str, values: np.ndarray, vocab: int | None) -> str | None:
+    if not values.size:
+        return None
+    lo, hi = values.min(), values.max()
+    if lo < 0:
+        return f"negative {name} {lo}"
+    if vocab is not None and hi >= vocab:
+        return f"{name} {hi} out of range [0, {vocab})"
+    return None
+
+
+def check(p: Parsed, schema: RecordSchema) -> None:
+    """The schema's rules on a parsed record (Invalid naming the first one broken): ids in their ranges,
+    history time-ordered and not after the request, labels in [0, 1], dense features finite."""
+    problem = _out_of_range("item id", p.items, schema.item_vocab) or _out_of_range(
+        "action id", p.actions, schema.action_vocab
+    )
+    if problem:
+        raise Invalid(problem)
+    if p.sparse_values.size:
+        vocabs = [f.vocab for f in schema.sparse_features]
+        if p.sparse_values.min() < 0 or any(v is not None for v in vocabs):
+            start = 0
+            for j, n in enumerate(p.bag_lengths):
+                problem = _out_of_range(
+                    f"{schema.sparse_features[j].name} id", p.sparse_values[start : start + n], vocabs[j]
+                )
+                if problem:
+                    raise Invalid(problem)
+                start += n
+    if p.num_history:
+        if p.times[0] < 0:
+            raise Invalid(f"negative history timestamp {p.times[0]}")
+        if p.num_history > 1 and (np.diff(p.times) < 0).any():
+            raise Invalid("history timestamps are not in time order (oldest first)")
+        if p.times[-1] > p.timestamp:
+            raise Invalid(
+                f"history event at {p.times[-1]} after the request at {p.timestamp} (a future event)"
+            )
+    if not np.isfinite(p.dense).all():
+        bad = p.dense[~np.isfinite(p.dense)][0]
+        name = schema.dense_features[int(np.flatnonzero(~np.isfinite(p.dense))[0])]
+        raise Invalid(f"dense feature {name} is {bad}")
+    if not ((p.labels >= 0) & (p.labels <= 1)).all():  # NaN fails too
+        raise Invalid(f"labels outside [0, 1]: {p.labels[~((p.labels >= 0) & (p.labels <= 1))][:3].tolist()}")
+
+
+def decode(data: bytes, schema: RecordSchema) -> Record:
+    """The checked record (Invalid if it breaks the schema); arrays are copies."""
+    p = parse(data, schema)
+    check(p, schema)
+    splits = np.cumsum(p.bag_lengths)[:-1]
+    return Record(
+        request_id=p.request_id,
+        user_id=p.user_id,
+        timestamp=p.timestamp,
+        candidates=p.items[p.num_history :].copy(),
+        labels=p.labels.copy(),
+        sparse=[b.copy() for b in np.split(p.sparse_values, splits)] if len(p.bag_lengths) else [],
+        dense=p.dense.copy(),
+        history_items=p.items[: p.num_history].copy(),
+        history_actions=p.actions.copy(),
+        history_timestamps=p.times.copy(),
+    )
+
+
+def check_record(record: Record, schema: RecordSchema) -> bytes:
+    """The record's bytes if it keeps the schema's rules (the writers' check); Invalid otherwise."""
+    data = encode(record)
+    check(parse(data, schema), schema)
+    return data
