@@ -1,4 +1,4 @@
-"""`python -m experiments {train,eval,bench,profile,sweep}`: the user-facing entry point.
+"""`python -m experiments {train,eval,bench,profile,sweep,data}`: the user-facing entry point.
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny
@@ -6,6 +6,7 @@
   python -m experiments profile [--config C] [--set ...] [--steps N] [--out DIR]   (docs/profiling.md)
   python -m experiments fuzz attention --seconds S   (randomized kernel-vs-reference sweep)
   python -m experiments sweep --config C --grid GRID.toml [--out DIR]   (see experiments/sweep.py)
+  python -m experiments data {convert,synth,inspect,validate} ...   (ranking records on disk, docs/data.md)
 
 Multi-process runs (several hosts, or CPU processes with gloo): give train/eval `--coordinator
 HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
@@ -87,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER)
     profile = sub.add_parser("profile", help="where a train step's time goes (jax.profiler)", add_help=False)
     profile.add_argument("args", nargs=argparse.REMAINDER)
+    data = sub.add_parser("data", help="ranking records: convert, synth, inspect, validate", add_help=False)
+    data.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments data --help`")
     fuzz = sub.add_parser("fuzz", help="randomized correctness sweep of a kernel against its reference")
     fuzz.add_argument("target", choices=["attention"])
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments.fuzz --help`")
@@ -112,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:  # its options are experiments/profile.py's own (argparse's REMAINDER
         return _profile(argv[1:])  # does not take leading options)
+    if argv[:1] == ["data"]:
+        from experiments import data
+
+        return data.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)

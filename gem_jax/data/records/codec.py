@@ -18,6 +18,7 @@ Decoding and checking a record costs a few microseconds (numpy reductions over v
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import numpy as np
@@ -53,6 +54,7 @@ class Record:
 
 
 def _ids(name: str, values: Any) -> np.ndarray:
+    """Integer ids as given (int64 or narrower); their int32 range is checked once per record in `encode`."""
     a = np.asarray(values)
     if a.size == 0:
         return np.zeros(0, np.int32)
@@ -60,19 +62,14 @@ def _ids(name: str, values: Any) -> np.ndarray:
         raise Invalid(f"{name} are {a.dtype}, expected integers")
     if a.ndim != 1:
         raise Invalid(f"{name} have shape {a.shape}, expected a list")
-    if a.min() < -(2**31) or a.max() > INT32_MAX:
-        raise Invalid(f"{name} hold {a.max() if a.max() > INT32_MAX else a.min()}, outside int32")
-    return a.astype(np.int32, copy=False)
+    return a
 
 
-def _floats(name: str, values: Any, shape: tuple[int, ...] | None = None) -> np.ndarray:
+def _floats(name: str, values: Any) -> np.ndarray:
     a = np.asarray(values)
     if a.size and a.dtype.kind not in "fiub":
         raise Invalid(f"{name} are {a.dtype}, expected numbers")
-    a = a.astype(np.float32)
-    if shape is not None and a.shape != shape:
-        raise Invalid(f"{name} have shape {a.shape}, expected {shape}")
-    return a
+    return a.astype(np.float32, copy=False)
 
 
 def _int64_words(value: int, name: str) -> np.ndarray:
@@ -81,48 +78,65 @@ def _int64_words(value: int, name: str) -> np.ndarray:
     return np.array([int(value)], np.int64).view(np.int32)
 
 
+_INT_FIELDS = (
+    "history item ids",
+    "candidate item ids",
+    "history action ids",
+    "history timestamps",
+    "sparse ids",
+)
+
+
 def encode(record: Record) -> bytes:
     """The record's bytes. Raises Invalid for values of the wrong type (e.g. float ids) or outside int32;
     the schema's rules are `check`'s."""
     items = _ids("history item ids", record.history_items)
+    candidates = _ids("candidate item ids", record.candidates)
     actions = _ids("history action ids", record.history_actions)
     times = _ids("history timestamps", record.history_timestamps)
-    candidates = _ids("candidate item ids", record.candidates)
+    bags = [_ids(f"sparse feature {j} ids", b) for j, b in enumerate(record.sparse)]
     labels = _floats("labels", record.labels)
     if labels.ndim != 2 or labels.shape[0] != len(candidates):
         raise Invalid(f"labels have shape {labels.shape}, expected [{len(candidates)} candidates, tasks]")
     dense = _floats("dense features", record.dense)
-    bags = [_ids(f"sparse feature {j} ids", b) for j, b in enumerate(record.sparse)]
+    if dense.ndim != 1:
+        raise Invalid(f"dense features have shape {dense.shape}, expected a list")
     timestamp = int(record.timestamp)
     if not -(2**31) <= timestamp <= INT32_MAX:
         raise Invalid(f"request timestamp {timestamp} outside int32 (seconds)")
+    ints = np.concatenate([items, candidates, actions, times, *bags])
+    if ints.size and (ints.min() < -(2**31) or ints.max() > INT32_MAX):
+        sizes = np.cumsum([len(items), len(candidates), len(actions), len(times), ints.size])
+        first = int(np.flatnonzero((ints < -(2**31)) | (ints > INT32_MAX))[0])
+        field = _INT_FIELDS[int(np.searchsorted(sizes, first, side="right"))]
+        raise Invalid(f"{field} hold {ints[first]}, outside int32")
     header = np.array(
         [
-            MAGIC,
-            DTYPES,
-            len(items),
-            len(actions),
-            len(times),
-            len(candidates),
-            labels.shape[1],
-            len(dense),
-            len(bags),
+            *(
+                MAGIC,
+                DTYPES,
+                len(items),
+                len(actions),
+                len(times),
+                len(candidates),
+                labels.shape[1],
+                len(dense),
+            ),
+            *(len(bags), timestamp),
         ],
         np.int32,
     )
+    n_hist = len(items) + len(candidates)
     parts = [
         header,
-        np.array([timestamp], np.int32),
         _int64_words(record.request_id, "request id"),
         _int64_words(record.user_id, "user id"),
         np.array([len(b) for b in bags], np.int32),
-        items,
-        candidates,
-        actions,
-        times,
+        ints[:n_hist].astype(np.int32),
+        ints[n_hist : n_hist + len(actions) + len(times)].astype(np.int32),
         labels.reshape(-1).view(np.int32),
         dense.view(np.int32),
-        *bags,
+        ints[n_hist + len(actions) + len(times) :].astype(np.int32),
     ]
     return np.concatenate(parts).astype("<i4", copy=False).tobytes()
 
@@ -215,6 +229,15 @@ def _out_of_range(name: str, values: np.ndarray, vocab: int | None) -> str | Non
     return None
 
 
+@functools.cache
+def _sparse_limits(schema: RecordSchema) -> np.ndarray | None:
+    """Per sparse feature, one past its largest id (None where no feature has a vocab)."""
+    vocabs = [f.vocab for f in schema.sparse_features]
+    if all(v is None for v in vocabs):
+        return None
+    return np.array([INT32_MAX + 1 if v is None else v for v in vocabs], np.int64)
+
+
 def check(p: Parsed, schema: RecordSchema) -> None:
     """The schema's rules on a parsed record (Invalid naming the first one broken): ids in their ranges,
     history time-ordered and not after the request, labels in [0, 1], dense features finite."""
@@ -223,30 +246,29 @@ def check(p: Parsed, schema: RecordSchema) -> None:
     )
     if problem:
         raise Invalid(problem)
-    if p.sparse_values.size:
-        vocabs = [f.vocab for f in schema.sparse_features]
-        if p.sparse_values.min() < 0 or any(v is not None for v in vocabs):
+    values = p.sparse_values
+    if values.size:
+        limits = _sparse_limits(schema)
+        if values.min() < 0 or (limits is not None and (values >= np.repeat(limits, p.bag_lengths)).any()):
             start = 0
             for j, n in enumerate(p.bag_lengths):
-                problem = _out_of_range(
-                    f"{schema.sparse_features[j].name} id", p.sparse_values[start : start + n], vocabs[j]
-                )
+                feature = schema.sparse_features[j]
+                problem = _out_of_range(f"{feature.name} id", values[start : start + n], feature.vocab)
                 if problem:
                     raise Invalid(problem)
                 start += n
     if p.num_history:
         if p.times[0] < 0:
             raise Invalid(f"negative history timestamp {p.times[0]}")
-        if p.num_history > 1 and (np.diff(p.times) < 0).any():
+        if p.num_history > 1 and (p.times[1:] < p.times[:-1]).any():
             raise Invalid("history timestamps are not in time order (oldest first)")
         if p.times[-1] > p.timestamp:
             raise Invalid(
                 f"history event at {p.times[-1]} after the request at {p.timestamp} (a future event)"
             )
     if not np.isfinite(p.dense).all():
-        bad = p.dense[~np.isfinite(p.dense)][0]
-        name = schema.dense_features[int(np.flatnonzero(~np.isfinite(p.dense))[0])]
-        raise Invalid(f"dense feature {name} is {bad}")
+        j = int(np.flatnonzero(~np.isfinite(p.dense))[0])
+        raise Invalid(f"dense feature {schema.dense_features[j]} is {p.dense[j]}")
     if not ((p.labels >= 0) & (p.labels <= 1)).all():  # NaN fails too
         raise Invalid(f"labels outside [0, 1]: {p.labels[~((p.labels >= 0) & (p.labels <= 1))][:3].tolist()}")
 

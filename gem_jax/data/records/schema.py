@@ -258,7 +258,7 @@ def history_bucket(length: int) -> int:
 
 
 def bucket_label(b: int) -> str:
-    return "0" if b == 0 else f"{2 ** (b - 1)}-{2**b - 1}"
+    return str(b) if b <= 1 else f"{2 ** (b - 1)}-{2**b - 1}"
 
 
 class RecordStats:

@@ -16,6 +16,7 @@ import hashlib
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -92,15 +93,25 @@ class Written:
         return sum(s.records for s in self.shards)
 
 
-RecordsFn = Callable[[Any, Any], Iterable[tuple[str, Record]]]  # (context, job args) -> (where, record)
+# (context, job args) -> (where, record) pairs; a record may be an `Invalid` (refused while being built)
+RecordsFn = Callable[[Any, Any], Iterable[tuple[str, Record | Invalid]]]
 
 _context: Any = None
 _progress: Any = None
 
 
-def _init_worker(context: Any, progress: Any) -> None:
+def plain_signals() -> None:
+    """A pool worker's signals: the default SIGTERM (the pool ends its workers with it) and no SIGINT (Ctrl-C
+    reaches the parent, which ends the pool); not the handlers a forked CLI process inherits."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _init_worker(context: Any, progress: Any, forked: bool = True) -> None:
     global _context, _progress
     _context, _progress = context, progress
+    if forked:
+        plain_signals()
 
 
 def _write_job(job: ShardJob, directory: Path, schema, records_fn, skip_bad: bool, compression: str):
@@ -108,6 +119,8 @@ def _write_job(job: ShardJob, directory: Path, schema, records_fn, skip_bad: boo
     skipped, examples, since = 0, [], 0
     for where, record in records_fn(_context, job.args):
         try:
+            if isinstance(record, Invalid):  # refused while being built (e.g. labels not one per candidate)
+                raise record
             writer.write(record)
         except Invalid as e:
             if not skip_bad:
@@ -162,7 +175,7 @@ def write_shards(
     try:
         if workers == 1:
             q: Any = queue.SimpleQueue()
-            _init_worker(context, q)
+            _init_worker(context, q, forked=False)
             results = []
             for job in jobs:
                 results.append(_write_job(job, *args))
