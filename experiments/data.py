@@ -325,10 +325,11 @@ def _plot(summary: dict[str, dict], tasks: tuple[str, ...], path: str) -> None:
         )
         rates = [s / max(info["labels"], 1) for s in info["label_sums"]]
         ax2.bar([k + i * width for k in range(len(tasks))], rates, width, label=name)
-    ax1.set_xticks(list(range(max(int(b) for info in summary.values() for b in info["history_hist"]) + 1)))
-    ax1.set_xticklabels([bucket_label(b) for b in ax1.get_xticks()], rotation=60, fontsize=7)
+    buckets = list(range(max(int(b) for info in summary.values() for b in info["history_hist"]) + 1))
+    middle = width * (len(summary) - 1) / 2
+    ax1.set_xticks([b + middle for b in buckets], [bucket_label(b) for b in buckets], rotation=60, fontsize=7)
     ax1.set(title="history length", xlabel="events", ylabel="fraction of requests")
-    ax2.set_xticks(range(len(tasks)), tasks)
+    ax2.set_xticks([k + middle for k in range(len(tasks))], tasks)
     ax2.set(title="label rate", ylabel="positives / labels")
     ax1.legend()
     fig.tight_layout()
