@@ -34,6 +34,7 @@ BENCHMARKS = {
     "block_attention": "experiments.benchmarks.block_attention",
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.benchmarks.train_step",
+    "pipeline": "experiments.benchmarks.pipeline",
     "fp8": "experiments.benchmarks.fp8",
     "embeddings": "experiments.benchmarks.embeddings",
 }
