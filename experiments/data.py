@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument(
         "--eval-examples", type=int, default=None, help="validation examples (default data.eval_examples)"
     )
+    synth.add_argument(
+        "--distinct",
+        type=int,
+        default=None,
+        help="volume tests: request i holds example i mod K (K distinct)",
+    )
     common_write(synth)
 
     inspect = sub.add_parser("inspect", help="what a shard set holds")
@@ -200,16 +206,15 @@ def synth(args) -> int:
                 schema,
                 jobs,
                 synthetic_records,
-                config,
+                (config, args.distinct),
                 args,
                 n,
                 split,
-                {**source, "first": start},
+                {**source, "first": start, "distinct": args.distinct},
             )
     _print_written(written)
-    print(
-        f"train on them: --set data.kind=records --set data.path={out / 'train'} --set data.eval_path={out / 'valid'}"
-    )
+    evaluate = f" --set data.eval_path={out / 'valid'}" if "valid" in written else ""
+    print(f"train on them: --set data.kind=records --set data.path={out / 'train'}{evaluate}")
     return 0
 
 

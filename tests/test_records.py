@@ -269,7 +269,13 @@ def synth_shards(directory: Path, config, n: int, start: int = 0, shards: int = 
     ranges = [(start + a, start + b) for a, b in even_ranges(n, shards)]
     jobs = [ShardJob(i, len(ranges), r) for i, r in enumerate(ranges)]
     write_shards(
-        directory, synthetic_schema(config), jobs, synthetic_records, config, workers=1, progress=False
+        directory,
+        synthetic_schema(config),
+        jobs,
+        synthetic_records,
+        (config, None),
+        workers=1,
+        progress=False,
     )
 
 

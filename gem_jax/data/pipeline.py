@@ -30,6 +30,7 @@ def packed_dataset(
     process_index: int | None = None,
     process_count: int | None = None,
     stream: Callable[[grain.IterDataset], grain.IterDataset] | None = None,
+    read_options: grain.ReadOptions | None = None,
 ) -> grain.IterDataset:
     """Examples `0, 1, ...` of `examples` -> this process's stacks of its `shards / process_count` packs.
 
@@ -40,7 +41,8 @@ def packed_dataset(
     the furthest example read). An infinite `examples` (length `sys.maxsize`: the synthetic train set,
     repeated shards) streams forever; otherwise the dataset ends when every shard has run out, and a
     stack may hold empty packs (eval), so every example is seen exactly once. `stream` wraps each
-    shard's example stream before packing (records: skip bad records, count what was cut).
+    shard's example stream before packing (records: skip bad records, count what was cut); `read_options`
+    are grain's threads and buffer that produce each stream's examples ahead (default: grain's).
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
@@ -60,7 +62,7 @@ def packed_dataset(
 
     streams = {}
     for g in range(process_index * local, (process_index + 1) * local):
-        shard_examples = examples[g::shards].to_iter_dataset()
+        shard_examples = examples[g::shards].to_iter_dataset(read_options)
         streams[g] = PackIterDataset(
             stream(shard_examples) if stream is not None else shard_examples,
             examples_capacity=examples_capacity,

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from gem_jax.config import Config, ConfigError
 from gem_jax.data.batch import JaggedBatch
 from gem_jax.data.pipeline import example_range, packed_dataset
-from gem_jax.data.records.dataset import RecordsData
+from gem_jax.data.records.dataset import READ_OPTIONS, RecordsData
 from gem_jax.data.records.reader import COUNTS
 from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
@@ -99,6 +99,7 @@ class RankingTask:
             process_index=process_index,
             process_count=process_count,
             stream=self.records.stream if self.records is not None else None,
+            read_options=READ_OPTIONS if self.records is not None else None,
         )
 
     def train_data(self, process_index: int, process_count: int) -> grain.IterDataset:

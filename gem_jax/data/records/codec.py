@@ -156,7 +156,7 @@ class Parsed:
     times: np.ndarray  # [L]
     labels: np.ndarray  # [C, K] float32
     dense: np.ndarray  # [D] float32
-    bag_lengths: np.ndarray  # [F]
+    bag_lengths: list[int]  # [F]
     sparse_values: np.ndarray  # [sum of bag lengths]
 
     @property
@@ -167,21 +167,29 @@ class Parsed:
     def user_id(self) -> int:
         return int(self.words[12:14].view(np.int64)[0])
 
+    def bags(self) -> list[np.ndarray]:
+        """The F sparse bags, as views."""
+        out, start = [], 0
+        for n in self.bag_lengths:
+            out.append(self.sparse_values[start : start + n])
+            start += n
+        return out
+
 
 def parse(data: bytes, schema: RecordSchema) -> Parsed:
     """The record's fields as views, after checking its layout against the schema (Invalid if not)."""
     if len(data) % 4 or len(data) < 4 * _FIXED:
         raise Invalid(f"{len(data)} bytes: not a record (cut or of another format)")
     w = np.frombuffer(data, "<i4")
-    if w[0] != MAGIC:
+    magic, dtypes, n_items, n_actions, n_times, c, k, d, f, timestamp = w[:10].tolist()
+    if magic != MAGIC:
         raise Invalid("not a gem-jax record (bad magic): another format, or a corrupt record")
-    if w[1] != DTYPES:
-        kinds = int(w[1]).to_bytes(4, "little")
+    if dtypes != DTYPES:
+        kinds = int(dtypes).to_bytes(4, "little", signed=True)
         raise Invalid(
             f"wrong type: written with ids {chr(kinds[0])}{kinds[1]} and floats {chr(kinds[2])}{kinds[3]}, "
             "the schema has ids i4 and floats f4"
         )
-    n_items, n_actions, n_times, c, k, d, f = (int(x) for x in w[2:9])
     if not n_items == n_actions == n_times:
         raise Invalid(
             f"history lists of unequal length: {n_items} items, {n_actions} actions, {n_times} timestamps"
@@ -199,11 +207,11 @@ def parse(data: bytes, schema: RecordSchema) -> Parsed:
         )
     if n_items < 0:
         raise Invalid(f"negative history length {n_items}")
-    bags = w[_FIXED : _FIXED + f]
-    if f and bags.min() < 0:
-        raise Invalid(f"negative bag length {bags.min()}")
+    bags = w[_FIXED : _FIXED + f].tolist()
+    if f and min(bags) < 0:
+        raise Invalid(f"negative bag length {min(bags)}")
     p = _FIXED + f
-    body = 3 * n_items + c + c * k + d + int(bags.sum())
+    body = 3 * n_items + c + c * k + d + sum(bags)
     if len(w) != p + body:
         raise Invalid(
             f"{len(data)} bytes where its lengths need {4 * (p + body)} (a cut or malformed record)"
@@ -215,7 +223,7 @@ def parse(data: bytes, schema: RecordSchema) -> Parsed:
     p += 2 * n_items
     labels = w[p : p + c * k].view(np.float32).reshape(c, k)
     dense = w[p + c * k : p + c * k + d].view(np.float32)
-    return Parsed(w, int(w[9]), items, n_items, actions, times, labels, dense, bags, w[p + c * k + d :])
+    return Parsed(w, timestamp, items, n_items, actions, times, labels, dense, bags, w[p + c * k + d :])
 
 
 def _out_of_range(name: str, values: np.ndarray, vocab: int | None) -> str | None:
@@ -277,14 +285,13 @@ def decode(data: bytes, schema: RecordSchema) -> Record:
     """The checked record (Invalid if it breaks the schema); arrays are copies."""
     p = parse(data, schema)
     check(p, schema)
-    splits = np.cumsum(p.bag_lengths)[:-1]
     return Record(
         request_id=p.request_id,
         user_id=p.user_id,
         timestamp=p.timestamp,
         candidates=p.items[p.num_history :].copy(),
         labels=p.labels.copy(),
-        sparse=[b.copy() for b in np.split(p.sparse_values, splits)] if len(p.bag_lengths) else [],
+        sparse=[b.copy() for b in p.bags()],
         dense=p.dense.copy(),
         history_items=p.items[: p.num_history].copy(),
         history_actions=p.actions.copy(),

@@ -156,7 +156,7 @@ class ExampleDecoder:
             items, actions, times = items[n - keep :], actions[n - keep :], times[n - keep :]
             n = keep
         labels = p.labels if self.tasks is None else p.labels[:, self.tasks]
-        bags = np.split(p.sparse_values, np.cumsum(p.bag_lengths)[:-1]) if len(p.bag_lengths) else []
+        bags = p.bags()
         if self.sparse is not None:
             bags = [bags[j] for j in self.sparse]
         return {

@@ -46,15 +46,29 @@ def record_from_example(example: dict[str, Any], request_id: int) -> Record:
 
 
 _generators: dict[int, Any] = {}
+_examples: dict[tuple[int, int], dict[str, Any]] = {}
 
 
-def synthetic_records(config: Config, index_range: tuple[int, int]) -> Iterator[tuple[str, Record]]:
-    """`writer.write_shards` records function: examples `start..stop-1` of the config's generator."""
+def synthetic_records(
+    context: tuple[Config, int | None], index_range: tuple[int, int]
+) -> Iterator[tuple[str, Record]]:
+    """`writer.write_shards` records function: requests `start..stop-1` of the config's generator.
+
+    `context` is (config, distinct): with `distinct` K, request i holds the generator's example i mod K
+    (a volume test's shards, e.g. tens of GB of long histories, without generating every example)."""
     from gem_jax.data.synthetic import SyntheticAds
 
+    config, distinct = context
     key = id(config)
     if key not in _generators:  # one generator per worker process (building it draws the item factors)
         _generators[key] = SyntheticAds(config.data, num_tasks=len(config.model.tasks))
     gen = _generators[key]
     for i in range(*index_range):
-        yield f"synthetic example {i}", record_from_example(gen.example(i), i)
+        if distinct is None:
+            example = gen.example(i)
+        else:
+            j = i % distinct
+            if (key, j) not in _examples:
+                _examples[(key, j)] = gen.example(j)
+            example = _examples[(key, j)]
+        yield f"synthetic example {i}", record_from_example(example, i)
