@@ -99,7 +99,7 @@ def dense_embeddings(config: Config, pack, seed: int = 0) -> dict:
     """The pack's looked-up embeddings from dense stand-in tables (gem_jax.embeddings.reference):
     model-level tests call the model directly, without the sharded EmbeddingCollection."""
     from gem_jax.embeddings import reference
-    from gem_jax.model.gem import embedding_ids
+    from gem_jax.model.gem import embedding_ids, sparse_feature_groups
 
     specs, features = config.embeddings.resolved_tables(), config.embeddings.resolved_features()
     key = (tuple(sorted((n, t.rows, t.dim) for n, t in specs.items())), seed)
@@ -108,7 +108,7 @@ def dense_embeddings(config: Config, pack, seed: int = 0) -> dict:
             name: 0.05 * jax.random.normal(jax.random.key(seed + i), (t.rows, t.dim))
             for i, (name, t) in enumerate(sorted(specs.items()))
         }
-    ids = embedding_ids(pack, config.data.num_sparse_features)
+    ids = embedding_ids(pack, sparse_feature_groups(config.data))
     batch = {
         name: (jnp.asarray(f.values), None if f.offsets is None else jnp.asarray(f.offsets))
         for name, f in ids.items()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gem_jax.config import ConfigError
+from gem_jax.data.batch import pack_examples
 from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.records import codec, movielens
 from gem_jax.data.records.codec import Invalid, Record
@@ -476,3 +477,38 @@ def test_real_ml100k_loads_with_its_published_counts():
     assert {k: b - a for k, (a, b) in p.splits.items()} == {"train": 80_000, "valid": 10_000, "test": 10_000}
     last_train = data.times[p.order[p.splits["train"][1] - 1]]
     assert (data.times[p.order[p.splits["valid"][0] :]] >= last_train).all()
+
+
+# ----------------------------------------------------------------------------- the feature map
+
+
+def test_feature_map_groups_bags_by_embedding_feature():
+    from gem_jax.model.gem import _FEATURE_SALT, embedding_ids, sparse_feature_groups
+
+    config = small_config(
+        "data.num_sparse_features=3", 'data.kind=records', "data.path=x",
+        'data.sparse_features={a = "users", b = "attrs", c = "attrs"}',
+    )  # fmt: skip
+    groups = sparse_feature_groups(config.data)
+    assert groups == {"users": (0,), "attrs": (1, 2)}
+    assert sparse_feature_groups(small_config().data) == {"sparse": (0, 1)}
+    rng = np.random.default_rng(0)
+    bags = [[rng.integers(1, 50, int(rng.integers(0, 4))) for _ in range(3)] for _ in range(4)]  # 4 examples
+    examples = [
+        {"item_ids": np.array([1, 2]), "action_ids": np.array([1, 0]), "timestamps": np.array([5, 6]),
+         "num_targets": 1, "sparse_ids": example, "dense": np.zeros(0, np.float32), "labels": np.zeros((1, 1))}
+        for example in bags
+    ]  # fmt: skip
+    pack = pack_examples(
+        examples, examples_capacity=5, tokens_capacity=16, num_sparse_features=3, max_bag_size=4, prefix=0
+    )
+    ids = embedding_ids(pack, groups)
+    for name, members in groups.items():
+        want = [b + f * _FEATURE_SALT for example in bags for f, b in enumerate(example) if f in members]
+        got_offsets = np.asarray(ids[name].offsets)
+        expected = np.concatenate([[0], np.cumsum([len(b) for b in want])])
+        np.testing.assert_array_equal(got_offsets[: len(expected)], expected)
+        assert (got_offsets[len(expected) :] == expected[-1]).all()  # the padding example's empty bags
+        got = np.asarray(ids[name].values)
+        np.testing.assert_array_equal(got[: got_offsets[-1]], np.concatenate(want))
+        assert not got[got_offsets[-1] :].any()
