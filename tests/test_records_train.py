@@ -220,14 +220,8 @@ def test_data_commands_synth_inspect_validate_convert(tmp_path):
 
 @pytest.mark.slow
 def test_records_two_processes_match_one_and_resume_in_one(shards, tmp_path):
-    from tests.test_multiprocess import LEAN, MESH, _losses, _records, _same_run, _train_two_processes
+    from tests.test_multiprocess import LEAN, MESH, two_processes_match_one_and_resume_in_one
 
     overrides = [*SMALL, *MESH, *LEAN, *records_overrides(shards), "train.steps=6", "train.eval_every=4"]
     overrides += ["train.checkpoint_every=0"]
-    config = load_config(None, overrides)
-    loop.train(make_task(config), tmp_path / "one")
-    _train_two_processes(tmp_path / "two", config, stop_after=4)
-    assert sorted(_losses(_records(tmp_path / "two"))) == [1, 2, 3, 4]
-    summary = loop.train(make_task(config), tmp_path / "two")  # resumes at step 4 in this one process
-    assert summary["step"] == 6
-    _same_run(tmp_path / "one", tmp_path / "two", total=6)
+    two_processes_match_one_and_resume_in_one(load_config(None, overrides), tmp_path)

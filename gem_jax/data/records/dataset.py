@@ -56,6 +56,19 @@ def _pick(wanted: list[str], have: tuple[str, ...], what: str, key: str) -> list
     return [have.index(w) for w in wanted]
 
 
+def _features(named, have: tuple[str, ...], kind: str, count: int, where: str) -> list[int]:
+    """Indices of the `kind` features the model reads: those `data.{kind}_features` names, else all the
+    shards have; as many as `data.num_{kind}_features` says."""
+    wanted = list(named) or list(have)
+    picked = _pick(wanted, have, f"{kind} features", f"data.{kind}_features")
+    if len(wanted) != count:
+        raise ConfigError(
+            f"`data.num_{kind}_features` is {count}, the model reads {len(wanted)} {kind} features {wanted} "
+            f"{where}; set it, or name the features in `data.{kind}_features`"
+        )
+    return picked
+
+
 class RecordsData:
     """The config's record splits and how each record becomes an example (`ExampleDecoder`)."""
 
@@ -78,20 +91,10 @@ class RecordsData:
                 f"candidates per request {where}"
             )
         self.tasks = _pick(list(config.model.tasks), schema.tasks, "tasks", "model.tasks")
-        sparse = list(d.sparse_features) or list(schema.sparse_names)
-        self.sparse = _pick(sparse, schema.sparse_names, "sparse features", "data.sparse_features")
-        if len(sparse) != d.num_sparse_features:
-            raise ConfigError(
-                f"`data.num_sparse_features` is {d.num_sparse_features}, the model reads {len(sparse)} sparse "
-                f"features {sparse} {where}; set it, or name the features in `data.sparse_features`"
-            )
-        dense = list(d.dense_features) or list(schema.dense_features)
-        self.dense = _pick(dense, schema.dense_features, "dense features", "data.dense_features")
-        if len(dense) != d.num_dense_features:
-            raise ConfigError(
-                f"`data.num_dense_features` is {d.num_dense_features}, the model reads {len(dense)} dense "
-                f"features {where}; set it, or name them in `data.dense_features`"
-            )
+        self.sparse = _features(
+            d.sparse_features, schema.sparse_names, "sparse", d.num_sparse_features, where
+        )
+        self.dense = _features(d.dense_features, schema.dense_features, "dense", d.num_dense_features, where)
         self.sources = {s: ShardSource(shard_set) for s, shard_set in self.splits.items() if shard_set}
 
     def decoder(self, split: str) -> ExampleDecoder:
