@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ml100k_rank.toml"
 VARIANTS = {  # name -> extra --set overrides of the GEM runs
     "GEM (HSTU + Wukong)": [],
-    "GEM, history removed": ["data.max_history_len=0"],
+    # 3 tokens per request: a smaller token buffer holds the same 128 requests per step, faster
+    "GEM, history removed": ["data.max_history_len=0", "data.tokens_per_shard=512"],
 }
 
 
