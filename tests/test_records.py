@@ -512,3 +512,21 @@ def test_feature_map_groups_bags_by_embedding_feature():
         got = np.asarray(ids[name].values)
         np.testing.assert_array_equal(got[: got_offsets[-1]], np.concatenate(want))
         assert not got[got_offsets[-1] :].any()
+
+
+def test_a_glob_names_shards_of_one_schema_and_each_must_be_listed(tmp_path):
+    records = [codec.encode(make_record(i)) for i in range(9)]
+    write_raw(tmp_path / "a", SCHEMA, [records[:3], records[3:6], records[6:]])
+    write_raw(tmp_path / "b", SCHEMA, [records[:2]])
+    both = ShardSet.open(str(tmp_path / "*" / "part-0000[01]-*.array_record"))
+    assert [s.records for s in both.shards] == [3, 3, 2]  # a's first two shards, then b's one
+    stray = tmp_path / "b" / "part-00005-of-00009.array_record"
+    stray.write_bytes((tmp_path / "b" / shard_name(0, 1)).read_bytes())
+    with pytest.raises(BadShard, match=re.escape(f"{stray}: not listed in {tmp_path / 'b' / 'schema.json'}")):
+        ShardSet.open(str(tmp_path / "b" / "*.array_record"))
+    other = dataclasses.replace(SCHEMA, tasks=("click",))
+    write_raw(
+        tmp_path / "c", other, [[codec.encode(dataclasses.replace(make_record(0), labels=np.zeros((2, 1))))]]
+    )
+    with pytest.raises(BadShard, match="its schema differs"):
+        ShardSet.open(str(tmp_path / "[ac]" / "*.array_record"))
