@@ -101,7 +101,7 @@ def run_profile(
     # `bench train_step` and `bench pipeline` do (experiments/benchmarks/pipeline.py).
     it = iter(task.train_data(jax.process_index(), jax.process_count()))
     timing = time_pipeline(it, config.data.num_workers, pipeline_batches)
-    host, pipeline_s = timing.batches, timing.s_per_batch
+    host, pipeline_s = timing.untimed_batches + timing.batches, timing.s_per_batch  # traced: the first ones
     stacks = host[:batches] + [next(it) for _ in range(batches - len(host))]
     device_batches = [trainer.to_device(s) for s in stacks]
 

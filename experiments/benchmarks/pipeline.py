@@ -31,17 +31,17 @@ class PipelineTiming:
     untimed: int
     timed: int
     batches: list[Any]  # the timed host batches (numpy stacks), in order
+    untimed_batches: list[Any]  # the batches before them
 
 
 def time_pipeline(it, workers: int, batches: int) -> PipelineTiming:
     """Seconds per batch of an iterator of host batches (see the module docstring for the protocol)."""
     warmup = max(1, workers)
-    for _ in range(warmup):
-        next(it)
+    first = [next(it) for _ in range(warmup)]
     timed = max(batches, 2 * workers)
     t0 = time.perf_counter()
     host = [next(it) for _ in range(timed)]
-    return PipelineTiming((time.perf_counter() - t0) / timed, warmup, timed, host)
+    return PipelineTiming((time.perf_counter() - t0) / timed, warmup, timed, host, first)
 
 
 def pipeline_source(config) -> str:
