@@ -177,6 +177,17 @@ def test_allowed_changes_are_recorded_and_eval_applies_them(trained, tmp_path):
     assert record.recorded_config() == changed
 
 
+def test_changed_generator_setting_is_refused_by_name(trained, tmp_path):
+    # The fingerprint goes through run.json (tuples come back as lists): an unchanged config must match
+    # it, and a changed generator setting must be refused with its name.
+    workdir = _copy(trained, tmp_path)
+    record = RunRecord(workdir)
+    assert not record.check(_config(), data_fingerprint(_config())).new
+    changed = _config("data.history_len_mean=12.0")
+    with pytest.raises(RecordMismatch, match=r"generator\.history_len_mean 30\.0 -> 12\.0"):
+        record.check(changed, data_fingerprint(changed))
+
+
 def test_changed_data_file_is_refused_and_a_moved_one_accepted(tmp_path, capsys):
     data = write_cyclic_pairs(tmp_path / "pairs.txt", num_users=24)
     config = small_next_item(data, "retrieval.epochs=1", "retrieval.eval_every_epochs=1")

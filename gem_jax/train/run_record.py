@@ -70,7 +70,12 @@ def data_fingerprint(config: Config) -> dict[str, Any]:
     """What identifies the training data: the file's path, size and hash, or the generator settings.
 
     Hashing takes about 0.1 s for the 20-30 MB interaction files, so it is done on every start, not cached.
+    Returned in its JSON form (tuples as lists), so it compares equal to the copy read back from run.json.
     """
+    return json.loads(json.dumps(_fingerprint(config)))
+
+
+def _fingerprint(config: Config) -> dict[str, Any]:
     d = config.data
     if d.kind == "interactions":
         from gem_jax.data.paths import resolve_data_path
@@ -153,6 +158,20 @@ def _same_data(recorded: dict[str, Any] | None, new: dict[str, Any]) -> bool:
     return recorded == new
 
 
+def _fingerprint_difference(was: dict[str, Any], now: dict[str, Any], prefix: str = "") -> str:
+    """The keys whose values differ between two fingerprints, e.g. `generator.num_items 500 -> 600`."""
+    out = []
+    for key in sorted(set(was) | set(now)):
+        a, b = was.get(key), now.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.append(_fingerprint_difference(a, b, f"{prefix}{key}."))
+        else:
+            out.append(f"{prefix}{key} {_short(a)} -> {_short(b)}")
+    return "; ".join(out)
+
+
 # ----------------------------------------------------------------------------- the record
 
 
@@ -223,7 +242,7 @@ class RunRecord:
                     f"size {now['size']} sha256 {now['sha256'][:12]}, {now['path']})"
                 )
             elif "data.kind" not in refused:
-                parts.append("data fingerprint")
+                parts.append(f"data fingerprint ({_fingerprint_difference(was, now)})")
         if parts:
             raise RecordMismatch(
                 f"{self.workdir} holds a run with other settings, which would not resume correctly: "
