@@ -12,10 +12,13 @@ HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS, JAX_NUM
 JAX_PROCESS_ID), or `--distributed` to let jax detect the cluster (SLURM, Open MPI, TPU...).
 
 Config errors (unknown keys, wrong types, bad values, unreadable data) and workdir errors (a file, not
-writable, locked by another trainer, holding a run with other settings, no intact checkpoint) print
-one line and exit with code 2; a diverged run (NaN/Inf) exits with code 3. SIGINT/SIGTERM save a
-checkpoint and exit 0 once training has started; before that (start-up, compilation) they exit at once
-with 128 + the signal number (gem_jax/train/interrupt.py).
+writable, locked by another trainer, holding a run with other settings, no intact checkpoint, a write
+the disk refused) print one line and exit with code 2; a diverged run (NaN/Inf) exits with code 3.
+SIGINT/SIGTERM save a checkpoint and exit 0 once training has started; before that (start-up,
+compilation) they exit at once with 128 + the signal number (gem_jax/train/interrupt.py). In a
+multi-process run, a process lost for `--peer-timeout` seconds stops the others with exit code 75
+(gem_jax/train/peers.py); `train --restarts K` relaunches the trainer after a lost process or a crash
+(gem_jax/train/supervisor.py, which also runs every multi-process `train`).
 """
 
 from __future__ import annotations
@@ -204,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, RuntimeError):  # a collective with a lost process fails at once (CPU, gloo)
             peers.WATCH.await_verdict()
         traceback.print_exc()
-        summary = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        interrupt.exit_now(1, f"failed with {type(e).__name__}: {summary[:300]} (traceback above)")
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        who = f"process {peers.WATCH.me}"
+        interrupt.exit_now(1, f"failed with {type(e).__name__}: {first} (the traceback is in {who}'s output)")
     print(_format_summary(summary, task.summary_lines(summary)))
     return 0
 

@@ -28,7 +28,7 @@ class RunStatus:
     @classmethod
     def from_environment(cls) -> RunStatus:
         """The trainer's status; sent to a supervisor when one passed its pipe."""
-        fd = os.environ.get(STATUS_FD)
+        fd = os.environ.pop(STATUS_FD, None)  # (not for the trainer's own child processes)
         if not fd:
             return cls()
         with contextlib.suppress(OSError, ValueError):
