@@ -1,4 +1,4 @@
-"""`python -m experiments {train,eval,bench,profile,fuzz,sweep}`: the user-facing entry point.
+"""`python -m experiments {train,eval,bench,profile,fuzz,sweep,data}`: the user-facing entry point.
 
   python -m experiments train [--config configs/tiny.toml] [--workdir runs/tiny] [--set key.sub=value ...]
   python -m experiments eval --workdir runs/tiny   (validation metrics of the chosen, else the latest, checkpoint)
@@ -6,6 +6,7 @@
   python -m experiments profile [--config C] [--set ...] [--steps N] [--out DIR]   (docs/profiling.md)
   python -m experiments fuzz attention --seconds S   (randomized kernel-vs-reference sweep)
   python -m experiments sweep --config C --grid GRID.toml [--out DIR]   (see experiments/sweep.py)
+  python -m experiments data {convert,synth,inspect,validate} ...   (ranking records on disk, docs/data.md)
 
 Multi-process runs (several hosts, or CPU processes with gloo): give train/eval `--coordinator
 HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "block_attention": "experiments.benchmarks.block_attention",
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.benchmarks.train_step",
+    "pipeline": "experiments.benchmarks.pipeline",
     "fp8": "experiments.benchmarks.fp8",
     "embeddings": "experiments.benchmarks.embeddings",
 }
@@ -108,6 +110,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER)
     profile = sub.add_parser("profile", help="where a train step's time goes (jax.profiler)", add_help=False)
     profile.add_argument("args", nargs=argparse.REMAINDER)
+    data = sub.add_parser("data", help="ranking records: convert, synth, inspect, validate", add_help=False)
+    data.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments data --help`")
     fuzz = sub.add_parser("fuzz", help="randomized correctness sweep of a kernel against its reference")
     fuzz.add_argument("target", choices=["attention"])
     fuzz.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments.fuzz --help`")
@@ -133,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:  # its options are experiments/profile.py's own (argparse's REMAINDER
         return _profile(argv[1:])  # does not take leading options)
+    if argv[:1] == ["data"]:
+        from experiments import data
+
+        return data.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
         return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         peers.watch(args.peer_timeout)
 
     from gem_jax.config import ConfigError, load_config
+    from gem_jax.data.records.errors import DataError
     from gem_jax.tasks import make_task
     from gem_jax.train.files import WriteFailed
     from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
@@ -199,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         return _stop(2, f"{e}: stopping; {STATUS.last_intact()}", at_once=True)
     except WorkdirError as e:
         return _stop(2, f"workdir error: {e}")
+    except DataError as e:
+        return _stop(2, f"data error: {e}")
     except TrainingDiverged as e:
         return _stop(3, f"training diverged: {e}")
     except Exception as e:

@@ -34,6 +34,7 @@ import jax
 import numpy as np
 
 from experiments import trace_analysis as ta
+from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
 
 
 @dataclasses.dataclass
@@ -57,7 +58,8 @@ class ProfileResult:
             "",
             f"- step window (traced): {s['traced_step_ms']:.2f} ms; untraced step (median of "
             f"{s['untraced_steps']}, blocking each): {s['untraced_step_ms']:.2f} ms",
-            f"- input pipeline (host, {s['pipeline_batches']} batches): {s['pipeline_ms_per_batch']:.2f} "
+            f"- input pipeline ({s['pipeline']}; host, {s['pipeline_batches']} batches): "
+            f"{s['pipeline_ms_per_batch']:.2f} "
             f"ms/batch ({s['pipeline_ms_per_batch'] / s['untraced_step_ms']:.2f} x the untraced step)",
             f"- ops matched to a named scope: {s['named_fraction']:.1%} of busy time",
             f"- peak memory: {_gib(s['peak_bytes_in_use'])} in use (device memory_stats), "
@@ -95,12 +97,11 @@ def run_profile(
     task = make_task(config)
     trainer = Trainer(task, task.mesh)
 
-    # The input pipeline alone (host): packs per second, after its first batch (workers started).
+    # The input pipeline alone (host; the generator, or the shards of a records config), timed as
+    # `bench train_step` and `bench pipeline` do (experiments/benchmarks/pipeline.py).
     it = iter(task.train_data(jax.process_index(), jax.process_count()))
-    host = [next(it)]
-    t0 = time.perf_counter()
-    host += [next(it) for _ in range(pipeline_batches)]
-    pipeline_s = (time.perf_counter() - t0) / pipeline_batches
+    timing = time_pipeline(it, config.data.num_workers, pipeline_batches)
+    host, pipeline_s = timing.untimed_batches + timing.batches, timing.s_per_batch  # traced: the first ones
     stacks = host[:batches] + [next(it) for _ in range(batches - len(host))]
     device_batches = [trainer.to_device(s) for s in stacks]
 
@@ -170,8 +171,9 @@ def run_profile(
         "traced_step_ms": b.step_ms,
         "untraced_step_ms": statistics.median(times) * 1e3,
         "untraced_steps": steps,
+        "pipeline": pipeline_source(config),
         "pipeline_ms_per_batch": pipeline_s * 1e3,
-        "pipeline_batches": pipeline_batches,
+        "pipeline_batches": timing.timed,
         "named_fraction": b.named_fraction,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "compiled_peak_bytes": compiled_peak,

@@ -90,10 +90,12 @@ def setting(
 
 @dataclass(frozen=True)
 class DataConfig:
-    """Input data: the synthetic ads task (`kind="synthetic"`) or next-item data from a file."""
+    """Input data: the synthetic ads task (`kind="synthetic"`), ranking records from shards
+    (`kind="records"`, docs/data.md) or next-item data from a file (`kind="interactions"`)."""
 
-    kind: Literal["synthetic", "interactions"] = "synthetic"
-    # File for kind="interactions"; a resume may name another path to the same content (size and sha256).
+    kind: Literal["synthetic", "records", "interactions"] = "synthetic"
+    # kind="interactions": the file; "records": the training shard set (a directory or a glob). A resume may
+    # name another path to the same content (size and sha256; records: every shard's).
     path: str = setting("", may_change=True, fingerprint=False)
     seed: int = setting(0, AT_LEAST_0)
     # Synthetic ads task.
@@ -103,7 +105,8 @@ class DataConfig:
     latent_dim: int = setting(8, AT_LEAST_1)  # dimension of the planted user/item factors
     history_len_mean: float = setting(30.0, POSITIVE)  # log-normal history lengths: median
     history_len_sigma: float = setting(1.0, AT_LEAST_0)
-    max_history_len: int = setting(128, AT_LEAST_1)  # histories are cut to their most recent events
+    # histories are cut to their most recent events; 0 (records only): the history removed (an ablation)
+    max_history_len: int = setting(128, AT_LEAST_0)
     empty_history_fraction: float = setting(0.05, FRACTION)
     num_candidates: int = setting(1, AT_LEAST_1)  # candidate ads per example, appended as target tokens
     num_sparse_features: int = setting(3, AT_LEAST_0)  # non-sequence bags of ids
@@ -119,6 +122,17 @@ class DataConfig:
     # worker packs its own slice of the example stream, so the count decides which examples a batch
     # holds, and the saved data position is one per worker.
     num_workers: int = setting(0, AT_LEAST_0, fingerprint=False)
+    # Records (kind="records"). The shards' own schema.json says what a record holds; these pick from it.
+    eval_path: str = setting("", may_change=True, fingerprint=False)  # validation shard set ("" = none)
+    # test shard set, scored once for the chosen checkpoint ("" = none)
+    test_path: str = setting("", may_change=True, fingerprint=False)
+    # Record sparse feature -> the embedding feature (`embeddings.features`) that pools it, in the order of
+    # the model's feature tokens; {} = every sparse feature of the shards, in their order, into "sparse".
+    sparse_features: dict[str, str] = setting(factory=dict)
+    dense_features: tuple[str, ...] = ()  # record dense features read, in order; () = all of the shards'
+    # a record that breaks the schema: "stop" (one line naming it) | "skip" (counted, capped)
+    bad_records: Literal["stop", "skip"] = "stop"
+    max_bad_records: int = setting(1000, AT_LEAST_0)  # "skip": the most a run may skip; past it the run stops
 
 
 ShardingType = Literal["auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d"]
@@ -473,7 +487,11 @@ def _build(cls: type, values: dict[str, Any], prefix: str, source: str) -> Any:
 def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in update.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("rules", "overrides"):
+        if (
+            isinstance(v, dict)
+            and isinstance(out.get(k), dict)
+            and k not in ("rules", "overrides", "sparse_features")
+        ):
             out[k] = _merge(out[k], v)
         else:
             out[k] = v
@@ -545,7 +563,35 @@ def validate(config: Config, source: str) -> Config:
     _validate_precision(config, source)
     if d.kind == "interactions":
         _validate_retrieval(config, source)
+    _validate_records(config, source)
     return config
+
+
+def _validate_records(config: Config, source: str) -> None:
+    """The `data` keys of ranking records (`data.kind = "records"`); what the shards hold is checked
+    against them when the task opens the shards (gem_jax/data/records/dataset.py)."""
+    d = config.data
+    if d.kind != "records":
+        named = [k for k in ("eval_path", "test_path", "sparse_features", "dense_features") if getattr(d, k)]
+        if named:
+            raise ConfigError(f'{source}: `data.{named[0]}` is read only with data.kind = "records"')
+        if d.max_history_len < 1:
+            raise ConfigError(f"{source}: `data.max_history_len` must be >= 1, got {d.max_history_len}")
+        return
+    if not d.path:
+        raise ConfigError(f'{source}: `data.path` must name the training shards for data.kind = "records"')
+    if d.sparse_features and len(d.sparse_features) != d.num_sparse_features:
+        raise ConfigError(
+            f"{source}: `data.sparse_features` names {len(d.sparse_features)} features, "
+            f"`data.num_sparse_features` is {d.num_sparse_features}: they must agree"
+        )
+    if d.dense_features and len(d.dense_features) != d.num_dense_features:
+        raise ConfigError(
+            f"{source}: `data.dense_features` names {len(d.dense_features)} features, "
+            f"`data.num_dense_features` is {d.num_dense_features}: they must agree"
+        )
+    if config.train.select_metric and not d.eval_path:
+        raise ConfigError(f"{source}: `train.select_metric` needs `data.eval_path` (the validation shards)")
 
 
 RANKING_METRICS = ("auc", "ne")

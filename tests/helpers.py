@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gem_jax.config import Config, load_config
-from gem_jax.data.pipeline import packed_dataset
+from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,9 +119,7 @@ def stacks(config: Config, shards: int, start: int = 0):
     d, m = config.data, config.model
     gen = SyntheticAds(d, num_tasks=len(m.tasks))
     ds = packed_dataset(
-        gen.example,
-        num_examples=None,
-        start=start,
+        example_range(gen.example, start, None),
         examples_capacity=d.examples_per_shard,
         tokens_capacity=d.tokens_per_shard,
         num_sparse_features=d.num_sparse_features,
@@ -161,7 +159,7 @@ def dense_embeddings(config: Config, pack, seed: int = 0) -> dict:
     """The pack's looked-up embeddings from dense stand-in tables (gem_jax.embeddings.reference):
     model-level tests call the model directly, without the sharded EmbeddingCollection."""
     from gem_jax.embeddings import reference
-    from gem_jax.model.gem import embedding_ids
+    from gem_jax.model.gem import embedding_ids, sparse_feature_groups
 
     specs, features = config.embeddings.resolved_tables(), config.embeddings.resolved_features()
     key = (tuple(sorted((n, t.rows, t.dim) for n, t in specs.items())), seed)
@@ -170,7 +168,7 @@ def dense_embeddings(config: Config, pack, seed: int = 0) -> dict:
             name: 0.05 * jax.random.normal(jax.random.key(seed + i), (t.rows, t.dim))
             for i, (name, t) in enumerate(sorted(specs.items()))
         }
-    ids = embedding_ids(pack, config.data.num_sparse_features)
+    ids = embedding_ids(pack, sparse_feature_groups(config.data))
     batch = {
         name: (jnp.asarray(f.values), None if f.offsets is None else jnp.asarray(f.offsets))
         for name, f in ids.items()

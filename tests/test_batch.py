@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from gem_jax.data.batch import check_pack, pack_examples
-from gem_jax.data.pipeline import packed_dataset
+from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
 from tests.helpers import small_config, stacks
 
@@ -76,8 +76,6 @@ def test_processes_see_disjoint_examples():
     c = small_config()
     gen = SyntheticAds(c.data, 2)
     kw = dict(
-        num_examples=40,
-        start=0,
         examples_capacity=8,
         tokens_capacity=256,
         num_sparse_features=2,
@@ -89,7 +87,7 @@ def test_processes_see_disjoint_examples():
     seen = []
     for p in range(2):
         stamps = set()
-        for s in packed_dataset(gen.example, process_index=p, **kw):
+        for s in packed_dataset(example_range(gen.example, 0, 40), process_index=p, **kw):
             o = s.offsets[0]
             for b in range(len(o) - 1):
                 if o[b + 1] > o[b]:
@@ -105,8 +103,6 @@ def test_global_batch_does_not_depend_on_process_count():
     c = small_config()
     gen = SyntheticAds(c.data, 2)
     kw = dict(
-        num_examples=None,
-        start=0,
         examples_capacity=8,
         tokens_capacity=256,
         num_sparse_features=2,
@@ -114,8 +110,9 @@ def test_global_batch_does_not_depend_on_process_count():
         prefix=2,
         shards=4,
     )
-    whole = iter(packed_dataset(gen.example, process_index=0, process_count=1, **kw))
-    parts = [iter(packed_dataset(gen.example, process_index=p, process_count=2, **kw)) for p in range(2)]
+    endless = example_range(gen.example, 0, None)
+    whole = iter(packed_dataset(endless, process_index=0, process_count=1, **kw))
+    parts = [iter(packed_dataset(endless, process_index=p, process_count=2, **kw)) for p in range(2)]
     for _ in range(3):
         expected = next(whole)
         got = [next(it) for it in parts]
@@ -124,7 +121,7 @@ def test_global_batch_does_not_depend_on_process_count():
         assert (expected.offsets[:, -1] > 0).all()
     merged = {"shards": {**parts[0].get_state()["shards"], **parts[1].get_state()["shards"]}}
     assert merged == whole.get_state()
-    resumed = iter(packed_dataset(gen.example, process_index=0, process_count=1, **kw))
+    resumed = iter(packed_dataset(endless, process_index=0, process_count=1, **kw))
     resumed.set_state(merged)
     np.testing.assert_array_equal(next(resumed).item_ids, next(whole).item_ids)
 
@@ -133,7 +130,8 @@ def test_position_saved_with_4_shards_resumes_with_8_without_rereading():
     """A run resumed on another mesh (8 batch shards instead of 4) reads no example twice."""
     c = small_config("data.empty_history_fraction=0")
     gen = SyntheticAds(c.data, 2)
-    kw = dict(num_examples=None, start=0, examples_capacity=4, tokens_capacity=256, num_sparse_features=2)
+    endless = example_range(gen.example, 0, None)
+    kw = dict(examples_capacity=4, tokens_capacity=256, num_sparse_features=2)
     kw.update(max_bag_size=4, prefix=2, process_index=0, process_count=1)
 
     def histories(stack):
@@ -144,9 +142,9 @@ def test_position_saved_with_4_shards_resumes_with_8_without_rereading():
             if o[b + 1] > o[b]
         }
 
-    four = iter(packed_dataset(gen.example, shards=4, **kw))
+    four = iter(packed_dataset(endless, shards=4, **kw))
     seen = set().union(*(histories(next(four)) for _ in range(3)))
-    eight = iter(packed_dataset(gen.example, shards=8, **kw))
+    eight = iter(packed_dataset(endless, shards=8, **kw))
     eight.set_state(four.get_state())
     later = set().union(*(histories(next(eight)) for _ in range(3)))
     assert len(seen) > 20 and len(later) > 40 and not seen & later

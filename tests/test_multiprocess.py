@@ -143,7 +143,11 @@ def test_ranking_two_processes_match_one_and_resume_in_one(tmp_path):
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     overrides = [*SMALL, *MESH, *LEAN, "train.steps=6", "train.eval_every=4", "train.checkpoint_every=0"]
     overrides.append("train.max_minutes=1000")  # every step asks process 0 whether time is up (no)
-    config = load_config(None, overrides)
+    two_processes_match_one_and_resume_in_one(load_config(None, overrides), tmp_path)
+
+
+def two_processes_match_one_and_resume_in_one(config, tmp_path: Path) -> None:
+    """A 6-step ranking run: one process, and two stopped after step 4 then resumed in one, log the same."""
     loop.train(make_task(config), tmp_path / "one")
     _train_two_processes(tmp_path / "two", config, stop_after=4)
     assert sorted(_losses(_records(tmp_path / "two"))) == [1, 2, 3, 4]

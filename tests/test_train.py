@@ -144,7 +144,8 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
-    """The README's main command: the tiny config trains to click AUC >= 0.70 on the CPU."""
+    """The README's main command: the tiny config trains to click AUC >= 0.75 on the CPU (measured 0.759;
+    a model that does not learn stays near 0.5)."""
     r = subprocess.run(
         [
             sys.executable,
@@ -164,7 +165,7 @@ def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["eval"]["click"]["auc"] >= 0.70, summary["eval"]
+    assert summary["eval"]["click"]["auc"] >= 0.75, summary["eval"]
     r = subprocess.run(
         [sys.executable, "-m", "experiments", "eval", "--workdir", str(tmp_path)],
         cwd=ROOT,

@@ -1,7 +1,7 @@
 """`python -m experiments bench train_step --config C`: where a train step's time goes.
 
 Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker, over
-at least two batches per worker) and
+at least two batches per worker; the generator, or the shards with `data.kind = "records"`) and
 (2) the jitted train step alone on batches already on the device (median of repeated steps over a few
 rotating batches), and reports both with the analytic TFLOP/s and MFU, so a run's throughput can be
 attributed to host or device.
@@ -43,6 +43,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hlo-out", default=None, help="write the optimised HLO here (.gz: gzip)")
     args = parser.parse_args(argv)
 
+    from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
     from experiments.fp8_gemms import fp8_dots, summary
     from gem_jax.config import load_config
     from gem_jax.tasks import make_task
@@ -53,18 +54,11 @@ def main(argv: list[str]) -> int:
     task = make_task(config)
     trainer = Trainer(task, task.mesh)
     it = iter(task.train_data(jax.process_index(), jax.process_count()))
-    # Every data worker's first batch is untimed: workers start at once and each packs whole batches of its
-    # own slice, so the first W batches measure their start-up, not the pipeline's rate.
-    # The timed batches then span two rounds of every worker: fewer would read batches the workers packed
-    # ahead while the first round was awaited (on the H200 host 4 timed batches after 12 read 16 ms per
-    # batch in one call and 84 ms in the next).
-    warmup = max(1, config.data.num_workers)
-    for _ in range(warmup):
-        next(it)
-    timed = max(args.pipeline_steps, 2 * config.data.num_workers)
-    t0 = time.perf_counter()
-    host = [next(it) for _ in range(timed)]
-    pipeline_s = (time.perf_counter() - t0) / timed
+    # The generator's or the file pipeline's time per batch (experiments/benchmarks/pipeline.py: every
+    # worker's first batch untimed, then two rounds of every worker; on the H200 host 4 timed batches
+    # after 12 read 16 ms per batch in one call and 84 ms in the next).
+    pipeline = time_pipeline(it, config.data.num_workers, args.pipeline_steps)
+    host = pipeline.batches
     batches = [trainer.to_device(h) for h in host[: args.batches]]
     flops = [train_step_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     tokens = [float(h.offsets[:, -1].sum()) for h in host[: args.batches]]
@@ -97,8 +91,9 @@ def main(argv: list[str]) -> int:
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "devices": jax.device_count(),
-        "pipeline_s_per_batch": pipeline_s,
-        "pipeline_batches": {"untimed": warmup, "timed": timed},
+        "pipeline": pipeline_source(config),
+        "pipeline_s_per_batch": pipeline.s_per_batch,
+        "pipeline_batches": {"untimed": pipeline.untimed, "timed": pipeline.timed},
         "device_step_s_median": step_s,
         "device_step_s_min": float(np.min(times)),
         "tokens_per_step": float(np.mean(tokens)),

@@ -33,8 +33,8 @@ from gem_jax.data.interactions import (
     sample_negatives,
 )
 from gem_jax.data.packing import greedy_groups, stack_packs
+from gem_jax.data.paths import REPO_ROOT, resolve_data_path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 MIN_LEN = 3  # leave-one-out: 1 training + validation + test item
 
 
@@ -90,14 +90,6 @@ def pack_next_item(
 
 
 # ----------------------------------------------------------------------------- loading
-
-
-def resolve_data_path(path: str) -> Path:
-    """A relative `data.path` is tried against the working directory, then the repository root."""
-    p = Path(path)
-    if p.is_absolute() or p.exists():
-        return p
-    return REPO_ROOT / p
 
 
 # The public files the next-item configs read, by their place under the local data/ folder (README,

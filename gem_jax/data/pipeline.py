@@ -1,8 +1,9 @@
-"""The synthetic ads input pipeline: example indices -> examples -> packs -> one stack per step.
+"""The ranking input pipeline: a dataset of examples -> packs -> one stack per step.
 
-Deterministic from the seed, one example stream per data-parallel shard (so each process reads
-only its shards' examples), and checkpointable: the iterator's state
-(a small dict) is saved by orbax beside the model (`grain.checkpoint.CheckpointSave`).
+The examples are any random-access grain dataset: the synthetic generator (`MapDataset.range(...).map
+(example)`, deterministic from the seed) or records read from shards (gem_jax/data/records/). One example
+stream per data-parallel shard (so each process reads only its shards' examples), and checkpointable: the
+iterator's state (a small dict) is saved by orbax beside the model (`grain.checkpoint.CheckpointSave`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,8 @@ from gem_jax.data.packing import PackIterDataset, ShardStacks
 
 
 def packed_dataset(
-    example_fn: Callable[[int], dict[str, Any]],
+    examples: grain.MapDataset,
     *,
-    num_examples: int | None,
-    start: int,
     examples_capacity: int,
     tokens_capacity: int,
     num_sparse_features: int,
@@ -30,23 +29,26 @@ def packed_dataset(
     shards: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    stream: Callable[[grain.IterDataset], grain.IterDataset] | None = None,
+    read_options: grain.ReadOptions | None = None,
 ) -> grain.IterDataset:
-    """Examples `start, start+1, ...` -> this process's stacks of its `shards / process_count` packs.
+    """Examples `0, 1, ...` of `examples` -> this process's stacks of its `shards / process_count` packs.
 
-    Batch shard g (of `shards`, all processes) packs examples `start + g, start + g + shards, ...` in
-    order, and process p reads shards `p * L .. (p + 1) * L - 1` (L packs per process and step):
-    each process reads only its examples, and the global batch of a step is the same for any number
-    of processes (a run can resume on a different number; on a different number of shards, every
-    shard resumes past the furthest example read). `num_examples=None` streams forever (the
-    synthetic train set); otherwise the dataset ends when every shard has run out, and a stack may
-    hold empty packs (eval), so every example is seen exactly once.
+    Batch shard g (of `shards`, all processes) packs examples `g, g + shards, ...` in order, and
+    process p reads shards `p * L .. (p + 1) * L - 1` (L packs per process and step): each process
+    reads only its examples, and the global batch of a step is the same for any number of processes (a
+    run can resume on a different number; on a different number of shards, every shard resumes past
+    the furthest example read). An infinite `examples` (length `sys.maxsize`: the synthetic train set,
+    repeated shards) streams forever; otherwise the dataset ends when every shard has run out, and a
+    stack may hold empty packs (eval), so every example is seen exactly once. `stream` wraps each
+    shard's example stream before packing (records: skip bad records, count what was cut); `read_options`
+    are grain's threads and buffer that produce each stream's examples ahead (default: grain's).
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
     if shards % process_count:
         raise ValueError(f"{shards} batch shards do not split over {process_count} processes")
     local = shards // process_count
-    stop = start + num_examples if num_examples is not None else 2**62
 
     def pack(batch: list[dict[str, Any]]):
         return pack_examples(
@@ -60,9 +62,9 @@ def packed_dataset(
 
     streams = {}
     for g in range(process_index * local, (process_index + 1) * local):
-        examples = grain.MapDataset.range(start, stop)[g::shards].map(example_fn).to_iter_dataset()
+        shard_examples = examples[g::shards].to_iter_dataset(read_options)
         streams[g] = PackIterDataset(
-            examples,
+            stream(shard_examples) if stream is not None else shard_examples,
             examples_capacity=examples_capacity,
             tokens_capacity=tokens_capacity,
             length=lambda example: prefix + len(example["item_ids"]),
@@ -78,3 +80,11 @@ def packed_dataset(
         return {"parent": {"next_index": max(0, -(-(reached - shard) // shards))}}
 
     return ShardStacks(streams, shards, reshard)
+
+
+def example_range(
+    example_fn: Callable[[int], dict[str, Any]], start: int, num: int | None
+) -> grain.MapDataset:
+    """Examples `example_fn(start), example_fn(start + 1), ...`: `num` of them, or endless for None."""
+    stop = start + num if num is not None else 2**62
+    return grain.MapDataset.range(start, stop).map(example_fn)

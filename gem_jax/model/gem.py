@@ -13,9 +13,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import ArrayLike, Float
+from jaxtyping import ArrayLike, Float, Int
 
-from gem_jax.config import Config
+from gem_jax.config import Config, DataConfig
 from gem_jax.data.batch import JaggedBatch
 from gem_jax.embeddings import FeatureIds, segment_ids
 from gem_jax.model.hstu import HSTUTower
@@ -39,17 +39,51 @@ class TaskHead(nnx.Module):
             return self.out(jax.nn.silu(self.hidden(x)))[..., 0]
 
 
-def embedding_ids(batch: JaggedBatch, num_sparse_features: int) -> dict[str, FeatureIds]:
+def sparse_feature_groups(data: DataConfig) -> dict[str, tuple[int, ...]]:
+    """The feature map: embedding feature (`embeddings.features`) -> the sparse features (indices into a
+    pack's F bags) it pools. `data.sparse_features` maps record features to embedding features; without
+    it every bag feeds "sparse" (the synthetic task's F features, or every feature of the records)."""
+    if not data.sparse_features:
+        return {"sparse": tuple(range(data.num_sparse_features))}
+    groups: dict[str, list[int]] = {}
+    for f, feature in enumerate(data.sparse_features.values()):
+        groups.setdefault(feature, []).append(f)
+    return {name: tuple(members) for name, members in groups.items()}
+
+
+def _select_bags(
+    values: Int[ArrayLike, " S"], offsets: Int[ArrayLike, " BF1"], members: tuple[int, ...], f: int
+) -> tuple[Int[ArrayLike, " S"], Int[ArrayLike, " N1"]]:
+    """The bags of features `members` (of F per example), example by example, as one jagged array of the
+    same capacity: (values, offsets over B x len(members) bags)."""
+    starts = offsets[:-1].reshape(-1, f)[:, members].reshape(-1)
+    ends = offsets[1:].reshape(-1, f)[:, members].reshape(-1)
+    new_offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(ends - starts).astype(jnp.int32)])
+    capacity = values.shape[0]
+    bag = jnp.minimum(segment_ids(new_offsets, capacity), starts.shape[0] - 1)
+    position = jnp.arange(capacity)
+    source = jnp.clip(starts[bag] + position - new_offsets[bag], 0, capacity - 1)
+    return jnp.where(position < new_offsets[-1], values[source], 0), new_offsets
+
+
+def embedding_ids(batch: JaggedBatch, groups: dict[str, tuple[int, ...]]) -> dict[str, FeatureIds]:
     """What the model looks up in the embedding tables for one pack: per-token item and action ids
-    (positions past offsets[B] look up zeros) and the sparse bags, ids salted per feature so the F
-    features share one table without sharing rows."""
+    (positions past offsets[B] look up zeros) and, per embedding feature of `groups`
+    (`sparse_feature_groups`), the bags it pools. Ids are salted by their feature's index, so features
+    that share a table do not share rows."""
+    f = sum(len(members) for members in groups.values())
     bag = segment_ids(batch.sparse_offsets, batch.sparse_values.shape[0])
-    salted = batch.sparse_values + (bag % num_sparse_features) * _FEATURE_SALT
-    return {
+    salted = batch.sparse_values + (bag % f) * _FEATURE_SALT
+    ids = {
         "items": FeatureIds(batch.item_ids, batch.offsets),
         "actions": FeatureIds(batch.action_ids, batch.offsets),
-        "sparse": FeatureIds(salted, batch.sparse_offsets),
     }
+    for name, members in groups.items():
+        if members == tuple(range(f)):
+            ids[name] = FeatureIds(salted, batch.sparse_offsets)
+        else:
+            ids[name] = FeatureIds(*_select_bags(salted, batch.sparse_offsets, members, f))
+    return ids
 
 
 class GEMModel(nnx.Module):
@@ -92,8 +126,9 @@ class GEMModel(nnx.Module):
         """Logits of one pack: [example capacity, candidates, tasks] (padding examples included).
 
         `embedded`: the pack's looked-up embeddings (gem_jax/embeddings, outside the model, so tables
-        can be sharded and trained sparsely): "items" and "actions" [T, E] per token, "sparse" [B*F, E]
-        pooled bags (ids salted per feature: `embedding_ids`).
+        can be sharded and trained sparsely): "items" and "actions" [T, E] per token, and per embedding
+        feature of the feature map ("sparse" by default) its pooled bags, [B * its features, E]
+        (`embedding_ids`).
         """
         cfg, m = self.config, self.config.model
         e_dim, n_ctx = cfg.embeddings.dim, m.num_context_tokens
@@ -103,12 +138,21 @@ class GEMModel(nnx.Module):
         f = cfg.data.num_sparse_features
         offsets = batch.offsets
 
-        # Non-sequence features: pooled sparse bags + projected dense features.
-        pooled = embedded["sparse"]
+        # Non-sequence features: pooled sparse bags (in feature order, from their embedding features) +
+        # projected dense features.
+        groups = sparse_feature_groups(cfg.data)
+        if len(groups) == 1:
+            (name,) = groups
+            pooled = embedded[name].reshape(b_cap, f, e_dim)
+        else:
+            pooled = jnp.zeros((b_cap, f, e_dim), jnp.float32)
+            for name, members in groups.items():
+                rows = embedded[name].reshape(b_cap, len(members), e_dim).astype(jnp.float32)
+                pooled = pooled.at[:, jnp.array(members)].set(rows)
         with jax.named_scope("input"):
             dense = self.dense_proj(batch.dense)
         feature_tokens = jnp.concatenate(
-            [pooled.reshape(b_cap, f, e_dim).astype(jnp.float32), dense[:, None].astype(jnp.float32)],
+            [pooled.astype(jnp.float32), dense[:, None].astype(jnp.float32)],
             axis=1,
         )  # [B, F+1, E]
 

@@ -11,7 +11,7 @@ from gem_jax.tasks.ranking import RankingTask
 from gem_jax.train.task import Task
 
 # `data.kind` -> the task that trains on that data.
-TASKS = {"synthetic": RankingTask, "interactions": NextItemTask}
+TASKS = {"synthetic": RankingTask, "records": RankingTask, "interactions": NextItemTask}
 
 
 def make_task(config: Config, mesh: Mesh | None = None) -> Task:

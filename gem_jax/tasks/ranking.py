@@ -1,8 +1,10 @@
-"""The synthetic ads ranking task: the GEM model, BCE per task on every candidate, AUC and NE.
+"""The ads ranking task: the GEM model, BCE per task on every candidate, AUC and NE.
 
-Data: `SyntheticAds` examples (planted signal, Zipf ids, log-normal histories) streamed through the
-one packer; evaluation uses a fixed held-out range of example indices (`EVAL_START`), so the train
-stream never contains an eval example.
+Data: the synthetic generator (`data.kind = "synthetic"`: planted signal, Zipf ids, log-normal
+histories; evaluation on a fixed held-out range of example indices, `EVAL_START`, so the train stream
+never contains an eval example) or ranking records from shards (`data.kind = "records"`,
+gem_jax/data/records/: train shuffled, validation and test splits of their own), both streamed through
+the one packer.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config, ConfigError
 from gem_jax.data.batch import JaggedBatch
-from gem_jax.data.pipeline import packed_dataset
+from gem_jax.data.pipeline import example_range, packed_dataset
+from gem_jax.data.records.dataset import READ_OPTIONS, RecordsData
+from gem_jax.data.records.reader import COUNTS
 from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
-from gem_jax.model.gem import GEMModel, embedding_ids
+from gem_jax.model.gem import GEMModel, embedding_ids, sparse_feature_groups
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train import interrupt
 from gem_jax.train.flops import train_step_flops
@@ -42,10 +46,19 @@ class RankingTask:
         self.shards = num_batch_shards(mesh, config.parallel)
         self.select_metric = config.train.select_metric or None
         self.loss_needs_rng = config.model.dropout > 0
-        self.generator = SyntheticAds(config.data, num_tasks=len(config.model.tasks))
+        self.records = RecordsData(config) if config.data.kind == "records" else None
+        self.generator = (
+            None if self.records else SyntheticAds(config.data, num_tasks=len(config.model.tasks))
+        )
+        self.feature_groups = sparse_feature_groups(config.data)
         self.embeddings = EmbeddingCollection.from_config(config, mesh)
         features = self.embeddings.features
-        for name, pooling in (("items", ("none",)), ("actions", ("none",)), ("sparse", ("sum", "mean"))):
+        reads = {
+            "items": ("none",),
+            "actions": ("none",),
+            **dict.fromkeys(self.feature_groups, ("sum", "mean")),
+        }
+        for name, pooling in reads.items():
             if name not in features or features[name].pooling not in pooling:
                 raise ConfigError(
                     f"the ranking model reads embedding feature {name!r} with pooling in {pooling}; "
@@ -53,8 +66,11 @@ class RankingTask:
                 )
 
     def describe(self) -> str:
-        return "embedding tables (gem_jax/embeddings: sharded, row-wise sparse updates):\n" + (
-            self.embeddings.plan.format()
+        data = f"{self.records.describe()}\n" if self.records else ""
+        return (
+            data
+            + "embedding tables (gem_jax/embeddings: sharded, row-wise sparse updates):\n"
+            + (self.embeddings.plan.format())
         )
 
     # ------------------------------------------------------------------------- model and data
@@ -62,12 +78,18 @@ class RankingTask:
     def build_model(self) -> GEMModel:
         return GEMModel(self.config, rngs=nnx.Rngs(self.config.train.seed))
 
-    def _dataset(self, *, num_examples: int | None, start: int, process_index: int, process_count: int):
+    def _examples(self, split: str) -> grain.MapDataset | None:
+        """A split's examples ("train": endless); None where the records have no such split."""
+        if self.records is not None:
+            return self.records.examples(split)
+        if split == "train":
+            return example_range(self.generator.example, 0, None)
+        return example_range(self.generator.example, EVAL_START, self.config.data.eval_examples)
+
+    def _dataset(self, split: str, *, process_index: int, process_count: int) -> grain.IterDataset:
         d, m = self.config.data, self.config.model
         return packed_dataset(
-            self.generator.example,
-            num_examples=num_examples,
-            start=start,
+            self._examples(split),
             examples_capacity=d.examples_per_shard,
             tokens_capacity=d.tokens_per_shard,
             num_sparse_features=d.num_sparse_features,
@@ -76,12 +98,12 @@ class RankingTask:
             shards=self.shards,
             process_index=process_index,
             process_count=process_count,
+            stream=self.records.stream if self.records is not None else None,
+            read_options=READ_OPTIONS if self.records is not None else None,
         )
 
     def train_data(self, process_index: int, process_count: int) -> grain.IterDataset:
-        data = self._dataset(
-            num_examples=None, start=0, process_index=process_index, process_count=process_count
-        )
+        data = self._dataset("train", process_index=process_index, process_count=process_count)
         workers = self.config.data.num_workers
         if workers:
             from absl import flags  # grain's workers read absl flags, which a plain script never parses
@@ -102,8 +124,20 @@ class RankingTask:
 
     # ------------------------------------------------------------------------- loss
 
+    def data_metrics(self, data_state: Any) -> dict[str, float]:
+        """Records: bad records skipped, histories and bags cut so far (every process's; a collective,
+        so every process calls it at the same steps); TooManyBadRecords past `data.max_bad_records`."""
+        if self.records is None:
+            return {}
+        counts = self.records.counts(data_state)
+        local = np.array([counts[k] for k in COUNTS], np.int64)
+        total = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, len(COUNTS)).sum(0)
+        metrics = {f"data/{k}": float(v) for k, v in zip(COUNTS, total)}
+        self.records.check_cap(metrics["data/skipped_records"])
+        return metrics
+
     def embedding_ids(self, pack: JaggedBatch) -> dict[str, FeatureIds]:
-        return embedding_ids(pack, self.config.data.num_sparse_features)
+        return embedding_ids(pack, self.feature_groups)
 
     def pack_loss(
         self, model: GEMModel, pack: JaggedBatch, embedded: dict[str, jax.Array], rng: jax.Array | None
@@ -153,23 +187,21 @@ class RankingTask:
 class RankingEvaluator:
     """AUC and NE per task over the whole eval set (every process's examples)."""
 
-    splits = ("valid",)
-
     def __init__(self, task: RankingTask, trainer):
         self.task = task
         self.trainer = trainer
         self.predict = trainer.per_pack(lambda model, pack, embedded: jax.nn.sigmoid(model(pack, embedded)))
+        # Records without validation shards evaluate nothing; with test shards, the loop scores them once.
+        records = task.records
+        self.splits = ("valid", "test") if records and records.splits["test"] else ("valid",)
 
     def __call__(self, state: Any, split: str) -> Metrics:
-        if split != "valid":
+        if split not in self.splits:
             raise ValueError(f"the ranking task has no {split!r} split")
         c = self.task.config
-        data = self.task._dataset(
-            num_examples=c.data.eval_examples,
-            start=EVAL_START,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        )
+        if self.task._examples(split) is None:
+            return {}
+        data = self.task._dataset(split, process_index=jax.process_index(), process_count=jax.process_count())
         probabilities, labels, masks = [], [], []
         for i, stack in enumerate(data):
             if c.train.eval_batches and i >= c.train.eval_batches:

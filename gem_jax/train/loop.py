@@ -334,6 +334,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                     previous = None
                 if log_now:
                     record = {"step": step, **task.position(step), **last_values, **throughput.record(peak)}
+                    record.update(task.data_metrics(data_iter.get_state()))
                     writer.write(record)
                     if bar is not None:
                         bar.set_postfix(

@@ -4,7 +4,8 @@ Files (all written atomically):
 
 * `config.toml`: the resolved config of the run, written once when the run starts.
 * `run.json`: written once beside it: the data fingerprint (synthetic data: its generator settings;
-  an interactions file: its path, size and sha256), the code version (package version, git commit
+  an interactions file: its path, size and sha256; records: every shard's name, size and sha256 as its
+  schema.json lists them), the code version (package version, git commit
   and whether the tree had uncommitted changes, jax version), the creation time and host.
 * `resumes.jsonl`: one line per later invocation: time, host, code version, the checkpoint step it
   resumed from, and the settings in `MAY_CHANGE` that differ from `config.toml` (its effective
@@ -44,6 +45,9 @@ FORMAT = 1
 # data, on which devices. Every other key must equal the record. README ("Starting fresh, resuming")
 # lists them; a test checks the list.
 MAY_CHANGE = tuple(key for key, _, f in schema_keys() if f.metadata.get("may_change"))
+# Not `data.num_workers`: grain's worker processes each pack their own slice of the example stream, so
+# the worker count decides which examples a batch holds, and the saved data position is per worker (a
+# resume with another count failed inside grain's set_state).
 
 
 def may_change(key: str) -> bool:
@@ -70,10 +74,14 @@ def data_fingerprint(config: Config) -> dict[str, Any]:
     """
     d = config.data
     if d.kind == "interactions":
-        from gem_jax.data.next_item import resolve_data_path
+        from gem_jax.data.paths import resolve_data_path
 
         path = resolve_data_path(d.path).resolve()
         return {"kind": d.kind, "path": str(path), "size": path.stat().st_size, "sha256": files.sha256(path)}
+    if d.kind == "records":
+        from gem_jax.data.records.dataset import records_fingerprint
+
+        return {"kind": d.kind, **records_fingerprint(d)}
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_DATA_IDENTITY}
     return {"kind": d.kind, "generator": settings}
 

@@ -91,6 +91,12 @@ class Task(Protocol):
         """This process's "examples", "tokens" and (if the task has a FLOP model) "flops" in a stack."""
         ...
 
+    def data_metrics(self, data_state: Any) -> dict[str, float]:
+        """Counters of what the input pipeline left out or cut so far (e.g. bad records skipped), from
+        the train data iterator's state, for the log records ({} for none). Called at every logged step
+        by every process (it may run a collective); raises to stop the run (too many bad records)."""
+        ...
+
     def evaluator(self, trainer: Any) -> Evaluator:
         """Builds (and compiles lazily) the evaluation functions with the trainer's helpers
         (`per_pack`, `model_fn`, `to_device`; a gem_jax.train.step.Trainer, which imports this

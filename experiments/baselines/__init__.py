@@ -1,0 +1,1 @@
+"""Baselines for the real-data examples (docs/results.md)."""
