@@ -13,10 +13,13 @@ HOST:PORT --num-processes N --process-id I` (or JAX_COORDINATOR_ADDRESS, JAX_NUM
 JAX_PROCESS_ID), or `--distributed` to let jax detect the cluster (SLURM, Open MPI, TPU...).
 
 Config errors (unknown keys, wrong types, bad values, unreadable data) and workdir errors (a file, not
-writable, locked by another trainer, holding a run with other settings, no intact checkpoint) print
-one line and exit with code 2; a diverged run (NaN/Inf) exits with code 3. SIGINT/SIGTERM save a
-checkpoint and exit 0 once training has started; before that (start-up, compilation) they exit at once
-with 128 + the signal number (gem_jax/train/interrupt.py).
+writable, locked by another trainer, holding a run with other settings, no intact checkpoint, a write
+the disk refused) print one line and exit with code 2; a diverged run (NaN/Inf) exits with code 3.
+SIGINT/SIGTERM save a checkpoint and exit 0 once training has started; before that (start-up,
+compilation) they exit at once with 128 + the signal number (gem_jax/train/interrupt.py). In a
+multi-process run, a process lost for `--peer-timeout` seconds stops the others with exit code 75
+(gem_jax/train/peers.py); `train --restarts K` relaunches the trainer after a lost process or a crash
+(gem_jax/train/supervisor.py, which also runs every multi-process `train`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import argparse
 import importlib
 import json
 import sys
+import traceback
 from pathlib import Path
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
@@ -65,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
         help="stop (with a checkpoint) after this step, as a preemption would",
     )
     train.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="relaunch after a lost peer or a crash, from the last intact checkpoint, at most K times "
+        "(gem_jax/train/supervisor.py)",
+    )
+    train.add_argument(
         "--profile-steps",
         type=_step_window,
         default=None,
@@ -83,6 +95,13 @@ def _parser() -> argparse.ArgumentParser:
         group.add_argument("--process-id", type=int, default=None)
         group.add_argument("--distributed", action="store_true", help="detect the cluster (SLURM, MPI, TPU)")
         group.add_argument("--cluster-detection", default=None, help='a jax detection method, e.g. "mpi4py"')
+        group.add_argument(
+            "--peer-timeout",
+            type=float,
+            default=30.0,
+            metavar="S",
+            help="stop every process when one has shown no sign of life for S seconds (exit 75)",
+        )
     from experiments import sweep
 
     sweep.add_arguments(sub.add_parser("sweep", help="run a grid of configs, one subprocess per point"))
@@ -135,24 +154,35 @@ def main(argv: list[str] | None = None) -> int:
         return fuzz.main([args.target, *args.args])
 
     from gem_jax import distributed
+    from gem_jax.train import interrupt, peers, supervisor
 
+    joining = (args.coordinator, args.num_processes, args.process_id)
+    multi = distributed.requested(*joining, auto=args.distributed, cluster_detection=args.cluster_detection)
+    if args.command == "train" and not supervisor.supervised() and (multi or args.restarts > 0):
+        settle_s = args.peer_timeout + 5 if multi else 1.0  # every old process gone, the port free
+        return supervisor.run(argv, restarts=args.restarts, settle_s=settle_s)
+    if supervisor.supervised():
+        interrupt.exit_with_parent()
     try:
-        distributed.initialize(
-            args.coordinator,
-            args.num_processes,
-            args.process_id,
+        joined = distributed.initialize(
+            *joining,
             auto=args.distributed,
             cluster_detection=args.cluster_detection,
+            heartbeat_timeout_s=peers.jax_heartbeat_timeout_s(args.peer_timeout),
         )
     except distributed.DistributedError as e:
         print(f"distributed: {e}", file=sys.stderr)
         return 2
+    if joined:
+        peers.watch(args.peer_timeout)
 
     from gem_jax.config import ConfigError, load_config
     from gem_jax.data.records.errors import DataError
     from gem_jax.tasks import make_task
+    from gem_jax.train.files import WriteFailed
     from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
     from gem_jax.train.run_record import RunRecord
+    from gem_jax.train.run_status import STATUS
     from gem_jax.train.workdir_lock import WorkdirError
 
     try:
@@ -161,25 +191,49 @@ def main(argv: list[str] | None = None) -> int:
             config = load_config(config_path, args.overrides)
             workdir = Path(args.workdir) if args.workdir else Path("runs") / config_path.stem
             task = make_task(config)
-            summary = train(task, workdir, stop_after=args.stop_after, profile_steps=args.profile_steps)
+            summary = train(
+                task,
+                workdir,
+                stop_after=args.stop_after,
+                profile_steps=args.profile_steps,
+                restart=supervisor.restart_record(),
+            )
         else:
             config = RunRecord(Path(args.workdir)).recorded_config(args.overrides)
             task = make_task(config)
             summary = evaluate_run(task, args.workdir)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return _stop(2, f"config error: {e}")
+    except WriteFailed as e:  # at once: orbax's and TensorBoard's threads would print on a full disk
+        return _stop(2, f"{e}: stopping; {STATUS.last_intact()}", at_once=True)
     except WorkdirError as e:
-        print(f"workdir error: {e}", file=sys.stderr)
-        return 2
+        return _stop(2, f"workdir error: {e}")
     except DataError as e:
-        print(f"data error: {e}", file=sys.stderr)
-        return 2
+        return _stop(2, f"data error: {e}")
     except TrainingDiverged as e:
-        print(f"training diverged: {e}", file=sys.stderr)
-        return 3
+        return _stop(3, f"training diverged: {e}")
+    except Exception as e:
+        if peers.WATCH is None:
+            raise
+        if isinstance(e, RuntimeError):  # a collective with a lost process fails at once (CPU, gloo)
+            peers.WATCH.await_verdict()
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        who = f"process {peers.WATCH.me}"
+        interrupt.exit_now(1, f"failed with {type(e).__name__}: {first} (the traceback is in {who}'s output)")
     print(_format_summary(summary, task.summary_lines(summary)))
     return 0
+
+
+def _stop(code: int, line: str, *, at_once: bool = False) -> int:
+    """Ends with a one-line error: returns its exit code, or ends the process at once (and, in a
+    multi-process run, every other one with it: gem_jax/train/peers.py)."""
+    from gem_jax.train import interrupt, peers
+
+    if at_once or peers.WATCH is not None:
+        interrupt.exit_now(code, line)
+    print(line, file=sys.stderr)
+    return code
 
 
 def _profile(argv: list[str]) -> int:

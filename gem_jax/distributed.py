@@ -9,6 +9,9 @@ Environment variables (the flags win): JAX_COORDINATOR_ADDRESS (host:port of pro
 JAX_NUM_PROCESSES, JAX_PROCESS_ID; JAX_LOCAL_DEVICE_IDS (read by jax) restricts a process to some of
 its machine's accelerators. On CPU, processes exchange collectives through gloo and each gets
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` fake devices (set before jax is imported).
+
+jax is imported inside the functions: the supervisor of a run (gem_jax/train/supervisor.py) asks
+`requested` without loading it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
 import numpy as np
 
 ENV = {
@@ -40,6 +42,20 @@ def _env_int(name: str) -> int | None:
         raise DistributedError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def requested(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    cluster_detection: str | None = None,
+) -> bool:
+    """Whether these settings (or the environment) ask for a multi-process run (`initialize`'s
+    arguments; reads no more than the environment, imports no jax)."""
+    from_env = any(os.environ.get(name) for name in ENV.values())
+    return bool(auto or cluster_detection or from_env or {coordinator, num_processes, process_id} != {None})
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
@@ -47,6 +63,7 @@ def initialize(
     *,
     auto: bool = False,
     cluster_detection: str | None = None,
+    heartbeat_timeout_s: int = 100,
 ) -> bool:
     """Joins the multi-process run if one is asked for; returns whether it did.
 
@@ -55,13 +72,17 @@ def initialize(
       num_processes, process_id: `--num-processes`, `--process-id`.
       auto: `--distributed`: let jax detect the cluster for whatever is not given.
       cluster_detection: a jax cluster detection method by name (e.g. "mpi4py", "slurm").
+      heartbeat_timeout_s: after this long without a heartbeat jax ends every other process (with a
+        native stack trace); gem_jax/train/peers.py stops them with one line well before.
     """
+    if not requested(coordinator, num_processes, process_id, auto=auto, cluster_detection=cluster_detection):
+        return False
+    import jax
+
     coordinator = coordinator or os.environ.get(ENV["coordinator"]) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV["num_processes"])
     process_id = process_id if process_id is not None else _env_int(ENV["process_id"])
     explicit = (coordinator, num_processes, process_id)
-    if not (auto or cluster_detection or any(v is not None for v in explicit)):
-        return False
     if not (auto or cluster_detection) and None in explicit:
         missing = [
             f"--{flag.replace('_', '-')} (or {ENV[flag]})"
@@ -86,6 +107,7 @@ def initialize(
             num_processes=num_processes,
             process_id=process_id,
             cluster_detection_method=cluster_detection,
+            heartbeat_timeout_seconds=heartbeat_timeout_s,
         )
     except ValueError as e:  # jax's message for a cluster it could not detect
         raise DistributedError(
@@ -104,6 +126,8 @@ def process_zero_says(flag: bool) -> bool:
     """Process 0's `flag`, on every process: for decisions all processes must take at the same step
     (stopping at a wall-clock budget: each process's own clock could stop them a step apart, and the
     one still training would wait forever in its collectives). With one process, `flag` itself."""
+    import jax
+
     if jax.process_count() == 1:
         return flag
     from jax.experimental import multihost_utils
@@ -121,6 +145,8 @@ def any_process_says(flag: bool) -> bool:
 def agree(*, anyone: bool = False, process_zero: bool = False) -> tuple[bool, bool]:
     """`any_process_says(anyone)` and `process_zero_says(process_zero)` in one collective (one
     all-gather of two integers from every process). With one process, the flags themselves."""
+    import jax
+
     if jax.process_count() == 1:
         return anyone, process_zero
     from jax.experimental import multihost_utils

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +63,22 @@ def start_cli(*args: str, env: dict[str, str] | None = None, **kwargs) -> subpro
         env=cli_env() if env is None else env,
         **kwargs,
     )
+
+
+def child_pids(pid: int) -> list[int]:
+    """The process ids of `pid`'s children (Linux /proc): e.g. the trainer under its supervisor."""
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def last_logged_step(path: Path) -> int:
+    """The last training step in a metrics.jsonl being written (0 if none; a cut last line is skipped)."""
+    step = 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        with contextlib.suppress(json.JSONDecodeError):
+            record = json.loads(line)
+            if "loss" in record and "split" not in record:
+                step = max(step, record["step"])
+    return step
 
 
 SMALL = [

@@ -3,11 +3,12 @@
 curve and validation metrics as one process on the same global mesh (dcn=2 slow x data=4 fast, 8
 batch shards), for the ranking and the next-item task; the checkpoint they write resumes in one
 process and finishes with the single-process run's curve. A SIGTERM to one process stops both after
-the same step, with one checkpoint."""
+the same step, with one checkpoint; before the first step, it ends both at once. A process killed
+mid-run stops the other within seconds, in one line; `--restarts` relaunches both, and they finish the
+run from the last intact checkpoint."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,7 +26,7 @@ from gem_jax.config import config_to_toml, load_config
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
-from tests.helpers import SMALL, start_cli
+from tests.helpers import SMALL, child_pids, last_logged_step, start_cli
 from tests.test_retrieval import SMALL_ARGS, write_cyclic_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,8 +67,11 @@ def _start_two_processes(workdir: Path, config, extra: list[str]) -> list[subpro
     return procs
 
 
-def _wait_two_processes(workdir: Path, procs: list[subprocess.Popen], timeout: float) -> list[str]:
-    """Waits for both (killing them past `timeout`: a hung run fails here); asserts exit codes 0; the logs."""
+def _wait_two_processes(
+    workdir: Path, procs: list[subprocess.Popen], timeout: float, expect: tuple[int, int] = (0, 0)
+) -> list[str]:
+    """Waits for both (killing them past `timeout`: a hung run fails here); asserts their exit codes
+    (`expect`); the logs."""
     deadline = time.monotonic() + timeout
     codes = []
     try:
@@ -82,7 +86,7 @@ def _wait_two_processes(workdir: Path, procs: list[subprocess.Popen], timeout: f
                 p.kill()
                 p.wait()
     logs = [(workdir.parent / f"{workdir.name}.{i}.log").read_text() for i in range(2)]
-    assert codes == [0, 0], "\n\n".join(
+    assert codes == list(expect), "\n\n".join(
         f"process {i}: {c}\n{t[-3000:]}" for i, (c, t) in enumerate(zip(codes, logs))
     )
     return logs
@@ -95,17 +99,6 @@ def _train_two_processes(workdir: Path, config, stop_after: int) -> None:
     # The device order, printed once: the second host-sized row of the mesh is process 1's devices.
     assert re.search(r"dcn=1: \[\d+ \d+ \d+ \d+\] \(process 1\)", logs[0]), logs[0][-3000:]
     assert "device ids in mesh order" not in logs[1]
-
-
-def _last_logged_step(path: Path) -> int:
-    """The last training step in a metrics.jsonl being written (0 if none; a cut last line is skipped)."""
-    step = 0
-    for line in path.read_text().splitlines() if path.exists() else []:
-        with contextlib.suppress(json.JSONDecodeError):
-            record = json.loads(line)
-            if "loss" in record and "split" not in record:
-                step = max(step, record["step"])
-    return step
 
 
 def _records(workdir: Path) -> list[dict]:
@@ -208,7 +201,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     deadline = time.monotonic() + 300
     # Step 2 logged by process 0: process 1 has started step 2, so it is past its first step, where a
     # signal asks for a checkpoint (before it, a signal ends the process at once).
-    while _last_logged_step(metrics) < 2:
+    while last_logged_step(metrics) < 2:
         assert all(p.poll() is None for p in procs), "a process ended before training got under way"
         assert time.monotonic() < deadline, "no step 2 after 300 s"
         time.sleep(0.1)
@@ -230,3 +223,66 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     assert summary["step"] == end
     loop.train(make_task(config), tmp_path / "one", stop_after=end)
     _same_run(tmp_path / "one", workdir, total=end)
+
+
+def test_a_signal_before_the_first_step_ends_every_process(tmp_path):
+    """SIGTERM to process 1 while the processes compile: both end at once with 128 + SIGTERM, each with
+    one line (process 0 names process 1), as one process does; nothing is saved."""
+    config = load_config(None, [*SMALL, *MESH, *LEAN, "train.steps=100"])
+    workdir = tmp_path / "two"
+    procs = _start_two_processes(workdir, config, ["--peer-timeout", "3"])
+    log = workdir.parent / f"{workdir.name}.1.log"
+    deadline = time.monotonic() + 300
+    while "embedding tables" not in (log.read_text() if log.exists() else ""):  # built; compiling next
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+    logs = _wait_two_processes(workdir, procs, timeout=60, expect=(143, 143))
+    assert logs[1].splitlines()[-1] == "SIGTERM: exiting (nothing to save yet)"
+    assert logs[0].splitlines()[-1] == "process 1: SIGTERM: exiting (nothing to save yet)"
+    assert not any(p.name.isdigit() for p in (workdir / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_a_lost_process_stops_the_other_in_one_line_and_restarts_finish_the_run(tmp_path):
+    """kill -9 of process 1's trainer mid-run: process 0 stops within the peer timeout (3 s) and a few
+    seconds (60 s at most), with one line naming process 1, the step and the last intact checkpoint,
+    and no native stack trace or traceback. With --restarts 1 each process's supervisor relaunches its
+    trainer; they meet again at the coordinator's address and finish from that checkpoint."""
+    overrides = [*SMALL, *MESH, *LEAN, "train.steps=100000", "train.checkpoint_every=2", "train.eval_every=0"]
+    config = load_config(None, overrides)
+    workdir = tmp_path / "two"
+    procs = _start_two_processes(
+        workdir, config, ["--peer-timeout", "3", "--restarts", "1", "--stop-after", "7"]
+    )
+    deadline = time.monotonic() + 300
+    while last_logged_step(workdir / "metrics.jsonl") < 3:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.1)
+    (trainer,) = child_pids(procs[1].pid)  # its supervisor's one child
+    os.kill(trainer, signal.SIGKILL)
+    killed_at, log = time.monotonic(), workdir.parent / f"{workdir.name}.0.log"
+    while "lost process 1" not in log.read_text():
+        assert time.monotonic() - killed_at < 60, log.read_text()[-3000:]
+        time.sleep(0.1)
+    stopped_after = time.monotonic() - killed_at
+    logs = _wait_two_processes(workdir, procs, timeout=600)  # both restarted and reached --stop-after
+    (lost,) = [line for line in logs[0].splitlines() if line.startswith("lost process 1")]
+    found = re.fullmatch(
+        r"lost process 1 at step (\d+) \(no sign of life for 3 s\): stopping; the last intact checkpoint "
+        r"is step (\d+) \((\S+)\): re-run the same command to resume from it",
+        lost,
+    )
+    assert found and int(found.group(1)) > int(found.group(2)) >= 2, lost
+    assert Path(found.group(3)) == workdir / "checkpoints" / found.group(2)
+    assert stopped_after < 30, stopped_after
+    for text in logs:
+        assert "Traceback" not in text and "Check failure" not in text and "client.h" not in text, text[
+            -3000:
+        ]
+        assert "restart 1 of 1 in 8 s, from the last intact checkpoint" in text
+        assert re.search(r"== \S+ at step 7\n", text)
+    assert "the trainer was killed by SIGKILL at step" in logs[1]
+    last = json.loads((workdir / "resumes.jsonl").read_text().splitlines()[-1])  # written by process 0
+    assert last["resumed_from_step"] == int(found.group(2))
+    assert last["restart"] == {"attempt": 1, "of": 1, "after": lost}

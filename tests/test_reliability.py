@@ -1,7 +1,9 @@
 """Reliability of runs, one test per failure: the run record refuses a changed config or
 data file and leaves the workdir byte-identical; a corrupt latest checkpoint falls back to the
 previous one; one trainer per workdir; signals during compilation, data-worker start-up and
-training end cleanly; metrics.jsonl has no duplicate steps after kill -9 and resume.
+training end cleanly; metrics.jsonl has no duplicate steps after kill -9 and resume; a write the disk
+refuses (a checkpoint, its manifest, a metrics line) stops the run in one line naming the file, and
+the resume uses the last intact checkpoint; `--restarts` relaunches a killed trainer.
 
 Signals and locks are tested through `python -m experiments` subprocesses (one CPU device, tiny
 configs); everything else in process on a small run trained once per module.
@@ -9,6 +11,7 @@ configs); everything else in process on a small run trained once per module.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,16 +25,25 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from gem_jax.config import config_to_toml
 from gem_jax.tasks import make_task
-from gem_jax.train import integrity, loop
+from gem_jax.train import files, integrity, loop
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.run_record import RecordMismatch, RunRecord, data_fingerprint
 from gem_jax.train.step import Trainer
 from gem_jax.train.workdir_lock import WorkdirError, WorkdirLock, WorkdirLocked
-from tests.helpers import poison_loss, run_cli, small_config, start_cli
+from tests.helpers import (
+    child_pids,
+    cli_env,
+    last_logged_step,
+    poison_loss,
+    run_cli,
+    small_config,
+    start_cli,
+)
 from tests.test_retrieval import small as small_next_item
 from tests.test_retrieval import write_cyclic_pairs
 
@@ -411,25 +423,6 @@ def test_two_signals_in_a_row_exit_cleanly_and_the_next_start_cleans_up(tmp_path
     assert all(r["step"] <= step for r in records)
 
 
-def test_metrics_have_no_duplicate_steps_after_kill_9_and_resume(tmp_path):
-    workdir = tmp_path / "run"
-    run = ("train.steps=100000", "train.log_every=1", "train.checkpoint_every=4")
-    proc = _start("train", "--workdir", str(workdir), *_config_args(tmp_path, *run))
-    _wait_for(lambda: _lines(workdir / "metrics.jsonl") >= 7, proc)  # past the step-4 checkpoint
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate(timeout=60)
-    logged = [
-        json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines() if line
-    ]
-    ck = Checkpointer(workdir / "checkpoints", _config().train, read_only=True)
-    resume = ck.newest_intact()
-    ck.close()
-    assert max(logged) > resume  # records past the checkpoint exist: they would be written twice
-    summary = loop.train(make_task(_config(*run)), workdir, stop_after=resume + 3)
-    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, summary["step"] + 1))
-
-
 # ----------------------------------------------------------------------------- data errors
 
 
@@ -448,3 +441,168 @@ def test_unreadable_data_file_is_one_line_exit_2(tmp_path, content, needle):
     line = _one_line_error(r.stderr)
     assert str(data) in line and needle in line
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------- write failures
+
+
+def _no_space(path) -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+def _at_step_10(trained: Path, tmp_path: Path) -> Path:
+    """A copy of the trained run as it was at step 10 (its step-20 checkpoint not written yet)."""
+    workdir = _copy(trained, tmp_path)
+    shutil.rmtree(workdir / "checkpoints" / "20")
+    return workdir
+
+
+def _until_still(directory: Path, timeout: float = 60) -> None:
+    """Waits until nothing is written under `directory` any more: the failed save's other writes may
+    still be running in orbax's threads of this process (a real run's process has ended by then)."""
+    listing, deadline = None, time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        now = sorted((str(p), p.stat().st_size) for p in directory.rglob("*") if p.is_file())
+        if now == listing:
+            return
+        listing = now
+        time.sleep(1.0)
+
+
+def _resumes_from_10_to_the_same_run(workdir: Path, trained: Path, capsys) -> None:
+    summary = loop.train(make_task(_config()), workdir)
+    err = capsys.readouterr().err
+    assert "resumed from step 10" in err and summary["step"] == 20
+    assert not list(workdir.rglob("*.orbax-checkpoint-tmp*"))
+    for a, b in zip(_params(workdir, _config(), 20), _params(trained, _config(), 20)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_checkpoint_the_disk_refuses_stops_the_run_and_is_never_restored(
+    trained, tmp_path, monkeypatch, capsys
+):
+    """The step-20 save fails part-way (its state written, its progress item refused, as on a full
+    disk) in orbax's background thread: the run stops with one line naming the file; the resume
+    removes the unfinished save and continues from step 10, on the uninterrupted run's parameters."""
+    workdir = _at_step_10(trained, tmp_path)
+    handler = ocp.handlers.JsonCheckpointHandler
+    save = handler._save_fn
+
+    async def refused(self, item, directory):
+        if Path(directory).parent.name.startswith("20."):
+            raise _no_space(directory / self._filename)
+        return await save(self, item, directory)
+
+    monkeypatch.setattr(handler, "_save_fn", refused)
+    with pytest.raises(files.WriteFailed) as e:
+        loop.train(make_task(_config("train.async_checkpointing=true")), workdir)
+    tmp = workdir / "checkpoints" / "20.orbax-checkpoint-tmp"
+    assert (
+        str(e.value)
+        == f"cannot write {tmp}/progress.orbax-checkpoint-tmp/metadata: No space left on device (ENOSPC)"
+    )
+    assert tmp.is_dir() and integrity.newest_whole(workdir / "checkpoints") == 10
+    assert "Traceback" not in capsys.readouterr().err  # orbax's own reports of it are not printed
+    monkeypatch.undo()
+    _until_still(tmp)
+    _resumes_from_10_to_the_same_run(workdir, trained, capsys)
+
+
+def test_a_manifest_the_disk_refuses_leaves_a_step_that_is_never_restored(
+    trained, tmp_path, monkeypatch, capsys
+):
+    workdir = _at_step_10(trained, tmp_path)
+    write_text = files.write_text
+
+    def refused(path, text):
+        if path.name == integrity.MANIFEST and path.parent.name == "20":
+            with files.writing(path):
+                raise _no_space(path)
+        write_text(path, text)
+
+    monkeypatch.setattr(files, "write_text", refused)
+    with pytest.raises(
+        files.WriteFailed, match=f"^cannot write {workdir}/checkpoints/20/{integrity.MANIFEST}: "
+    ):
+        loop.train(make_task(_config()), workdir)
+    monkeypatch.undo()
+    assert (workdir / "checkpoints" / "20").is_dir()  # committed by orbax, but without its manifest
+    _resumes_from_10_to_the_same_run(workdir, trained, capsys)
+
+
+def test_a_metrics_line_the_disk_refuses_ends_the_cli_in_one_line(tmp_path):
+    """Through `python -m experiments train`: exit code 2 and one line naming metrics.jsonl and the last
+    intact checkpoint; no traceback (nor the prints of orbax's and TensorBoard's threads at shutdown)."""
+    workdir = tmp_path / "run"
+    program = """
+import errno, os, sys
+from gem_jax.train import loop
+
+class Full:  # metrics.jsonl on a disk that fills up after step 10 (logged every 5 steps)
+    def __init__(self, file):
+        self.file = file
+    def write(self, text):
+        if text.startswith('{"step": 15,'):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return self.file.write(text)
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+opened = loop.MetricsWriter.__init__
+def full(self, *args, **kwargs):
+    opened(self, *args, **kwargs)
+    self.file = Full(self.file)
+loop.MetricsWriter.__init__ = full
+from experiments.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+    args = ["train", "--workdir", str(workdir), *_config_args(tmp_path)]
+    r = subprocess.run(
+        [sys.executable, "-c", program, *args],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    _ends_with_error(
+        r.stderr,
+        f"cannot write {workdir / 'metrics.jsonl'}: No space left on device (ENOSPC): stopping; the last "
+        f"intact checkpoint is step 10 ({workdir / 'checkpoints' / '10'}): re-run the same command to "
+        "resume from it",
+    )
+
+
+def _ends_with_error(stderr: str, line: str) -> None:
+    lines = [x for x in stderr.splitlines() if x.strip()]
+    assert lines and lines[-1] == line and "Traceback" not in stderr, stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------- restarts
+
+
+def test_kill_9_then_a_restart_resumes_with_no_duplicate_metrics(tmp_path):
+    """kill -9 of the trainer past a checkpoint, under `--restarts 1`: its supervisor reports it in one
+    line and relaunches it; it resumes from the last intact checkpoint, logs the restart in
+    resumes.jsonl, and metrics.jsonl has every step once (the records past the checkpoint, written
+    before the kill, are dropped and written again)."""
+    workdir = tmp_path / "run"
+    run = ("train.steps=12", "train.checkpoint_every=3", "train.log_every=1")
+    proc = _start("train", "--workdir", str(workdir), "--restarts", "1", *_config_args(tmp_path, *run))
+    _wait_for(lambda: _lines(workdir / "metrics.jsonl") >= 5, proc)  # past the step-3 checkpoint
+    (trainer,) = child_pids(proc.pid)  # the supervisor's one child
+    os.kill(trainer, signal.SIGKILL)
+    logged = last_logged_step(workdir / "metrics.jsonl")  # before the relaunch (1 s later, then start-up)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    (killed,) = [
+        line for line in err.splitlines() if line.startswith("the trainer was killed by SIGKILL at step")
+    ]
+    resumed = int(killed.split("the last intact checkpoint is step ")[1].split()[0])
+    assert logged > resumed >= 3  # records past the checkpoint existed: they would be written twice
+    assert "restart 1 of 1 in 1 s, from the last intact checkpoint" in err and "Traceback" not in err
+    last = json.loads((workdir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert last["resumed_from_step"] == resumed
+    assert last["restart"] == {"attempt": 1, "of": 1, "after": killed}
+    assert [step for step, split in _record_keys(workdir) if split is None] == list(range(1, 13))

@@ -16,15 +16,25 @@ which the loop does only while it holds the workdir lock.
 
 Each process saves its own data position (grain); a run resumed on another number of processes
 merges them (`merge_process_states`), so a checkpoint written by 2 processes resumes in 1 and back.
+
+A save the disk refuses (full, over quota, read-only) raises `files.WriteFailed` naming the file, from
+`save`, `poll` or `wait` (async saves fail in orbax's threads and surface at the next of these). The
+step it was writing never becomes a checkpoint a resume uses: orbax leaves an unfinished temporary
+folder (removed at the next start), and a step orbax committed without its manifest fails the
+integrity check (moved aside).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import re
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,10 +44,13 @@ import jax
 import orbax.checkpoint as ocp
 
 from gem_jax.config import TrainConfig
-from gem_jax.train import integrity
+from gem_jax.train import files, integrity
 from gem_jax.train.workdir_lock import WorkdirError
 
 CORRUPT_DIR = "corrupt"
+# tensorstore (orbax's array writer) reports a failed write as a ValueError carrying the errno.
+_TENSORSTORE_ERRNO = re.compile(r"os_error_code='(\d+)'")
+_TENSORSTORE_FILE = re.compile(r'"(/[^"]+)"')
 
 
 class NoIntactCheckpoint(WorkdirError):
@@ -70,6 +83,9 @@ class Checkpointer:
         self._sealing: list[Future] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gem-manifest")
         self._primary = jax.process_index() == 0
+        self._failed: files.WriteFailed | None = None  # the write failure raised already, if any
+        if not any(isinstance(f, _QuietWriteFailures) for f in absl_log.filters):
+            absl_log.addFilter(_QuietWriteFailures())
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -91,15 +107,29 @@ class Checkpointer:
             items["data"] = grain.checkpoint.CheckpointSave(data_iterator)
         if progress is not None:
             items["progress"] = ocp.args.JsonSave(progress)
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        with self._writing(step):
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         self._unsealed.append(step)
         self.poll()
 
     def poll(self) -> None:
         """Starts writing the manifests of saves that have committed (cheap; call between steps)."""
-        if self._unsealed and not self.manager.is_saving_in_progress():
-            self._seal(self._unsealed)
-            self._unsealed = []
+        with self._writing(self._unsealed[0] if self._unsealed else None):
+            if self._unsealed and not self.manager.is_saving_in_progress():
+                self._seal(self._unsealed)
+                self._unsealed = []
+
+    @contextlib.contextmanager
+    def _writing(self, step: int | None) -> Iterator[None]:
+        """Turns the disk's refusal inside (whichever form orbax gives it) into `files.WriteFailed`."""
+        try:
+            yield
+        except Exception as e:
+            failure = _write_failure(e, self.directory if step is None else self.directory / str(step))
+            if failure is None:
+                raise
+            self._failed = failure
+            raise failure from e
 
     def _seal(self, steps: list[int]) -> None:
         if not self._primary:
@@ -117,17 +147,28 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Waits for every save and its manifest."""
-        self.manager.wait_until_finished()
-        self._seal(self._unsealed)
-        self._unsealed = []
-        for f in self._sealing:
-            f.result()
-        self._sealing = []
+        with self._writing(self._unsealed[-1] if self._unsealed else None):
+            self.manager.wait_until_finished()
+            self._seal(self._unsealed)
+            self._unsealed = []
+            sealing, self._sealing = self._sealing, []
+            for f in sealing:
+                f.result()
 
     def close(self) -> None:
-        self.wait()
-        self.manager.close()
-        self._executor.shutdown()
+        """Waits and closes. A write failure is raised once: not again if this Checkpointer raised it
+        already, nor in place of the error a caller's `finally` is unwinding from (the first failure is
+        the one to report)."""
+        quiet = self._failed is not None or sys.exc_info()[1] is not None
+        try:
+            self.wait()
+        except files.WriteFailed:
+            if not quiet:
+                raise
+        finally:
+            with contextlib.suppress(Exception) if self._failed else contextlib.nullcontext():
+                self.manager.close()
+            self._executor.shutdown()
 
     # ------------------------------------------------------------------------- verifying
 
@@ -179,8 +220,9 @@ class Checkpointer:
     def _move_aside(self, step: int) -> Path:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         target = self.directory.parent / CORRUPT_DIR / f"{self.directory.name}-{step}-{stamp}"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(self.directory / str(step), target)
+        with files.writing(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(self.directory / str(step), target)
         return target
 
     # ------------------------------------------------------------------------- restoring
@@ -211,6 +253,35 @@ class Checkpointer:
 
 
 _NONE, _NONE_INTACT = -1, -2  # newest_intact's answers besides a step
+
+
+def _write_failure(error: BaseException | None, path: Path) -> files.WriteFailed | None:
+    """The disk's refusal in `error` or its causes, as WriteFailed naming the file (else `path`); None
+    for any other error. orbax raises the OSError of its own writes as is, and tensorstore's (the
+    arrays) as a ValueError whose message carries the errno and the file."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, files.WriteFailed):
+            return error
+        if isinstance(error, OSError) and error.errno:
+            named = error.filename and os.path.isabs(error.filename)  # (rmtree names entries alone)
+            return files.WriteFailed(error.filename if named else path, error)
+        if code := _TENSORSTORE_ERRNO.search(str(error)):
+            named = _TENSORSTORE_FILE.search(str(error))
+            number = int(code.group(1))
+            return files.WriteFailed(named.group(1) if named else path, OSError(number, os.strerror(number)))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _QuietWriteFailures(logging.Filter):
+    """Drops orbax's log records of a failed write (one per orbax thread, each with a traceback): the
+    Checkpointer raises the failure as one line (`files.WriteFailed`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return error is None or _write_failure(error, Path()) is None
 
 
 def _agree(value: int) -> int:

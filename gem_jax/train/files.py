@@ -1,25 +1,60 @@
 """Run-directory file helpers: atomic writes (a crash or kill -9 leaves the old file or the new one,
-never half of one) and content hashes."""
+never half of one), content hashes, and `WriteFailed`: a write into the run directory that the disk
+refused (full, over quota, read-only, no permission), one line naming the path, instead of an OSError
+raised from wherever the write happened to be (a metrics line, an orbax thread, a manifest)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from gem_jax.train.workdir_lock import WorkdirError
+
+
+class WriteFailed(WorkdirError):
+    """A write into the run directory failed; the message names the path and the reason."""
+
+    def __init__(self, path: Path | str, error: OSError):
+        self.path = Path(path)
+        self.errno = error.errno
+        name = errno.errorcode.get(error.errno) if error.errno else None
+        reason = error.strerror or str(error) or type(error).__name__
+        super().__init__(f"cannot write {self.path}: {reason}{f' ({name})' if name else ''}")
+
+
+@contextlib.contextmanager
+def writing(path: Path | str) -> Iterator[None]:
+    """Turns an OSError inside into `WriteFailed` naming `path`."""
+    try:
+        yield
+    except WriteFailed:
+        raise
+    except OSError as e:
+        raise WriteFailed(path, e) from e
+
 
 def write_text(path: Path, text: str) -> None:
-    """Writes `text` to a temporary file beside `path`, flushes it to disk, then renames it over `path`."""
+    """Writes `text` to a temporary file beside `path`, flushes it to disk, then renames it over `path`;
+    raises WriteFailed naming `path` if the disk refuses."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    try:
+        with writing(path):
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.replace(path)
+    except WriteFailed:  # a full disk: the old file stays, the partial temporary one goes
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     _fsync_dir(path.parent)
 
 

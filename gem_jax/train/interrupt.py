@@ -20,6 +20,11 @@ So a signal is one of two things, depending on what the process is doing:
   a pending signal, and all stop after the same step (gem_jax/train/loop.py; jax's own SIGTERM
   handler, its preemption service, is turned off in gem_jax/distributed.py).
 
+In a multi-process run, an exit at once reaches every process: `exit_now` first tells the others
+(gem_jax/train/peers.py), which exit the same way, with the same code, within a second. So a signal
+to one process before the first step, a second signal, or a signal after the loop (during the
+test-split scoring, say) ends all of them, as a first signal in the loop stops all of them.
+
 Grain worker processes (`data.num_workers`) are started with SIGINT and SIGTERM blocked
 (`blocked()` around the data iterator's start): Ctrl-C in a terminal signals the whole process
 group, and a worker that died of it would surface as a worker-crash traceback in the trainer.
@@ -47,6 +52,7 @@ class Interrupts:
     def __init__(self):
         self.requested: int | None = None  # the first signal received inside saving()
         self._saving = 0  # depth of saving() contexts
+        self._saved = False  # a saving() context ended normally: the run's checkpoint is written
         self._installed = False
 
     @property
@@ -73,6 +79,7 @@ class Interrupts:
                 signal.signal(sig, handler)
             self._installed = False
             self.requested = None
+            self._saved = False
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[Interrupts]:
@@ -80,6 +87,7 @@ class Interrupts:
         self._saving += 1
         try:
             yield self
+            self._saved = True
         finally:
             self._saving -= 1
 
@@ -91,6 +99,8 @@ class Interrupts:
             return
         if self._saving:
             exit_now(128 + signum, f"{name} again: exiting without saving")
+        if self._saved:
+            exit_now(128 + signum, f"{name}: exiting (the checkpoint is saved)")
         exit_now(128 + signum, f"{name}: exiting (nothing to save yet)")
 
 
@@ -104,8 +114,19 @@ def _say(message: str) -> None:
         os.write(2, (message + "\n").encode())
 
 
-def exit_now(code: int, message: str) -> None:
-    """Ends the process at once: no interpreter shutdown (see the module docstring), children killed."""
+_EXITING = threading.Lock()
+
+
+def exit_now(code: int, message: str, *, tell_others: bool = True) -> None:
+    """Ends the process at once: no interpreter shutdown (see the module docstring), children killed;
+    in a multi-process run the other processes are told first (unless this exit is their stop)."""
+    if not _EXITING.acquire(blocking=False):  # another thread is ending the process already
+        while True:
+            time.sleep(60)
+    if tell_others:
+        from gem_jax.train import peers  # (peers uses this module)
+
+        peers.tell_others(code, message)
     with contextlib.suppress(Exception):
         for child in multiprocessing.active_children():
             os.kill(child.pid, signal.SIGKILL)
@@ -140,6 +161,12 @@ def worker_init(index: int, count: int) -> None:
     """Grain `worker_init_fn`: no SIGINT/SIGTERM in data workers; exit when the trainer is gone
     (also after a kill -9 of the trainer, which would otherwise leave them running forever)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    exit_with_parent()
+
+
+def exit_with_parent() -> None:
+    """Ends this process, quietly, within a second of its parent's end (a data worker's trainer, a
+    supervised trainer's supervisor: gem_jax/train/supervisor.py)."""
     parent = os.getppid()
 
     def watch() -> None:

@@ -38,6 +38,7 @@ from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.profiling import TraceWindow
 from gem_jax.train.run_record import RunRecord, data_fingerprint
+from gem_jax.train.run_status import STATUS
 from gem_jax.train.step import Trainer
 from gem_jax.train.task import Task, flatten, higher_is_better
 from gem_jax.train.workdir_lock import WorkdirError, WorkdirLock, check_usable
@@ -64,21 +65,24 @@ class MetricsWriter:
         self.tb = None
         if not self.enabled:
             return
-        path = workdir / "metrics.jsonl"
-        drop_records_after(path, resume_step)
-        self.file = open(path, "a")  # noqa: SIM115 (closed in close())
+        self.path = workdir / "metrics.jsonl"
+        drop_records_after(self.path, resume_step)
+        with files.writing(self.path):
+            self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
         try:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
+            with files.writing(workdir / "tensorboard"):
+                self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
         except ImportError:
             pass
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        with files.writing(self.path):  # a full disk: one line naming the file (files.WriteFailed)
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
         if self.tb is not None:
             step = record["step"]
             for key, value in flatten(record).items():
@@ -87,9 +91,13 @@ class MetricsWriter:
 
     def close(self) -> None:
         if self.file:
-            self.file.close()
+            with contextlib.suppress(OSError):  # every line was flushed already (or its failure raised)
+                self.file.close()
         if self.tb is not None:
-            self.tb.close()
+            # TensorBoard's events are a view of metrics.jsonl: a full disk while flushing them must
+            # not hide the failure that stopped the run (raised already, from the record itself).
+            with contextlib.suppress(OSError):
+                self.tb.close()
 
 
 def drop_records_after(path: Path, step: int) -> None:
@@ -188,14 +196,16 @@ def train(
     *,
     stop_after: int | None = None,
     profile_steps: tuple[int, int] | None = None,
+    restart: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Trains (or resumes) `task` in `workdir` until its last step or an early stop; returns a summary.
 
     `stop_after` ends this invocation (with a checkpoint) after that global step, as a preemption
     would; re-running resumes. `profile_steps=(A, B)` traces global steps A..B-1 into
-    `workdir/profile` (gem_jax/train/profiling.py). Raises WorkdirError (the workdir is unusable,
-    locked by another trainer, holds a run with other settings, or no intact checkpoint) before
-    writing anything.
+    `workdir/profile` (gem_jax/train/profiling.py). `restart`: this invocation is a supervisor's
+    relaunch (gem_jax/train/supervisor.py), recorded in resumes.jsonl. Raises WorkdirError (the
+    workdir is unusable, locked by another trainer, holds a run with other settings, or no intact
+    checkpoint) before writing anything, and files.WriteFailed when the disk refuses a write.
     """
     workdir = Path(workdir)
     check_usable(workdir)
@@ -206,13 +216,14 @@ def train(
     with interrupt.INTERRUPTS.handling() as interrupts, lock:
         plan = record.check(task.config, fingerprint)  # again: no other trainer can write now
         checkpoints = Checkpointer(workdir / "checkpoints", task.config.train)  # removes unfinished saves
+        STATUS.training(checkpoints.directory)  # for reports of stops from outside the loop
         best = Checkpointer(workdir / "best", task.config.train, keep=1) if task.select_metric else None
         try:
             latest = checkpoints.newest_intact()
             if best is not None:
                 best.newest_intact(required=False)
             if jax.process_index() == 0:
-                record.write(plan, task.config, fingerprint, resumed_from=latest)
+                record.write(plan, task.config, fingerprint, resumed_from=latest, restart=restart)
             return _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps)
         finally:
             checkpoints.close()
@@ -291,6 +302,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     state, metrics = trainer.train_step(state, trainer.to_device(stack))
                 step += 1
+                STATUS.at_step(step)
                 if step == start + 1:
                     protect.enter_context(interrupts.saving())
                 checkpoints.poll()
@@ -360,7 +372,9 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
             checkpoints.wait()
             if best is not None:
                 best.wait()
-        signalled = signal_pending()  # the agreed flag: every process then scores the test split, or none
+        # Agreed again: a signal may have come during the last save, after the loop's last agreement.
+        # Every process then scores the test split, or none.
+        signalled = agree(anyone=interrupts.requested is not None)[0] if multi else signal_pending()
         finished = progress.stopped is not None or step >= total
         test = (
             _score_test(task, evaluate, trainer, best, checkpoints, progress, workdir, writer, say)

@@ -9,7 +9,8 @@ Files (all written atomically):
   and whether the tree had uncommitted changes, jax version), the creation time and host.
 * `resumes.jsonl`: one line per later invocation: time, host, code version, the checkpoint step it
   resumed from, and the settings in `MAY_CHANGE` that differ from `config.toml` (its effective
-  overrides; `eval --workdir` applies the last line's).
+  overrides; `eval --workdir` applies the last line's); for a supervisor's relaunch (`--restarts`),
+  `restart`: the attempt, of how many, and the line that reported the end before it.
 
 A re-run compares its config and data with the record before anything in the workdir is written.
 Any difference outside `MAY_CHANGE`, or data whose content changed, is refused with one line naming
@@ -252,9 +253,17 @@ class RunRecord:
         return Plan(new=False, changed={k: diff[k] for k in diff}, record=record)
 
     def write(
-        self, plan: Plan, config: Config, fingerprint: dict[str, Any], resumed_from: int | None
+        self,
+        plan: Plan,
+        config: Config,
+        fingerprint: dict[str, Any],
+        resumed_from: int | None,
+        restart: dict[str, Any] | None = None,
     ) -> None:
-        """Writes the record of a new run, or appends this resume (call with the workdir lock held)."""
+        """Writes the record of a new run, or appends this resume (call with the workdir lock held).
+
+        `restart`: this invocation is a supervisor's relaunch (its attempt, of how many, after what);
+        a line is appended for it even when the run starts over (no checkpoint was saved before)."""
         from gem_jax.config import config_to_toml
 
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -275,7 +284,7 @@ class RunRecord:
                     **({} if plan.new else {"note": "recorded at a resume: the run predates run records"}),
                 },
             )
-            if plan.new:
+            if plan.new and restart is None:
                 return
         line = {
             "time": now,
@@ -284,8 +293,9 @@ class RunRecord:
             "resumed_from_step": resumed_from,
             "code": code,
             "changed": {k: [a, b] for k, (a, b) in plan.changed.items()},
+            **({"restart": restart} if restart else {}),
         }
-        with open(self.resumes_path, "a") as f:
+        with files.writing(self.resumes_path), open(self.resumes_path, "a") as f:
             f.write(json.dumps(line, default=str) + "\n")
             f.flush()
             os.fsync(f.fileno())
