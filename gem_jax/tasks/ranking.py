@@ -30,7 +30,7 @@ from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids, sparse_feature_groups
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train import interrupt
-from gem_jax.train.flops import train_step_flops
+from gem_jax.train.flops import nvidia_hstu_flops, train_step_flops
 from gem_jax.train.metrics import auc, normalized_entropy
 from gem_jax.train.task import Metrics
 
@@ -120,6 +120,7 @@ class RankingTask:
             "examples": float((stack.num_targets > 0).sum()),
             "tokens": float(stack.offsets[:, -1].sum()),
             "flops": train_step_flops(self.config, stack.offsets, stack.num_targets),
+            "flops_nvidia": nvidia_hstu_flops(self.config, stack.offsets, stack.num_targets),
         }
 
     # ------------------------------------------------------------------------- loss
