@@ -103,8 +103,14 @@ class DataConfig:
     zipf_exponent: float = setting(1.1, POSITIVE)
     num_actions: int = setting(4, AT_LEAST_1)  # action types of history events
     latent_dim: int = setting(8, AT_LEAST_1)  # dimension of the planted user/item factors
-    history_len_mean: float = setting(30.0, POSITIVE)  # log-normal history lengths: median
+    # History lengths: "lognormal" (median history_len_mean, shape history_len_sigma) or "zipf" (P(n) ~
+    # n^-history_len_zipf_alpha for n >= 1, times history_len_unit events: NVIDIA's HSTU benchmark draws
+    # Zipf(1.2) items and interleaves an action token with each, so 2 tokens per draw); both cut below.
+    history_len_distribution: Literal["lognormal", "zipf"] = "lognormal"
+    history_len_mean: float = setting(30.0, POSITIVE)
     history_len_sigma: float = setting(1.0, AT_LEAST_0)
+    history_len_zipf_alpha: float = setting(1.2, Range(1.0, low_open=True))
+    history_len_unit: int = setting(1, AT_LEAST_1)
     # histories are cut to their most recent events; 0 (records only): the history removed (an ablation)
     max_history_len: int = setting(128, AT_LEAST_0)
     empty_history_fraction: float = setting(0.05, FRACTION)
