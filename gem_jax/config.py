@@ -124,6 +124,10 @@ class DataConfig:
     examples_per_shard: int = setting(64, AT_LEAST_1, fingerprint=False)
     tokens_per_shard: int = setting(2048, AT_LEAST_1, fingerprint=False)  # token capacity of one shard's pack
     eval_examples: int = setting(4096, AT_LEAST_1, fingerprint=False)
+    # How a step's packs are grouped (ranking): "off", shard g packs its own examples in order; "attention",
+    # the step's examples regrouped over this process's packs so that every device gets about the same
+    # attention work (gem_jax/data/balance.py). The same examples per step either way.
+    balance: Literal["off", "attention"] = setting("off", fingerprint=False)
     # Grain worker processes generating train examples (0: in the main process). Not `may_change`: each
     # worker packs its own slice of the example stream, so the count decides which examples a batch
     # holds, and the saved data position is one per worker.
@@ -704,6 +708,11 @@ def _validate_retrieval(config: Config, source: str) -> None:
     if not d.path:
         raise ConfigError(
             f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'
+        )
+    if d.balance != "off":
+        raise ConfigError(
+            f"{source}: `data.balance` {d.balance!r} is for the ranking packs; the next-item packer does not "
+            'balance (use "off")'
         )
     if d.tokens_per_shard < r.max_len:
         raise ConfigError(

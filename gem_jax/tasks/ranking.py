@@ -100,6 +100,7 @@ class RankingTask:
             process_count=process_count,
             stream=self.records.stream if self.records is not None else None,
             read_options=READ_OPTIONS if self.records is not None else None,
+            balance=d.balance == "attention",
         )
 
     def train_data(self, process_index: int, process_count: int) -> grain.IterDataset:
