@@ -180,3 +180,15 @@ def test_training_with_balance_resumes_bitwise(tmp_path):
     assert step_a == step_b == 6
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y)
+
+
+def test_tight_capacities_start_from_the_packs_as_they_were():
+    """Four packs of 120 tokens: heaviest-first strands an example, so the placement starts from the packs
+    the packer made (in order) and swaps unload the busiest of them."""
+    lengths = np.array([30, 70, 55, 65, 30, 40, 50, 35, 45])  # work (tile 10): 6 28 21 28 6 10 15 10 15
+    original = [[0, 1], [2, 3], [4, 5, 6], [7, 8]]  # work 34, 49, 31, 25
+    kw = dict(packs=4, examples_capacity=10, tokens_capacity=120, tile=10)
+    assert balanced_groups(lengths, **kw) is None
+    groups = balanced_groups(lengths, **kw, fallback=original)
+    assert groups == [[0, 1], [3, 7], [4, 5, 6], [2, 8]]  # work 34, 38, 31, 36
+    assert all(lengths[g].sum() <= 120 for g in groups)

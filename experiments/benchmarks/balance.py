@@ -11,8 +11,7 @@ gem_jax/data/balance.py does. Per step, each pack's attention work is its sequen
   step time, if it follows the busiest device's tile pairs);
 - `lower_bound`: the mean of max(the heaviest single sequence, the mean pack's work) / mean: no grouping
   does better;
-- `kept`: steps left as they were (no placement fitted the capacities); `balance_ms_per_step`: host time
-  of the regrouping (a data worker's, per step).
+- `balance_ms_per_step`: host time of the regrouping (a data worker's, per step).
 """
 
 from __future__ import annotations
@@ -60,21 +59,23 @@ def main(argv: list[str]) -> int:
         **pack,
     )
     before, after, bound, mean = [], [], [], []
-    kept, seconds = 0, 0.0
+    held_examples = held_tokens = 0.0
+    seconds = 0.0
     for _, stack in zip(range(args.steps), data, strict=False):
         t0 = time.perf_counter()
         balanced = balance_stack(stack, **pack)
         seconds += time.perf_counter() - t0
-        kept += balanced is stack
         work, regrouped = pack_work(stack), pack_work(balanced)
         if work.sum() != regrouped.sum():
             raise AssertionError(f"the regrouped step holds other sequences: work {work} -> {regrouped}")
         before.append(float(work.max()))
         after.append(float(regrouped.max()))
         mean.append(float(work.mean()))
+        held_examples += float((stack.num_targets > 0).sum()) / args.shards
+        held_tokens += float(stack.offsets[:, -1].sum()) / args.shards
         bound.append(max(float(attention_work(np.diff(stack.offsets, axis=-1)).max()), mean[-1]))
     before, after, bound, mean = map(np.array, (before, after, bound, mean))
-    tokens = d.tokens_per_shard
+    steps = max(len(mean), 1)
     result = {
         "config": args.config,
         "overrides": args.overrides,
@@ -87,9 +88,9 @@ def main(argv: list[str]) -> int:
         },
         "lower_bound": float(np.mean(bound / mean)),
         "attention_speedup": float(before.sum() / after.sum()),
-        "kept": kept,
-        "balance_ms_per_step": 1e3 * seconds / max(len(mean), 1),
-        "packs": f"{d.examples_per_shard} examples, {tokens} tokens",
+        "balance_ms_per_step": 1e3 * seconds / steps,
+        "capacity": f"{d.examples_per_shard} examples, {d.tokens_per_shard} tokens",
+        "per_pack": {"examples": held_examples / steps, "tokens": held_tokens / steps},
     }
     print(json.dumps(result, indent=1))
     return 0
