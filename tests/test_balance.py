@@ -192,3 +192,40 @@ def test_tight_capacities_start_from_the_packs_as_they_were():
     groups = balanced_groups(lengths, **kw, fallback=original)
     assert groups == [[0, 1], [3, 7], [4, 5, 6], [2, 8]]  # work 34, 38, 31, 36
     assert all(lengths[g].sum() <= 120 for g in groups)
+
+
+def test_records_balance_like_the_generator(tmp_path):
+    """Shards of the generator's examples 0..N-1, read back in order and balanced, give bitwise the balanced
+    generator stacks, and the iterator state (positions, the records' counters) of the unbalanced reader."""
+    from gem_jax.data.records.dataset import RecordsData
+    from tests.test_records import synth_shards
+
+    c = small_config(*ZIPF)
+    synth_shards(tmp_path / "valid", c, 120)
+    shards = f"{tmp_path / 'valid'}"
+    rc = small_config(*ZIPF, "data.kind=records", f"data.path={shards}", f"data.eval_path={shards}")
+    data, d = RecordsData(rc), rc.data
+
+    def records(balance: bool):
+        return iter(
+            packed_dataset(
+                data.examples("valid"),
+                stream=data.stream,
+                examples_capacity=d.examples_per_shard,
+                tokens_capacity=d.tokens_per_shard,
+                num_sparse_features=d.num_sparse_features,
+                max_bag_size=d.max_bag_size,
+                prefix=rc.model.num_context_tokens,
+                shards=4,
+                process_index=0,
+                process_count=1,
+                balance=balance,
+            )
+        )
+
+    expected = list(_dataset(c, 4, balance=True, num=120))
+    got, plain = records(True), records(False)
+    for e in expected:
+        jax.tree.map(np.testing.assert_array_equal, next(got), e)
+        next(plain)
+    assert got.get_state() == plain.get_state()
