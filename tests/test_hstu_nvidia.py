@@ -4,7 +4,6 @@ budget, its sequence lengths follow their Zipf draw, and the config trains on CP
 import json
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
@@ -14,6 +13,7 @@ from gem_jax.embeddings.planner import plan_tables
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.step import Trainer
+from tests.helpers import abstract_train_state
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "hstu_nvidia.toml"
 
@@ -80,11 +80,7 @@ def test_full_size_step_compiles_on_abstract_state():
     c = load_config(CONFIG, ["parallel.mesh_shape=[1]", "data.num_items=1000", "data.num_workers=0"])
     task = make_task(c)
     trainer = Trainer(task, task.mesh)
-    state = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        trainer.abstract_state,
-        trainer.state_shardings,
-    )
+    state = abstract_train_state(trainer)
     stack = next(iter(task.train_data(0, 1)))
     assert stack.item_ids.shape == (1, 65536) and stack.offsets[0, -1] > 30000
     compiled = trainer.train_step.lower(state, trainer.to_device(stack)).compile()
