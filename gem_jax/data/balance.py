@@ -19,7 +19,8 @@ they fit and leave both packs below its load. Within a pack the examples keep th
 What stays: the step holds the same examples (only which device holds each changes), so an epoch sees
 the same examples; and the regrouping is a function of the step's stack alone, so the data iterator's
 state, and therefore resume, are those of the unbalanced pipeline. The loss is a mean over the step's
-examples, so the regrouping changes only the order of floating-point sums. A process regroups the packs
+examples, so the regrouping changes only the order of floating-point sums (and, with dropout, which
+random mask an example draws). A process regroups the packs
 it builds (its devices): across hosts each host balances its own.
 """
 
