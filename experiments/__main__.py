@@ -39,6 +39,7 @@ BENCHMARKS = {
     "mosaic_attention": "experiments.benchmarks.mosaic_attention",
     "train_step": "experiments.benchmarks.train_step",
     "pipeline": "experiments.benchmarks.pipeline",
+    "balance": "experiments.benchmarks.balance",
     "fp8": "experiments.benchmarks.fp8",
     "embeddings": "experiments.benchmarks.embeddings",
 }

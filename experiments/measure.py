@@ -75,6 +75,7 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
     per_step = {k: float(np.mean([c.get(k, 0.0) for c in used])) for k in used[0]}
     peak = device_peak_flops(mesh.devices.flat[0].device_kind)
     tflops = per_step["flops"] / step_s / mesh.size / 1e12 if "flops" in per_step else None
+    nvidia = per_step["flops_nvidia"] / step_s / mesh.size / 1e12 if "flops_nvidia" in per_step else None
 
     measured = []
     for d in mesh.devices.flat:
@@ -96,6 +97,7 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
         "examples_per_s": per_step["examples"] / step_s if "examples" in per_step else None,
         "tflops_per_device": tflops,
         "mfu": tflops * 1e12 / peak if tflops is not None and peak else None,
+        "mfu_nvidia": nvidia * 1e12 / peak if nvidia is not None and peak else None,  # NVIDIA's HSTU count
         "loss": losses[-1],
         "loss_first": losses[0],
         "steps": steps,

@@ -103,8 +103,14 @@ class DataConfig:
     zipf_exponent: float = setting(1.1, POSITIVE)
     num_actions: int = setting(4, AT_LEAST_1)  # action types of history events
     latent_dim: int = setting(8, AT_LEAST_1)  # dimension of the planted user/item factors
-    history_len_mean: float = setting(30.0, POSITIVE)  # log-normal history lengths: median
+    # History lengths: "lognormal" (median history_len_mean, shape history_len_sigma) or "zipf" (P(n) ~
+    # n^-history_len_zipf_alpha for n >= 1, times history_len_unit events: NVIDIA's HSTU benchmark draws
+    # Zipf(1.2) items and interleaves an action token with each, so 2 tokens per draw); both cut below.
+    history_len_distribution: Literal["lognormal", "zipf"] = "lognormal"
+    history_len_mean: float = setting(30.0, POSITIVE)
     history_len_sigma: float = setting(1.0, AT_LEAST_0)
+    history_len_zipf_alpha: float = setting(1.2, Range(1.0, low_open=True))
+    history_len_unit: int = setting(1, AT_LEAST_1)
     # histories are cut to their most recent events; 0 (records only): the history removed (an ablation)
     max_history_len: int = setting(128, AT_LEAST_0)
     empty_history_fraction: float = setting(0.05, FRACTION)
@@ -118,6 +124,10 @@ class DataConfig:
     examples_per_shard: int = setting(64, AT_LEAST_1, fingerprint=False)
     tokens_per_shard: int = setting(2048, AT_LEAST_1, fingerprint=False)  # token capacity of one shard's pack
     eval_examples: int = setting(4096, AT_LEAST_1, fingerprint=False)
+    # How a step's packs are grouped (ranking): "off", shard g packs its own examples in order; "attention",
+    # the step's examples regrouped over this process's packs so that every device gets about the same
+    # attention work (gem_jax/data/balance.py). The same examples per step either way.
+    balance: Literal["off", "attention"] = setting("off", fingerprint=False)
     # Grain worker processes generating train examples (0: in the main process). Not `may_change`: each
     # worker packs its own slice of the example stream, so the count decides which examples a batch
     # holds, and the saved data position is one per worker.
@@ -698,6 +708,11 @@ def _validate_retrieval(config: Config, source: str) -> None:
     if not d.path:
         raise ConfigError(
             f'{source}: `data.path` must name the interactions file for data.kind = "interactions"'
+        )
+    if d.balance != "off":
+        raise ConfigError(
+            f"{source}: `data.balance` {d.balance!r} is for the ranking packs; the next-item packer does not "
+            'balance (use "off")'
         )
     if d.tokens_per_shard < r.max_len:
         raise ConfigError(

@@ -132,6 +132,16 @@ def stacks(config: Config, shards: int, start: int = 0):
     return iter(ds)
 
 
+def abstract_train_state(trainer):
+    """The trainer's state as shapes with their shardings, to compile the step ahead of time without
+    allocating it (full-size tables included)."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        trainer.abstract_state,
+        trainer.state_shardings,
+    )
+
+
 def first_pack(stack):
     return jax.tree.map(lambda x: x[0], stack)
 

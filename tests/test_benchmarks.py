@@ -76,3 +76,19 @@ def test_bench_bias_rows_checks_each_build_against_the_shipped_one(capsys):
     assert out.count("equals the shipped build: yes") == 2, out  # the shipped build itself and one other
     for label in ("bias_rows", "bias computed in the kernels", "no bias"):
         assert f"forward, {label}:" in out, out
+
+
+def test_bench_balance_reports_less_imbalance_balanced(capsys):
+    """`bench balance` on Zipf histories over 8 packs: the same sequences per step, a smaller largest pack."""
+    import json
+
+    from experiments.benchmarks import balance
+
+    zipf = ["data.history_len_distribution=zipf", "data.max_history_len=1000", "data.tokens_per_shard=2048"]
+    args = ["--config", "configs/tiny.toml", "--shards", "8", "--steps", "4"]
+    assert balance.main([*args, *(x for kv in zipf for x in ("--set", kv))]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"] == 4
+    ratio = report["max_over_mean"]
+    assert report["lower_bound"] <= ratio["balanced"] < ratio["unbalanced"]
+    assert report["attention_speedup"] > 1

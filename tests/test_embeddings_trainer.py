@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 import re
 
-import jax
 import numpy as np
 import pytest
 
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.step import Trainer
-from tests.helpers import small_config, stacks
+from tests.helpers import abstract_train_state, small_config, stacks
 
 LEAN = ("model.num_layers=1", "model.wukong_layers=1", "train.log_every=1")
 _COLLECTIVE = re.compile(r"=\s*(.*?)\s(all-gather|all-reduce|all-to-all)(?:-start)?\(")
@@ -58,11 +57,7 @@ def test_compiled_train_step_moves_no_table_sized_operand():
     )
     task = make_task(c)
     trainer = Trainer(task, task.mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        trainer.abstract_state,
-        trainer.state_shardings,
-    )
+    abstract = abstract_train_state(trainer)
     batch = trainer.to_device(next(stacks(c, shards=8)))
     hlo = trainer.train_step.lower(abstract, batch).compile().as_text()
     sizes = {"all-gather": [], "all-reduce": [], "all-to-all": []}

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from gem_jax.train.flops import train_step_flops
+from gem_jax.train.flops import nvidia_hstu_flops, train_step_flops, train_step_flops_by_group
 from tests.helpers import small_config
 
 
@@ -34,3 +34,43 @@ def test_long_history_counts_recent_part_and_blocks():
     delta = train_step_flops(plain, offsets, targets) - train_step_flops(c, offsets, targets)
     expected = unit * (103**2 / 2 - ((2 + 4 + 1) ** 2 / 2 + 103 * 8 / 2))
     np.testing.assert_allclose(delta, expected, rtol=1e-9)
+
+
+def test_nvidia_count_by_hand():
+    """NVIDIA's HSTU count (gem_jax/train/flops.py) for one sequence of T = 10 rows: C = 2 context,
+    H = 7 history, K = 1 candidate; N = 2 heads of D = 4, model width W = 8, two layers."""
+    c = small_config(
+        "model.num_layers=2",
+        "model.num_heads=2",
+        "model.attention_dim=4",
+        "model.value_dim=4",
+        "model.model_dim=8",
+        "model.num_context_tokens=2",
+    )
+    offsets = np.array([0, 10, 10], np.int32)  # the second example is padding
+    targets = np.array([1, 0], np.int32)
+    attention = 4 * 2 * 10 * (2 + 7) * 4 - 2 * 2 * 7**2 * 4 + 4 * 2 * 1 * 4  # 2128
+    gemms = 2 * 10 * (4 * 2 * 4) * 8 + 2 * 10 * (2 * 4) * 8  # 6400
+    elementwise = 2 * 10 * 2 * 4 + 10 * 2 * 8  # 320
+    per_layer = 3.5 * attention + 3 * gemms + elementwise  # 26968
+    assert nvidia_hstu_flops(c, offsets, targets) == 2 * per_layer == 53936
+
+
+def test_nvidia_count_matches_their_published_step():
+    """PERF_ANALYSIS.md (NVIDIA recsys-examples, examples/hstu/training/benchmark): 63.89 TFLOPs per GPU
+    step for B = 32 sequences of T = 4099 (C = 3 context tokens, no candidates), 8 layers, 4 heads x 256,
+    width 1024."""
+    c = small_config(
+        "model.num_layers=8",
+        "model.num_heads=4",
+        "model.attention_dim=256",
+        "model.value_dim=256",
+        "model.model_dim=1024",
+        "model.num_context_tokens=3",
+    )
+    offsets = np.arange(33, dtype=np.int64) * 4099
+    np.testing.assert_allclose(nvidia_hstu_flops(c, offsets, np.zeros(32)), 63.89e12, rtol=1e-3)
+    # Our count of the same HSTU layers differs only in the causal attention's diagonal and context rows.
+    ours = train_step_flops_by_group(c, offsets, np.zeros(32))
+    hstu_ours = ours["gemm hstu"] + ours["attention fwd"] + ours["attention bwd"]
+    np.testing.assert_allclose(hstu_ours, 63.89e12, rtol=1e-2)

@@ -44,7 +44,7 @@ def test_resume_gives_identical_parameters(tmp_path):
         np.testing.assert_array_equal(x, y)
     records = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in records if "loss" in r]
-    for key in ("step", "loss", "examples_per_s", "tokens_per_s", "tflops_per_device", "mfu"):
+    for key in ("step", "loss", "examples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "mfu_nvidia"):
         assert key in logged[0], key
     evals = [r for r in records if r.get("split") == "valid"]
     assert evals and set(evals[-1]["valid"]) == {"click", "conversion"}

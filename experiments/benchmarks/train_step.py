@@ -3,8 +3,9 @@
 Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker, over
 at least two batches per worker; the generator, or the shards with `data.kind = "records"`) and
 (2) the jitted train step alone on batches already on the device (median of repeated steps over a few
-rotating batches), and reports both with the analytic TFLOP/s and MFU, so a run's throughput can be
-attributed to host or device.
+rotating batches), and reports both with the analytic TFLOP/s and MFU (by our count, and `_nvidia` by NVIDIA
+recsys-examples' HSTU count: gem_jax/train/flops.py), so a run's throughput can be attributed to host or
+device.
 
 The step is compiled once, ahead of time (`compile_s`), and the GEMM custom calls of its optimised HLO
 are counted (`gemm_calls`: cuBLASLt FP8, cuBLASLt, cuBLAS; GPU only). With `precision.fp8=true` it
@@ -47,7 +48,7 @@ def main(argv: list[str]) -> int:
     from experiments.fp8_gemms import fp8_dots, summary
     from gem_jax.config import load_config
     from gem_jax.tasks import make_task
-    from gem_jax.train.flops import device_peak_flops, train_step_flops
+    from gem_jax.train.flops import device_peak_flops, nvidia_hstu_flops, train_step_flops
     from gem_jax.train.step import Trainer
 
     config = load_config(args.config, args.overrides)
@@ -61,6 +62,7 @@ def main(argv: list[str]) -> int:
     host = pipeline.batches
     batches = [trainer.to_device(h) for h in host[: args.batches]]
     flops = [train_step_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
+    flops_nvidia = [nvidia_hstu_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     tokens = [float(h.offsets[:, -1].sum()) for h in host[: args.batches]]
     state = trainer.init_state()
     lowered = trainer.train_step.lower(state, batches[0])
@@ -85,6 +87,7 @@ def main(argv: list[str]) -> int:
     step_s = float(np.median(times))
     peak = device_peak_flops(jax.devices()[0].device_kind)
     tflops = float(np.mean(flops)) / step_s / jax.device_count() / 1e12
+    tflops_nvidia = float(np.mean(flops_nvidia)) / step_s / jax.device_count() / 1e12
     result = {
         "config": args.config,
         "overrides": args.overrides,
@@ -100,6 +103,8 @@ def main(argv: list[str]) -> int:
         "tokens_per_s_device_only": float(np.mean(tokens)) / step_s,
         "tflops_per_device": tflops,
         "mfu": (tflops * 1e12 / peak) if peak else None,
+        "tflops_per_device_nvidia": tflops_nvidia,
+        "mfu_nvidia": (tflops_nvidia * 1e12 / peak) if peak else None,
         "compile_s": compile_s,
         "gemm_calls": gemm_calls if jax.default_backend() == "gpu" else None,
         "fp8": fp8,

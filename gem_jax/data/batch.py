@@ -118,6 +118,27 @@ def pack_examples(
     )
 
 
+def unpack_examples(pack: JaggedBatch, *, prefix: int, num_sparse_features: int) -> list[dict[str, Any]]:
+    """The real examples of one (numpy) pack, in order, as `pack_examples` takes them: packing them again
+    (same prefix, bags already cut) gives the same pack."""
+    o, so, f = np.asarray(pack.offsets), np.asarray(pack.sparse_offsets), num_sparse_features
+    examples = []
+    for b in np.flatnonzero(np.asarray(pack.num_targets) > 0):
+        start, end = o[b] + prefix, o[b + 1]
+        examples.append(
+            {
+                "item_ids": pack.item_ids[start:end],
+                "action_ids": pack.action_ids[start:end],
+                "timestamps": pack.timestamps[start:end],
+                "num_targets": int(pack.num_targets[b]),
+                "sparse_ids": [pack.sparse_values[so[b * f + j] : so[b * f + j + 1]] for j in range(f)],
+                "dense": pack.dense[b],
+                "labels": pack.labels[b],
+            }
+        )
+    return examples
+
+
 def check_pack(batch: JaggedBatch) -> None:
     """Raises AssertionError if a (numpy) pack breaks the jagged-batch invariants."""
     o = np.asarray(batch.offsets)

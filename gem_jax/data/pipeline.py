@@ -8,12 +8,14 @@ iterator's state (a small dict) is saved by orbax beside the model (`grain.check
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import grain
 import jax
 
+from gem_jax.data.balance import balance_stack
 from gem_jax.data.batch import pack_examples
 from gem_jax.data.packing import PackIterDataset, ShardStacks
 
@@ -31,6 +33,7 @@ def packed_dataset(
     process_count: int | None = None,
     stream: Callable[[grain.IterDataset], grain.IterDataset] | None = None,
     read_options: grain.ReadOptions | None = None,
+    balance: bool = False,
 ) -> grain.IterDataset:
     """Examples `0, 1, ...` of `examples` -> this process's stacks of its `shards / process_count` packs.
 
@@ -42,7 +45,9 @@ def packed_dataset(
     repeated shards) streams forever; otherwise the dataset ends when every shard has run out, and a
     stack may hold empty packs (eval), so every example is seen exactly once. `stream` wraps each
     shard's example stream before packing (records: skip bad records, count what was cut); `read_options`
-    are grain's threads and buffer that produce each stream's examples ahead (default: grain's).
+    are grain's threads and buffer that produce each stream's examples ahead (default: grain's). `balance`
+    regroups each stack's examples so that its packs carry about the same attention work
+    (gem_jax/data/balance.py: the same examples per step, and the same iterator state).
     """
     process_index = jax.process_index() if process_index is None else process_index
     process_count = jax.process_count() if process_count is None else process_count
@@ -79,7 +84,14 @@ def packed_dataset(
         reached = max(int(g) + state["parent"]["next_index"] * old for g, state in saved.items())
         return {"parent": {"next_index": max(0, -(-(reached - shard) // shards))}}
 
-    return ShardStacks(streams, shards, reshard)
+    stacks = ShardStacks(streams, shards, reshard)
+    if not balance:
+        return stacks
+    return stacks.map(
+        functools.partial(
+            balance_stack, prefix=prefix, num_sparse_features=num_sparse_features, max_bag_size=max_bag_size
+        )
+    )
 
 
 def example_range(

@@ -6,7 +6,7 @@ user's taste, so the history reveals the taste; one sparse feature carries a coa
 (so users with empty histories are not pure noise), another the candidate's category. A click is
 Bernoulli(sigmoid(taste . item factor + dense signal)); a conversion needs a click and a second,
 related draw. A model that learns shows it in AUC; one that does not stays near 0.5.
-History lengths are log-normal (heavy-tailed), with a fraction of empty histories.
+History lengths are log-normal or Zipf (heavy-tailed), with a fraction of empty histories.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class SyntheticAds:
         taste *= 3.5 / np.linalg.norm(taste)
         if rng.random() < c.empty_history_fraction:
             length = 0
+        elif c.history_len_distribution == "zipf":
+            draw = min(int(rng.zipf(c.history_len_zipf_alpha)), c.max_history_len)  # (the draw is unbounded)
+            length = int(np.clip(c.history_len_unit * draw, 1, c.max_history_len))
         else:
             length = int(
                 np.clip(

@@ -95,7 +95,12 @@ class GEMModel(nnx.Module):
         self.candidate_marker = param(
             rngs, nnx.initializers.normal(0.05), (m.model_dim,), ("embed",), policy.param_dtype
         )
-        self.dense_proj = Dense("input/dense", d.num_dense_features, e.dim, policy, rngs=rngs)
+        # Without dense features the dense token is zeros (a 0-wide Dense has no initialiser).
+        self.dense_proj = (
+            Dense("input/dense", d.num_dense_features, e.dim, policy, rngs=rngs)
+            if d.num_dense_features
+            else None
+        )
         n_features = d.num_sparse_features + 1
         self.context = (
             Dense("cross/context", n_features * e.dim, m.num_context_tokens * m.model_dim, policy, rngs=rngs)
@@ -150,7 +155,11 @@ class GEMModel(nnx.Module):
                 rows = embedded[name].reshape(b_cap, len(members), e_dim).astype(jnp.float32)
                 pooled = pooled.at[:, jnp.array(members)].set(rows)
         with jax.named_scope("input"):
-            dense = self.dense_proj(batch.dense)
+            dense = (
+                self.dense_proj(batch.dense)
+                if self.dense_proj is not None
+                else jnp.zeros((b_cap, e_dim), jnp.float32)
+            )
         feature_tokens = jnp.concatenate(
             [pooled.astype(jnp.float32), dense[:, None].astype(jnp.float32)],
             axis=1,

@@ -30,7 +30,7 @@ from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids, sparse_feature_groups
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train import interrupt
-from gem_jax.train.flops import train_step_flops
+from gem_jax.train.flops import nvidia_hstu_flops, train_step_flops
 from gem_jax.train.metrics import auc, normalized_entropy
 from gem_jax.train.task import Metrics
 
@@ -100,6 +100,7 @@ class RankingTask:
             process_count=process_count,
             stream=self.records.stream if self.records is not None else None,
             read_options=READ_OPTIONS if self.records is not None else None,
+            balance=d.balance == "attention",
         )
 
     def train_data(self, process_index: int, process_count: int) -> grain.IterDataset:
@@ -120,6 +121,7 @@ class RankingTask:
             "examples": float((stack.num_targets > 0).sum()),
             "tokens": float(stack.offsets[:, -1].sum()),
             "flops": train_step_flops(self.config, stack.offsets, stack.num_targets),
+            "flops_nvidia": nvidia_hstu_flops(self.config, stack.offsets, stack.num_targets),
         }
 
     # ------------------------------------------------------------------------- loss

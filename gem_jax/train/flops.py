@@ -113,3 +113,35 @@ def train_step_flops_by_group(
         "gemm wukong": 3.0 * pairs * wukong,
         "gemm heads": 3.0 * pairs * heads,
     }
+
+
+def nvidia_hstu_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarray) -> float:
+    """FLOPs of one train step as NVIDIA recsys-examples count them for their HSTU MFU
+    (examples/commons/utils/perf.py, `cal_hstu_flops_single_rank`; their E2E_BENCHMARK.md and
+    PERF_ANALYSIS.md quote it), so `mfu_nvidia` compares with their published 31.4%.
+
+    They count the HSTU layers only, on each sequence's own length T (no padding), with C context tokens,
+    K candidates and H = T - C - K history tokens, N heads of width D, model width W:
+    - attention per layer: 4 N T (C + H) D - 2 N H^2 D + 4 N K D (every row against the context and
+      history, less the upper triangle of history x history, plus each candidate on itself), x 3.5 with
+      the backward;
+    - GEMMs per layer: 2 T (4 N D) W (UVQK) + 2 T (N D) W (output), x 3 with the backward;
+    - elementwise per layer: 2 T N D (the U product, forward and backward) + T N W (the residual).
+    Their D is both the Q/K and the V width; with `attention_dim != value_dim` the QK^T half uses
+    attention_dim and the PV half value_dim (4 N D -> 2 N (Dqk + Dv)), as do U, V, Q, K in UVQK. Not
+    counted: embeddings, our token/context projections, the Wukong stack and the heads (their prediction
+    head is not counted either). It knows only the plain HSTU layer: `model.long_history` (and its
+    pyramid) is counted as if every layer attended over every token.
+    """
+    m = config.model
+    lengths = np.diff(np.asarray(offsets, np.int64), axis=-1).astype(np.float64)
+    candidates = np.asarray(num_targets, np.float64)
+    context = np.minimum(np.maximum(lengths - candidates, 0), m.num_context_tokens)
+    history = np.maximum(lengths - candidates - context, 0)
+    n, dqk, dv, w = m.num_heads, m.attention_dim, m.value_dim, m.model_dim
+    pair = 2 * n * (dqk + dv)  # QK^T and PV of one (row, column) pair: their 4 N D
+    attention = pair * lengths * (context + history) - pair / 2 * history**2 + pair * candidates
+    gemms = 2 * lengths * n * (2 * dqk + 2 * dv) * w + 2 * lengths * n * dv * w
+    elementwise = 2 * lengths * n * dv + lengths * n * w
+    per_layer = 3.5 * attention + 3.0 * gemms + elementwise
+    return float(per_layer.sum()) * m.num_layers

@@ -180,13 +180,16 @@ class _Throughput:
     def record(self, peak: float | None) -> dict[str, float | None]:
         elapsed = time.perf_counter() - self.t0
         out: dict[str, float | None] = {
-            f"{k}_per_s": v / elapsed for k, v in self.counts.items() if k != "flops"
+            f"{k}_per_s": v / elapsed for k, v in self.counts.items() if not k.startswith("flops")
         }
         out["step_time_s"] = elapsed / max(self.steps, 1)
-        if "flops" in self.counts:
-            tflops = self.counts["flops"] / elapsed / jax.device_count() / 1e12
-            out["tflops_per_device"] = tflops
-            out["mfu"] = tflops * 1e12 / peak if peak else None
+        # "flops" (our count) -> tflops_per_device, mfu; "flops_nvidia" -> tflops_per_device_nvidia, mfu_nvidia
+        for key, flops in self.counts.items():
+            if key.startswith("flops"):
+                suffix = key.removeprefix("flops")
+                tflops = flops / elapsed / jax.device_count() / 1e12
+                out[f"tflops_per_device{suffix}"] = tflops
+                out[f"mfu{suffix}"] = tflops * 1e12 / peak if peak else None
         return out
 
 

@@ -88,7 +88,9 @@ class Task(Protocol):
         ...
 
     def batch_counts(self, stack: Any) -> dict[str, float]:
-        """This process's "examples", "tokens" and (if the task has a FLOP model) "flops" in a stack."""
+        """This process's "examples", "tokens" and (if the task has a FLOP model) "flops" in a stack; other
+        FLOP counts of the same step as "flops_NAME" (the log reports each as tflops_per_device_NAME and
+        mfu_NAME)."""
         ...
 
     def data_metrics(self, data_state: Any) -> dict[str, float]:
