@@ -298,20 +298,26 @@ class EmbeddingCollection:
             out[name] = {slot: x[base : base + t.rows] for slot, x in state[entry.key].items()}
         return out
 
-    def init(self, rng: jax.Array) -> dict[str, dict[str, Array]]:
-        """Fresh sharded state. A table's values depend only on `rng` and its name, not on the plan
-        (offloaded tables are computed on the host's CPU device and kept in host memory)."""
+    def init(self, rng: jax.Array, *, host: bool = True) -> dict[str, dict[str, Array]]:
+        """Fresh sharded state. A table's values depend only on `rng` and its name, not on the plan.
+        Offloaded tables get empty caches; `host=True` also fills their host tables (`init_host`),
+        which cannot run under a trace: a jitted caller passes False and calls `init_host` after."""
         fn = jax.jit(
             lambda r: self._from_logical(self._logical_init(r)), out_shardings=self.state_shardings()
         )
         state = fn(rng)
-        host = host_device()
-        for name, table in self.offload.items():
-            with jax.default_device(host):
-                logical = jax.jit(self._init_table, static_argnums=1)(jax.device_put(rng, host), name)
-            logical = jax.tree.map(np.asarray, logical)
-            state[name] = table.load(logical["table"], logical.get("accumulator"))
+        if host:
+            self.init_host(rng)
         return state
+
+    def init_host(self, rng: jax.Array) -> None:
+        """The offloaded tables' initial values, computed on the host's CPU device into host memory."""
+        device = host_device()
+        for name, table in self.offload.items():
+            with jax.default_device(device):
+                logical = jax.jit(self._init_table, static_argnums=1)(jax.device_put(rng, device), name)
+            logical = jax.tree.map(np.asarray, logical)
+            table.load(logical["table"], logical.get("accumulator"))
 
     def _resident(self, tree):
         return {k: v for k, v in tree.items() if k not in self.offload}
