@@ -18,7 +18,7 @@ def test_small_run_checks_and_prints_the_table(capsys):
 
 @pytest.mark.slow
 def test_small_offload_run_prints_the_cache_table(capsys):
-    argv = ["--small", "--no-torch", "--reps", "2", "--offload", "--cache-fraction", "0.5"]
+    argv = ["--small", "--no-torch", "--reps", "2", "--max-bag", "8", "--offload", "--cache-fraction", "0.9"]
     assert bench_embeddings.main(argv) == 0
     out = capsys.readouterr().out
     assert "| stage + forward + backward + row-wise Adagrad |" in out

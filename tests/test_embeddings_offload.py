@@ -77,7 +77,12 @@ def _run(mesh, offload: bool, optimizer, cache_rows: int, batches):
 
 
 @pytest.mark.parametrize(
-    "devices,optimizer", [(1, RowWiseAdagrad(eps=1e-6)), (1, SparseSGD()), (8, RowWiseAdagrad(eps=1e-6))]
+    "devices,optimizer",
+    [
+        (1, RowWiseAdagrad(eps=1e-6)),
+        pytest.param(1, SparseSGD(), marks=pytest.mark.slow),
+        (8, RowWiseAdagrad(eps=1e-6)),
+    ],
 )
 def test_offload_trains_like_the_in_hbm_table(devices, optimizer):
     """Caches of 40 (1 device) or 8 x 24 slots for a 2048-row table: every step evicts, and the

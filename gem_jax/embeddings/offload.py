@@ -20,6 +20,7 @@ waits only for the exchange before step t (to collect its evictions), never for 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -76,12 +77,8 @@ class OffloadedTable:
         if self.accumulator is None:
             del cache_specs["accumulator"]
         self.cache_shardings = {k: NamedSharding(mesh, s) for k, s in cache_specs.items()}
-        exchange = jax.shard_map(
-            _exchange, mesh=mesh, in_specs=(cache_specs, spec, spec), out_specs=(cache_specs, spec),
-            check_vma=False,
-        )  # fmt: skip
-        self._exchange = jax.jit(exchange, donate_argnums=(0,))
-        self._exchange_copy = jax.jit(exchange)  # evaluation: the cache itself stays as it was
+        self._exchange = _exchange_fn(mesh, self.axes, self.accumulator is not None, donate=True)
+        self._exchange_copy = _exchange_fn(mesh, self.axes, self.accumulator is not None, donate=False)
         self._empty = jax.jit(self._zeros, out_shardings=self.cache_shardings)
 
     # ------------------------------------------------------------------------- state
@@ -193,6 +190,23 @@ class OffloadedTable:
 def _bucket(n: int) -> int:
     """Fill widths rounded up to a power of two (>= 8): few distinct shapes, few compilations."""
     return max(8, 1 << max(n - 1, 0).bit_length())
+
+
+@functools.cache
+def _exchange_fn(mesh: Mesh, axes: tuple[str, ...], accumulator: bool, donate: bool):
+    """The jitted exchange (one per mesh, axes and state slots: tables of one shape compile it once)."""
+    spec = P(axes or None)
+    cache_specs = {"table": P(axes or None, None), "accumulator": spec}
+    if not accumulator:
+        del cache_specs["accumulator"]
+    exchange = jax.shard_map(
+        _exchange,
+        mesh=mesh,
+        in_specs=(cache_specs, spec, spec),
+        out_specs=(cache_specs, spec),
+        check_vma=False,
+    )
+    return jax.jit(exchange, donate_argnums=(0,) if donate else ())
 
 
 def _exchange(cache: Cache, slots: Int[Array, "1 K"], values: dict[str, Array]) -> tuple[Cache, Cache]:
