@@ -163,5 +163,10 @@ def test_slot_cache_evicts_the_least_used_rows_outside_the_batch():
     assert again.fill_slots[0] == first.slots[1]
     nxt = cache.place(np.array([7, 8]), np.array([1, 1]))  # 7 stays (in the batch); 3 (uses 4) < 1 (5)
     assert list(nxt.evicted_rows) == [3]
+    before = (cache.slot_of.copy(), cache.row_in.copy(), cache.uses.copy())
+    dry = cache.place(np.array([0, 7]), np.array([1, 1]), commit=False)  # evaluation: nothing changes
+    assert dry.hits == 1 and list(dry.fill_rows) == [0]
+    for a, b in zip(before, (cache.slot_of, cache.row_in, cache.uses), strict=True):
+        np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="4 distinct rows in one batch, over the 3 slots"):
         cache.place(np.array([0, 1, 2, 4]), np.ones(4, np.int64))

@@ -1,8 +1,10 @@
 """Offloaded tables in the real training loop: the same run with the item table offloaded (a cache
 of 128 rows per device of its 4096) and in HBM ends with bitwise equal checkpoints, also when it stops and
-resumes, and when a checkpoint written with one placement resumes with the other."""
+resumes, and when a checkpoint written with one placement resumes with the other (both ways)."""
 
 from __future__ import annotations
+
+import shutil
 
 import jax
 import numpy as np
@@ -47,12 +49,13 @@ def _assert_equal(a, b, what):
         np.testing.assert_array_equal(x, y, err_msg=f"{what}: {jax.tree_util.keystr(path)}")
 
 
-@pytest.mark.slow  # six training runs: ~3 min on 2 CPU cores
+@pytest.mark.slow  # seven training invocations: 3 (1 device) to 6 (8 devices) min on 2 CPU cores
 @pytest.mark.parametrize("devices,optimizer", [(1, "sgd"), (8, "row_wise_adagrad")])
 def test_offload_run_checkpoints_equal_the_in_hbm_run(tmp_path, devices, optimizer):
-    """Four steps (eval at the end through a copy of the cache), four ways: in HBM; offloaded;
-    offloaded, stopped after 2 and resumed; in HBM for 2, resumed offloaded. All four final
-    checkpoints (dense parameters, optimizer state, tables, accumulators) are bitwise equal."""
+    """Four steps (eval at the end through a copy of the cache), five ways: in HBM; offloaded;
+    offloaded, stopped after 2 and resumed; offloaded for 2, resumed in HBM; in HBM for 2, resumed
+    offloaded. All five final checkpoints (dense parameters, optimizer state, tables, accumulators)
+    are bitwise equal."""
     hbm, off = (_config(devices, kind, optimizer) for kind in ("row_wise", "offload"))
     runs = {}
     summary = loop.train(make_task(hbm), tmp_path / "hbm")
@@ -62,8 +65,11 @@ def test_offload_run_checkpoints_equal_the_in_hbm_run(tmp_path, devices, optimiz
     assert offloaded["final"]["embeddings/items/cache_misses"] > 0
     assert offloaded["eval"] == summary["eval"]
     loop.train(make_task(off), tmp_path / "resumed", stop_after=2)
+    shutil.copytree(tmp_path / "resumed", tmp_path / "back")  # an offloaded checkpoint at step 2 ...
     loop.train(make_task(off), tmp_path / "resumed")
     runs["offload resumed"] = _final(off, tmp_path / "resumed")
+    loop.train(make_task(hbm), tmp_path / "back")  # ... resumed in HBM
+    runs["offload -> hbm"] = _final(hbm, tmp_path / "back")
     loop.train(make_task(hbm), tmp_path / "moved", stop_after=2)
     loop.train(make_task(off), tmp_path / "moved")  # the placement may change on resume
     runs["hbm -> offload"] = _final(hbm, tmp_path / "moved")

@@ -10,7 +10,6 @@ the whole run (also while a row is out of the cache), so a row that comes back k
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import numpy as np
@@ -33,27 +32,29 @@ class Placed:
 
 
 class SlotCache:
-    """`slots` cache slots for a block of `rows` rows (local indices on both sides)."""
+    """`slots` cache slots for a block of `rows` rows (local indices on both sides). Host memory:
+    8 bytes per row (slot, use count) and 4 per slot."""
 
     def __init__(self, rows: int, slots: int):
-        self.slot_of = np.full(rows, -1, np.int64)  # row -> its slot, -1 when not cached
-        self.row_in = np.full(slots, -1, np.int64)  # slot -> the row it holds, -1 when empty
-        self.uses = np.zeros(rows, np.int64)  # lookups of each row so far (LFU)
+        self.slot_of = np.full(rows, -1, np.int32)  # row -> its slot, -1 when not cached
+        self.row_in = np.full(slots, -1, np.int32)  # slot -> the row it holds, -1 when empty
+        self.uses = np.zeros(rows, np.int32)  # lookups of each row so far (LFU)
 
     @property
     def num_slots(self) -> int:
         return len(self.row_in)
 
-    def copy(self) -> SlotCache:
-        return copy.deepcopy(self)
-
-    def place(self, rows: Int[np.ndarray, " U"], counts: Int[np.ndarray, " U"]) -> Placed:
-        """Caches the distinct `rows` (looked up `counts` times each), evicting others as needed."""
+    def place(
+        self, rows: Int[np.ndarray, " U"], counts: Int[np.ndarray, " U"], *, commit: bool = True
+    ) -> Placed:
+        """Caches the distinct `rows` (looked up `counts` times each), evicting others as needed.
+        `commit=False`: where they would go, with nothing changed (evaluation, on a copy of the cache)."""
         if len(rows) > self.num_slots:
             raise ValueError(f"{len(rows)} distinct rows in one batch, over the {self.num_slots} slots")
-        slots = self.slot_of[rows]
+        slots = self.slot_of[rows].astype(np.int64)
         missing = slots < 0
         need = int(missing.sum())
+        fill = np.zeros(0, np.int64)
         if need:
             free = np.ones(self.num_slots, bool)
             free[slots[~missing]] = False  # the batch's own rows stay
@@ -61,17 +62,15 @@ class SlotCache:
             held = self.row_in[candidates]
             key = np.where(held < 0, -1, self.uses[np.maximum(held, 0)])  # empty slots first, then LFU
             if need < len(candidates):
-                pick = np.argpartition(key, need - 1)[:need]
-                candidates = candidates[np.sort(pick)]
+                candidates = candidates[np.sort(np.argpartition(key, need - 1)[:need])]
             fill = candidates[:need]
-            evicted = self.row_in[fill].copy()
+            slots[missing] = fill
+        evicted = self.row_in[fill].astype(np.int64)
+        if commit:
             self.slot_of[evicted[evicted >= 0]] = -1
             self.row_in[fill] = rows[missing]
             self.slot_of[rows[missing]] = fill
-            slots = self.slot_of[rows]
-        else:
-            fill = evicted = np.zeros(0, np.int64)
-        self.uses[rows] += counts
+            self.uses[rows] += counts.astype(np.int32)
         return Placed(slots, fill, rows[missing], evicted)
 
     def cached(self) -> tuple[Int[np.ndarray, " C"], Int[np.ndarray, " C"]]:

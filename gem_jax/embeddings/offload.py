@@ -145,9 +145,8 @@ class OffloadedTable:
         placed = []
         for d in range(self.devices):
             mine = owner == d
-            slot_cache = self.caches[d] if commit else self.caches[d].copy()
             try:
-                p = slot_cache.place(unique[mine] - d * self.block, counts[mine])
+                p = self.caches[d].place(unique[mine] - d * self.block, counts[mine], commit=commit)
             except ValueError as e:
                 raise ValueError(
                     f"embedding table {self.name!r} (offload): {e} of device {d}'s cache; raise "

@@ -268,6 +268,11 @@ class Trainer:
         return loss, aux, grads, amaxes, emb_state
 
     def _train_step(self, state: TrainState, batch, slots=None):
+        if self.offloaded and slots is None:
+            raise ValueError(
+                f"embedding features {self.offloaded} read offloaded tables: their rows must be staged "
+                "first; call Trainer.step(state, local_stack), not train_step"
+            )
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if not self.task.loss_needs_rng:
             rng = None
