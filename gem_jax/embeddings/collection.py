@@ -14,8 +14,10 @@ itself is host memory in `self.offload[name]` (offload.py). Its features then ta
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import zlib
 from collections.abc import Mapping
 from typing import NamedTuple
@@ -370,14 +372,22 @@ class EmbeddingCollection:
         the cache hits, misses and bytes moved (`embeddings/<table>/...`).
         """
         state, slots, stats = dict(state), {}, {}
-        for table_name, table in self.offload.items():
-            names = [n for n in rows if self.features[n].table == table_name]
-            if not names:
-                continue
-            flat = np.concatenate([np.asarray(rows[n]).reshape(-1) for n in names])
-            state[table_name], flat_slots, counts = table.stage(state[table_name], flat, commit=commit)
+        work = {}  # table -> the features reading it
+        for n in rows:
+            if self.features[n].table in self.offload:
+                work.setdefault(self.features[n].table, []).append(n)
+
+        def one(table_name: str):
+            flat = np.concatenate([np.asarray(rows[n]).reshape(-1) for n in work[table_name]])
+            return self.offload[table_name].stage(state[table_name], flat, commit=commit)
+
+        # Tables are independent host work (numpy sorts and gathers release the GIL): one thread each.
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(work), os.cpu_count() or 1))) as pool:
+            results = dict(zip(work, pool.map(one, work), strict=True))
+        for table_name, (cache, flat_slots, counts) in results.items():
+            state[table_name] = cache
             start = 0
-            for n in names:
+            for n in work[table_name]:
                 size = np.asarray(rows[n]).size
                 slots[n] = flat_slots[start : start + size].reshape(np.shape(rows[n]))
                 start += size

@@ -164,10 +164,10 @@ class OffloadedTable:
             fill_rows[d, :m] = p.fill_rows + d * self.block
             evicted[d, :m] = np.where(p.evicted_rows >= 0, p.evicted_rows + d * self.block, -1)
         filled = fill_rows >= 0
-        source = np.maximum(fill_rows, 0)
-        values = {"table": np.where(filled[..., None], self.table[source], 0).astype(self.dtype)}
+        source = np.maximum(fill_rows, 0)  # padding reads row 0 into a slot past the cache: dropped
+        values = {"table": self.table[source]}
         if self.accumulator is not None:
-            values["accumulator"] = np.where(filled, self.accumulator[source], 0).astype(np.float32)
+            values["accumulator"] = self.accumulator[source]
         exchange = self._exchange if commit else self._exchange_copy
         cache, old = exchange(
             cache, jax.device_put(fill_slots, self.leading), jax.device_put(values, self.leading)
