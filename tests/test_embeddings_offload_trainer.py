@@ -14,7 +14,7 @@ from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from gem_jax.train.checkpoint import Checkpointer
 from gem_jax.train.step import Trainer
-from tests.helpers import small_config
+from tests.helpers import small_config, stacks
 
 STEPS = 4
 LEAN = ("model.num_layers=1", "model.wukong_layers=1", "train.log_every=1", f"train.steps={STEPS}")
@@ -75,3 +75,18 @@ def test_offload_run_checkpoints_equal_the_in_hbm_run(tmp_path, devices, optimiz
     runs["hbm -> offload"] = _final(hbm, tmp_path / "moved")
     for name, state in runs.items():
         _assert_equal(state, runs["hbm"], name)
+
+
+def test_train_step_refuses_offloaded_features_without_staged_slots():
+    """The jitted step alone would read raw ids as cache slots: it names `Trainer.step` instead."""
+    c = _config(1, "offload", "sgd")
+    task = make_task(c)
+    trainer = Trainer(task, task.mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        trainer.abstract_state,
+        trainer.state_shardings,
+    )
+    batch = trainer.to_device(next(stacks(c, shards=1)))
+    with pytest.raises(ValueError, match=r"must be staged first; call Trainer.step"):
+        trainer.train_step.lower(abstract, batch)

@@ -4,7 +4,7 @@ The host (numpy, this process) holds the whole `[rows, dim]` table and its row-w
 split in contiguous row blocks over the devices like a `row_wise` table. Each device holds a cache of
 `cache_rows / devices` slots for its own block; the train state holds the caches (`[cache_rows, dim]`,
 sharded by rows), so the step's lookup and sparse update run unchanged on them, with slot ids in
-place of row ids (slot `d * block + s` lives on device d, as row `d * R + r` would).
+place of row ids (slot `d * C + s`, C slots per device, lives on device d, as row `d * R + r` would).
 
 Before a step (`stage`), the host gives each distinct row of the batch a slot on its owner
 (host_cache.py: LFU among the slots the batch does not need), then one jitted exchange per table
