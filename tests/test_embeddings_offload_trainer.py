@@ -82,11 +82,6 @@ def test_train_step_refuses_offloaded_features_without_staged_slots():
     c = _config(1, "offload", "sgd")
     task = make_task(c)
     trainer = Trainer(task, task.mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        trainer.abstract_state,
-        trainer.state_shardings,
-    )
     batch = trainer.to_device(next(stacks(c, shards=1)))
     with pytest.raises(ValueError, match=r"must be staged first; call Trainer.step"):
-        trainer.train_step.lower(abstract, batch)
+        trainer.train_step(trainer.init_state(), batch)
