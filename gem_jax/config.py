@@ -145,7 +145,7 @@ class DataConfig:
     max_bad_records: int = setting(1000, AT_LEAST_0)  # "skip": the most a run may skip; past it the run stops
 
 
-ShardingType = Literal["auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d"]
+ShardingType = Literal["auto", "data_parallel", "table_wise", "row_wise", "column_wise", "two_d", "offload"]
 Pooling = Literal["sum", "mean", "none"]
 POOLINGS: tuple[str, ...] = typing.get_args(Pooling)
 
@@ -163,6 +163,11 @@ class TableConfig:
     hashed: bool = True  # raw ids are hashed into [0, rows); false: ids outside [0, rows) look up nothing
     # "auto" lets the planner choose. Checkpoints hold tables as [rows, dim], whatever the sharding.
     sharding: ShardingType = setting("auto", may_change=True)
+    # "offload" (chosen, or picked by the planner when the tables do not fit the budget): the table and
+    # its accumulator in host memory, the hot rows in an HBM cache of `cache_rows` rows over all devices
+    # (0: `cache_fraction` of the rows), which must hold every distinct row one batch looks up.
+    cache_rows: int = setting(0, AT_LEAST_0, may_change=True)
+    cache_fraction: float = setting(0.1, Range(0.0, 1.0, low_open=True), may_change=True)
 
 
 @dataclass(frozen=True)

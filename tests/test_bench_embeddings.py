@@ -14,3 +14,12 @@ def test_small_run_checks_and_prints_the_table(capsys):
     assert "correctness" in out and "OK" in out
     assert "| forward + backward + row-wise Adagrad |" in out
     assert "| t00 | 4,096 | 16 | float32 |" in out  # the printed plan
+
+
+@pytest.mark.slow
+def test_small_offload_run_prints_the_cache_table(capsys):
+    argv = ["--small", "--no-torch", "--reps", "2", "--max-bag", "8", "--offload", "--cache-fraction", "0.9"]
+    assert bench_embeddings.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| stage + forward + backward + row-wise Adagrad |" in out
+    assert "| t00 | 4,096 | 16 | float32 | 272.0 KiB | offload |" in out

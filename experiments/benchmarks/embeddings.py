@@ -17,6 +17,13 @@ The batch is split over all local devices (one shard_map shard each); tables fol
    where a device owns the rows: a fused gather + masked sum); the forward again without the bound
    (gather + segment_sum scatter-add); on one device, a hand-written padded-bag forward in plain XLA.
 
+4. With `--offload`: the same tables with sharding `offload` (host memory + an HBM cache of
+   `--cache-fraction` of the rows): per step, the host stages the next batch's rows into the caches
+   (LFU; gem_jax/embeddings/offload.py) and dispatches the step, over `--reps` fresh batches (after 5
+   warm-up batches) so that rows miss and are evicted; reports ms per step (the host's staging
+   included, as the train loop runs it: wall time over the steps), hit rate and host<->device bytes
+   per step, beside the in-HBM step (one batch, repeated).
+
 Bytes moved, the memory-traffic floor: forward reads every looked-up row (ids x dim x 4 B) and
 writes the pooled bags; the step adds reading the bags' gradients and reading + writing every
 touched (unique) row and its accumulator. Achieved TB/s = those bytes / measured time, against the
@@ -41,6 +48,7 @@ from experiments.benchmarks.timing import median_seconds  # noqa: E402
 from gem_jax.config import FeatureConfig, TableConfig  # noqa: E402
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds, RowWiseAdagrad  # noqa: E402
 from gem_jax.embeddings import reference as ref  # noqa: E402
+from gem_jax.embeddings.offload import host_device  # noqa: E402
 
 HBM_TBPS = 3.87  # H200, measured (docs/benchmarks.md)
 EPS = 1e-8
@@ -59,6 +67,13 @@ def _args(argv):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--sharding", default="auto", help="sharding type of every table (default: the planner's)")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--offload", action="store_true", help="also time the tables offloaded (host + HBM cache)")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.25,
+        help="--offload: cached share of each table (>= a batch's rows)",
+    )
     p.add_argument("--check-batch", type=int, default=4096, help="examples of the correctness check")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
@@ -84,9 +99,11 @@ def make_ids(rng, num_tables, rows, batch, max_bag, zipf, devices):
     return out
 
 
-def _collection(num_tables, rows, dim, sharding, mesh, max_bag=0):
+def _collection(num_tables, rows, dim, sharding, mesh, max_bag=0, cache_fraction=0.1):
     tables = {
-        f"t{i:02d}": TableConfig(rows=rows, dim=dim, hashed=False, sharding=sharding)
+        f"t{i:02d}": TableConfig(
+            rows=rows, dim=dim, hashed=False, sharding=sharding, cache_fraction=cache_fraction
+        )
         for i in range(num_tables)
     }
     features = {
@@ -284,6 +301,47 @@ def _padded_forward(state, coll, ids, a) -> float:
     return median_seconds(lambda: fwd(tables, padded), reps=a.reps, warmup=2)
 
 
+# ----------------------------------------------------------------------------- 4. offloaded
+
+
+def bench_offload(a, mesh, warmup: int = 5) -> tuple[float, dict[str, float], str]:
+    """Seconds per step of the host's work (ids -> rows on the CPU, `stage`) + the step, over
+    `--reps` fresh batches after `warmup` (the fill widths settle as the caches warm: each new width
+    compiles the exchange once); the host dispatches ahead, so staging batch t + 1 overlaps step t.
+    Also the cache counts summed over the timed steps."""
+    coll, _, _ = _collection(a.tables, a.rows, a.dim, "offload", mesh, a.max_bag, a.cache_fraction)
+    _, step = _jitted(coll, a.lr)
+    state = coll.init(jax.random.key(a.seed))
+    rng = np.random.default_rng(a.seed + 11)
+    per = a.batch // mesh.size
+    cot = {f: jnp.asarray(rng.normal(size=(mesh.size, per, a.dim)).astype(np.float32)) for f in coll.features}
+    host = host_device()
+    table_rows = jax.jit(lambda ids: {f: coll.table_rows(f, FeatureIds(v, o)) for f, (v, o) in ids.items()})
+    batches = []
+    for _ in range(warmup + a.reps):
+        ids = make_ids(rng, a.tables, a.rows, a.batch, a.max_bag, a.zipf, mesh.size)
+        cap = (
+            per * a.max_bag
+        )  # one shape for every batch (the tail past offsets[-1] is unused): no recompiles
+        batches.append(_batch_dict([(np.pad(v, ((0, 0), (0, cap - v.shape[1]))), o) for v, o in ids]))
+    counts: dict[str, float] = {}
+    loss = t0 = None
+    for i, batch in enumerate(batches):
+        if i == warmup:
+            jax.block_until_ready(loss)
+            t0 = time.perf_counter()
+        with jax.default_device(host):
+            rows = jax.tree.map(np.asarray, table_rows(jax.device_put(batch, host)))
+        state, slots, c = coll.stage(state, rows)
+        batch = {f: (slots[f], o) for f, (_, o) in batch.items()}
+        state, loss = step(state, batch, cot)
+        if i >= warmup:
+            for k, v in c.items():
+                counts[k.split("/")[-1]] = counts.get(k.split("/")[-1], 0.0) + v
+    jax.block_until_ready(loss)
+    return (time.perf_counter() - t0) / a.reps, counts, coll.plan.format()
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -331,6 +389,23 @@ def main(argv=None) -> int:
         )
     if torch_times:
         print("\ntorch's step uses torch.optim.Adagrad (element-wise state) on sparse gradients.")
+    if a.offload:
+        try:
+            seconds, counts, plan = bench_offload(a, mesh)
+        except ValueError as e:  # a cache smaller than one batch's distinct rows
+            print(f"--offload: {e}", file=sys.stderr)
+            return 2
+        looked_up = counts["cache_hits"] + counts["cache_misses"]
+        print(f"\n## offloaded: cache_fraction {a.cache_fraction}, {a.reps} fresh batches\n\n{plan}\n")
+        print(
+            "| what | ms / step | in-HBM step (ms) | hit rate | host->device MB/step | device->host MB/step |"
+        )
+        print("| --- | ---: | ---: | ---: | ---: | ---: |")
+        print(
+            f"| stage + forward + backward + row-wise Adagrad | {seconds * 1e3:.2f} | {ours['step'] * 1e3:.2f} | "
+            f"{counts['cache_hits'] / max(looked_up, 1):.1%} | {counts['host_to_device_bytes'] / a.reps / 1e6:.1f} | "
+            f"{counts['device_to_host_bytes'] / a.reps / 1e6:.1f} |"
+        )
     return 0
 
 

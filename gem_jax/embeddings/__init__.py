@@ -19,6 +19,10 @@ gradient, optimizer pass or collective. Checkpoints: save `emb.to_logical(state)
 array and `[rows]` accumulator per table, shapes independent of the device count and plan) and
 restore with `emb.from_logical(...)` onto any plan, using `emb.logical_shardings()` as the target.
 
+Tables with sharding `offload` (offload.py) live in host memory with an HBM cache of hot rows in the
+state: before each step, `emb.stage(state, rows)` caches the batch's rows and returns slot ids that
+`lookup` takes in place of those features' raw ids (gem_jax/train/step.py: `Trainer.step`).
+
 `hash_ids` and `segment_ids` are shared with the models; `HashedEmbedding` is the dense nnx table the
 next-item model keeps its item table in (dense.py says why).
 """

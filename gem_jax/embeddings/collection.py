@@ -6,20 +6,27 @@ tables of one (dim, dtype) share one stacked array (`table_wise_<dim>_<dtype>`) 
 row blocks are the devices' shards, each holding whole tables. Its shape depends on the device
 count; `to_logical` / `from_logical` convert to and from one `[rows, dim]` array per table, whose
 shape never does (save that form to restore on another device count or plan).
+
+An `offload` table's entry is its HBM cache (`[cache_rows, dim]`, row blocks per device); the table
+itself is host memory in `self.offload[name]` (offload.py). Its features then take slot ids, which
+`stage` hands out, in place of raw ids; its logical form comes from, and goes back to, host memory.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import zlib
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -27,6 +34,7 @@ from gem_jax.config import POOLINGS, Config, ConfigError, FeatureConfig, TableCo
 from gem_jax.dtypes import DTYPES
 from gem_jax.embeddings import routing
 from gem_jax.embeddings.hashing import hash_ids, segment_ids
+from gem_jax.embeddings.offload import OffloadedTable, host_device
 from gem_jax.embeddings.optimizers import RowWiseAdagrad, SparseOptimizer
 from gem_jax.embeddings.optimizers import from_config as optimizer_from_config
 from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
@@ -68,6 +76,7 @@ class _Entry:
     column_axes: tuple[str, ...]
     block: int  # rows of one device's block
     bases: dict[str, int]  # table -> its first row in the array
+    offload: bool = False  # the array is an offloaded table's cache: ids are slots, not rows
 
 
 class _Flat(NamedTuple):
@@ -123,6 +132,19 @@ class EmbeddingCollection:
         self.plan = plan
         self.entries = self._entries()
         self._table_entry = {t: e for e in self.entries.values() for t in e.bases}
+        self.offload = {
+            name: OffloadedTable(
+                name, p.rows, p.dim, DTYPES[p.dtype], p.cache_rows, mesh, p.row_axes,
+                self.optimizer.initial_accumulator if self.optimizer.has_accumulator else None,
+            )
+            for name, p in self.plan.placements.items()
+            if p.sharding == "offload"
+        }  # fmt: skip
+        if self.offload and jax.process_count() > 1:
+            raise ConfigError(
+                f"embedding tables {sorted(self.offload)} are offloaded (sharding 'offload'), which runs "
+                "in one process only so far; give them an in-HBM sharding or raise the memory budget"
+            )
 
     @classmethod
     def from_config(
@@ -159,10 +181,11 @@ class EmbeddingCollection:
             if p.sharding == "table_wise":
                 stacks.setdefault((p.dim, p.dtype), []).append(name)
                 continue
-            block = p.rows // self._size(p.row_axes)
+            rows = p.cache_rows if p.sharding == "offload" else p.rows
+            block = rows // self._size(p.row_axes)
             entries[name] = _Entry(
-                name, p.rows, p.dim, p.dtype, p.sharding == "column_wise", p.row_axes, replicas,
-                p.column_axes, block, {name: 0},
+                name, rows, p.dim, p.dtype, p.sharding == "column_wise", p.row_axes, replicas,
+                p.column_axes, block, {name: 0}, p.sharding == "offload",
             )  # fmt: skip
         g = self._size(self.batch_axes)
         for (dim, dtype), names in sorted(stacks.items()):
@@ -197,11 +220,15 @@ class EmbeddingCollection:
     def state_shardings(self) -> dict[str, dict[str, NamedSharding]]:
         return jax.tree.map(lambda s: NamedSharding(self.mesh, s), self.state_specs())
 
-    def logical_shardings(self) -> dict[str, dict[str, NamedSharding]]:
+    def logical_shardings(self) -> dict[str, dict[str, jax.sharding.Sharding]]:
         """Shardings of the `to_logical` form: the table's own, or row blocks for a stacked table."""
         out = {}
         for name, t in self.tables.items():
             entry = self._table_entry[name]
+            if entry.offload:  # restored into host memory, never into HBM
+                host = SingleDeviceSharding(host_device())
+                out[name] = {k: host for k in self._specs(entry)}
+                continue
             if entry.key == name:
                 specs = self._specs(entry)
             else:
@@ -212,29 +239,43 @@ class EmbeddingCollection:
             out[name] = {k: NamedSharding(self.mesh, s) for k, s in specs.items()}
         return out
 
+    def logical_shapes(self) -> dict[str, dict[str, jax.ShapeDtypeStruct]]:
+        """Shapes and dtypes of the `to_logical` form."""
+        out = {}
+        for name, t in self.tables.items():
+            out[name] = {"table": jax.ShapeDtypeStruct((t.rows, t.dim), DTYPES[t.dtype])}
+            if self.optimizer.has_accumulator:
+                out[name]["accumulator"] = jax.ShapeDtypeStruct((t.rows,), jnp.float32)
+        return out
+
     # ------------------------------------------------------------------------- state
 
-    def _logical_init(self, rng: jax.Array) -> dict[str, dict[str, Array]]:
-        out = {}
-        for name, t in sorted(self.tables.items()):
-            key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-            shape = (t.rows, t.dim)
-            if t.initializer == "normal":
-                table = t.init_scale * jax.random.normal(key, shape, jnp.float32)
-            elif t.initializer == "uniform":
-                table = jax.random.uniform(key, shape, jnp.float32, -t.init_scale, t.init_scale)
-            elif t.initializer == "zeros":
-                table = jnp.zeros(shape, jnp.float32)
-            else:
-                raise ConfigError(f"table {name!r}: unknown initializer {t.initializer!r}")
-            out[name] = {"table": table.astype(DTYPES[t.dtype])}
-            if self.optimizer.has_accumulator:
-                out[name]["accumulator"] = self.optimizer.init_accumulator(t.rows)
+    def _init_table(self, rng: jax.Array, name: str) -> dict[str, Array]:
+        t = self.tables[name]
+        key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+        shape = (t.rows, t.dim)
+        if t.initializer == "normal":
+            table = t.init_scale * jax.random.normal(key, shape, jnp.float32)
+        elif t.initializer == "uniform":
+            table = jax.random.uniform(key, shape, jnp.float32, -t.init_scale, t.init_scale)
+        elif t.initializer == "zeros":
+            table = jnp.zeros(shape, jnp.float32)
+        else:
+            raise ConfigError(f"table {name!r}: unknown initializer {t.initializer!r}")
+        out = {"table": table.astype(DTYPES[t.dtype])}
+        if self.optimizer.has_accumulator:
+            out["accumulator"] = self.optimizer.init_accumulator(t.rows)
         return out
+
+    def _logical_init(self, rng: jax.Array) -> dict[str, dict[str, Array]]:
+        return {name: self._init_table(rng, name) for name in sorted(self.tables) if name not in self.offload}
 
     def _from_logical(self, logical):
         state = {}
         for key, entry in self.entries.items():
+            if entry.offload:
+                state[key] = self.offload[key]._zeros()  # filled by `stage`
+                continue
             if entry.bases == {key: 0} and key in self.tables:
                 state[key] = dict(logical[key])
                 continue
@@ -253,24 +294,105 @@ class EmbeddingCollection:
         out = {}
         for name, t in self.tables.items():
             entry = self._table_entry[name]
+            if entry.offload:
+                continue
             base = entry.bases[name]
             out[name] = {slot: x[base : base + t.rows] for slot, x in state[entry.key].items()}
         return out
 
-    def init(self, rng: jax.Array) -> dict[str, dict[str, Array]]:
-        """Fresh sharded state. A table's values depend only on `rng` and its name, not on the plan."""
+    def init(self, rng: jax.Array, *, host: bool = True) -> dict[str, dict[str, Array]]:
+        """Fresh sharded state. A table's values depend only on `rng` and its name, not on the plan.
+        Offloaded tables get empty caches; `host=True` also fills their host tables (`init_host`),
+        which cannot run under a trace: a jitted caller passes False and calls `init_host` after."""
         fn = jax.jit(
             lambda r: self._from_logical(self._logical_init(r)), out_shardings=self.state_shardings()
         )
-        return fn(rng)
+        state = fn(rng)
+        if host:
+            self.init_host(rng)
+        return state
+
+    def init_host(self, rng: jax.Array) -> None:
+        """The offloaded tables' initial values, computed on the host's CPU device into host memory."""
+        device = host_device()
+        for name, table in self.offload.items():
+            with jax.default_device(device):
+                logical = jax.jit(self._init_table, static_argnums=1)(jax.device_put(rng, device), name)
+            logical = jax.tree.map(np.asarray, logical)
+            table.load(logical["table"], logical.get("accumulator"))
+
+    def _resident(self, tree):
+        return {k: v for k, v in tree.items() if k not in self.offload}
 
     def to_logical(self, state):
-        """One `[rows, dim]` table and `[rows]` accumulator per table name (checkpoint form)."""
-        return jax.jit(self._to_logical, out_shardings=self.logical_shardings())(state)
+        """One `[rows, dim]` table and `[rows]` accumulator per table name (checkpoint form); an
+        offloaded table's rows are written back from its cache first and come as numpy arrays."""
+        shardings = self._resident(self.logical_shardings())
+        out = jax.jit(self._to_logical, out_shardings=shardings)(self._resident(state))
+        for name, table in self.offload.items():
+            out[name] = table.logical(state[name])
+        return out
 
     def from_logical(self, logical):
         """Inverse of `to_logical`, onto this collection's plan (which may differ from the saver's)."""
-        return jax.jit(self._from_logical, out_shardings=self.state_shardings())(logical)
+        resident = self._resident(logical)
+        state = jax.jit(self._from_logical, out_shardings=self.state_shardings())(resident)
+        for name, table in self.offload.items():
+            saved = logical[name]
+            accumulator = saved.get("accumulator")
+            state[name] = table.load(
+                np.asarray(saved["table"]), None if accumulator is None else np.asarray(accumulator)
+            )
+        return state
+
+    # ------------------------------------------------------------------------- offloaded tables
+
+    def offloaded_features(self) -> tuple[str, ...]:
+        """The features whose table is offloaded: `lookup` takes `stage`'s slot ids for them."""
+        return tuple(n for n, f in self.features.items() if f.table in self.offload)
+
+    def table_rows(self, name: str, ids: FeatureIds) -> Int[Array, "... S"]:
+        """The table row each id position of feature `name` looks up (-1: none), resolved as `lookup`
+        resolves raw ids (hashing, range, bags' capacity). The host runs it to know what to stage."""
+        t = self.tables[self.features[name].table]
+        logical = _Entry(
+            name, t.rows, t.dim, t.dtype, False, (), (), (), t.rows, {self.features[name].table: 0}
+        )
+        rows = self._flatten(name, ids, logical).rows
+        return jnp.where(rows < t.rows, rows, -1).reshape(ids.values.shape)
+
+    def stage(
+        self, state, rows: dict[str, np.ndarray], *, commit: bool = True
+    ) -> tuple[dict, dict[str, np.ndarray], dict[str, float]]:
+        """Brings the rows of the next batch's offloaded features into their caches.
+
+        `rows`: feature -> `table_rows` (numpy) of the global batch. Returns the state (the caches
+        donated and replaced; with `commit=False`, for evaluation, changed copies and no bookkeeping),
+        feature -> slot ids to pass to `lookup` as that feature's `FeatureIds.values`, and per table
+        the cache hits, misses and bytes moved (`embeddings/<table>/...`).
+        """
+        state, slots, stats = dict(state), {}, {}
+        work = {}  # table -> the features reading it
+        for n in rows:
+            if self.features[n].table in self.offload:
+                work.setdefault(self.features[n].table, []).append(n)
+
+        def one(table_name: str):
+            flat = np.concatenate([np.asarray(rows[n]).reshape(-1) for n in work[table_name]])
+            return self.offload[table_name].stage(state[table_name], flat, commit=commit)
+
+        # Tables are independent host work (numpy sorts and gathers release the GIL): one thread each.
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(work), os.cpu_count() or 1))) as pool:
+            results = dict(zip(work, pool.map(one, work), strict=True))
+        for table_name, (cache, flat_slots, counts) in results.items():
+            state[table_name] = cache
+            start = 0
+            for n in work[table_name]:
+                size = np.asarray(rows[n]).size
+                slots[n] = flat_slots[start : start + size].reshape(np.shape(rows[n]))
+                start += size
+            stats.update({f"embeddings/{table_name}/{k}": v for k, v in counts.items()})
+        return state, slots, stats
 
     # ------------------------------------------------------------------------- lookup / update
     # Both run INSIDE a `jax.shard_map` over `batch_axes`, on local state blocks and local ids.
@@ -302,7 +424,10 @@ class EmbeddingCollection:
             starts, ends = offsets[:, :-1], offsets[:, 1:]
             if f.pooling == "mean":
                 scale = 1.0 / jnp.maximum(jnp.diff(offsets, axis=-1), 1).astype(jnp.float32)
-        if t.hashed:
+        if entry.offload:  # slot ids from `stage`
+            valid = valid & (values >= 0) & (values < entry.rows)
+            rows = values
+        elif t.hashed:
             rows = hash_ids(values, t.rows)
         else:
             valid = valid & (values >= 0) & (values < t.rows)

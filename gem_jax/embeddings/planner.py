@@ -11,6 +11,12 @@ Rules for `sharding = "auto"`, in order (the plan's `why` column names the rule 
 4. the rows divide over all devices -> `row_wise`;
 5. else -> `table_wise` on the least-loaded device (rows that do not divide cannot be split evenly).
 
+When the plan so made needs more than a device's budget, the largest `auto` tables (by bytes per
+device) become `offload`, one at a time, until it fits (the `why` column says so): the table and its
+accumulator live in host memory, split in row blocks over the devices like `row_wise`, and each
+device keeps an HBM cache of its block's hot rows (gem_jax/embeddings/offload.py). A table may also
+name `offload`; its cache is `cache_rows` rows over all devices, or `cache_fraction` of its rows.
+
 `column_wise` is never chosen automatically: with our fixed-capacity all-to-all it moves as much as
 `row_wise` and adds an all-gather of every device's ids; name it in the config to get it. Explicit
 choices are checked (divisibility) and kept. The plan fails, naming the table, when a device would
@@ -47,7 +53,8 @@ class Placement:
     column_axes: tuple[str, ...]  # mesh axes the columns are split over (column_wise)
     replica_axes: tuple[str, ...]  # batch axes holding identical copies (their updates are synced)
     owner: int = -1  # table_wise: the device holding the table
-    bytes: int = 0  # table + accumulator, all of it
+    bytes: int = 0  # table + accumulator, all of it (offload: in host memory)
+    cache_rows: int = 0  # offload: rows of the HBM cache over all devices
     devices: int = 1  # devices that hold a part (one replica)
     bytes_per_device: int = 0
 
@@ -109,6 +116,10 @@ def _devices_text(p: Placement, sizes: dict[str, int]) -> str:
         return f"{p.devices} (columns over {axes(p.column_axes)})"
     if p.sharding == "two_d":
         return f"{p.devices} (rows over {axes(p.row_axes)}) x {axes(p.replica_axes)} copies"
+    if p.sharding == "offload":
+        return (
+            f"{p.devices} (rows over {axes(p.row_axes)}; cache of {p.cache_rows:,} rows, rest in host memory)"
+        )
     return f"{p.devices} (rows over {axes(p.row_axes)})"
 
 
@@ -169,6 +180,25 @@ def plan_tables(
     placements = _assign_table_wise(placements, g)
     plan = Plan(placements, tuple(batch_axes), fast, sizes, budget_bytes)
     per_device = plan.bytes_per_device()
+    while per_device.max() > budget_bytes:  # offload the largest auto tables until the rest fits
+        candidates = [
+            p for p in placements.values()
+            if tables[p.name].sharding == "auto" and p.sharding != "offload" and p.rows % g == 0
+        ]  # fmt: skip
+        if not candidates:
+            break
+        p = max(candidates, key=lambda p: (p.bytes_per_device, p.name))
+        t = tables[p.name]
+        why = (
+            f"does not fit: {_size(int(per_device.max()))} per device over the {_size(budget_bytes)} budget; "
+            "host memory + HBM cache"
+        )
+        placements[p.name] = _place(
+            p.name, t, "offload", why, p.bytes, batch_axes, fast, slow, sizes, acc_row
+        )
+        placements = _assign_table_wise(placements, g)
+        plan = Plan(placements, tuple(batch_axes), fast, sizes, budget_bytes)
+        per_device = plan.bytes_per_device()
     if per_device.max() > budget_bytes:
         worst = int(per_device.argmax())
         raise ConfigError(
@@ -223,7 +253,33 @@ def _place(name, t, kind, why, total, batch_axes, fast, slow, sizes, acc_row) ->
         return Placement(
             **common, row_axes=batch_axes, column_axes=(), replica_axes=(), devices=1, bytes_per_device=total
         )
+    if kind == "offload":
+        _divides(name, "rows", t.rows, g, kind)
+        cache = cache_rows(name, t, g)
+        return Placement(
+            **common,
+            row_axes=batch_axes,
+            column_axes=(),
+            replica_axes=(),
+            devices=g,
+            cache_rows=cache,
+            bytes_per_device=total // t.rows * cache // g,
+        )
     raise ConfigError(f"`embeddings.tables.{name}.sharding`: unknown sharding type {kind!r}")
+
+
+def cache_rows(name: str, t: TableConfig, devices: int) -> int:
+    """Rows of an offloaded table's HBM cache over all `devices` (each caches its block's rows)."""
+    key = f"`embeddings.tables.{name}"
+    if t.cache_rows:
+        if t.cache_rows % devices or t.cache_rows > t.rows:
+            raise ConfigError(
+                f"{key}.cache_rows` = {t.cache_rows} must be a multiple of the {devices} devices the cache "
+                f"is split over and at most the table's {t.rows} rows"
+            )
+        return t.cache_rows
+    per_device = max(1, math.ceil(t.rows * t.cache_fraction / devices))
+    return min(per_device, t.rows // devices) * devices
 
 
 def _divides(name: str, what: str, n: int, parts: int, kind: str) -> None:

@@ -303,7 +303,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                         stack = next(data_iter)
                 throughput.add(task.batch_counts(stack))
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = trainer.train_step(state, trainer.to_device(stack))
+                    state, metrics = trainer.step(state, stack)
                 step += 1
                 STATUS.at_step(step)
                 if step == start + 1:

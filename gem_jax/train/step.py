@@ -15,6 +15,10 @@ to partition them:
    pulled back: dense gradients (psum'ed), activation gradients (the sparse optimizer routes them
    to the rows' owners and updates only the rows looked up), FP8 amaxes (max over the global batch).
 
+Offloaded tables (gem_jax/embeddings/offload.py) live in host memory with a cache of hot rows in
+the state: `step` stages each batch's rows into the caches before dispatching the jitted step (which
+then looks them up by slot), while the previous step still runs.
+
 Outside the shard_map optax updates the dense parameters, the FP8 histories roll and the next
 step's FP8 scales are computed from them. What differs
 between tasks (model, ids, per-pack loss) comes from the Task and is chosen when the step is built.
@@ -28,11 +32,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from gem_jax.embeddings.offload import host_device
 from gem_jax.model import fp8
 from gem_jax.parallel import batch_sharding, shard_axes, state_shardings
 from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -90,10 +96,13 @@ class Trainer:
             fp8=jax.tree.map(lambda _: self.replicated, abstract_state.fp8),
         )
         self.abstract_state = abstract_state
-        self.init_state = jax.jit(self._init_state, out_shardings=self.state_shardings)
+        self._init_jit = jax.jit(self._init_state, out_shardings=self.state_shardings)
         self.train_step = jax.jit(
             self._train_step, donate_argnums=(0,), out_shardings=(self.state_shardings, self.replicated)
         )
+        self.offloaded = self.embeddings.offloaded_features() if self.embeddings else ()
+        if self.offloaded:
+            self._host_rows = jax.jit(self._table_rows)
 
     # ------------------------------------------------------------------------- checkpoints
 
@@ -115,9 +124,7 @@ class Trainer:
         if not self.embeddings:
             return self.abstract_state, self.state_shardings
         shardings = self.state_shardings.replace(embeddings=self.embeddings.logical_shardings())
-        abstract = self.abstract_state.replace(
-            embeddings=jax.eval_shape(self.embeddings.to_logical, self.abstract_state.embeddings)
-        )
+        abstract = self.abstract_state.replace(embeddings=self.embeddings.logical_shapes())
         return abstract, shardings
 
     # ------------------------------------------------------------------------- batches
@@ -132,32 +139,68 @@ class Trainer:
         probes = probes if probes is not None else jax.tree.map(jnp.zeros_like, self.probe_template)
         return nnx.merge(self.graphdef, params, fp8_meta, probes)
 
-    def _lookup(self, emb_state, packs, rngs=None):
-        """The packs' embeddings (inside the shard_map): activations with a leading pack axis."""
+    def _lookup(self, emb_state, packs, slots=None):
+        """The packs' embeddings (inside the shard_map): activations with a leading pack axis.
+        `slots`: the offloaded features' cache slots (from `stage`), in place of their raw ids."""
         if not self.embeddings:
             return {}, None
         ids = jax.vmap(self.task.embedding_ids)(packs)
+        for name, values in (slots or {}).items():
+            ids[name] = ids[name]._replace(values=values)
         return self.embeddings.lookup(emb_state, ids)
+
+    # ------------------------------------------------------------------------- offloaded tables
+
+    def _table_rows(self, stack):
+        ids = jax.vmap(self.task.embedding_ids)(stack)
+        return {name: self.embeddings.table_rows(name, ids[name]) for name in self.offloaded}
+
+    def stage(self, emb_state, local_stack, *, commit: bool = True):
+        """Caches the offloaded rows `local_stack` looks up (its ids resolved on the host's CPU);
+        returns (embedding state, slots on the devices like the batch, cache counts)."""
+        host = host_device()
+        with jax.default_device(host):
+            rows = jax.tree.map(np.asarray, self._host_rows(jax.device_put(local_stack, host)))
+        emb_state, slots, counts = self.embeddings.stage(emb_state, rows, commit=commit)
+        return emb_state, self.to_device(slots), counts
+
+    def step(self, state: TrainState, local_stack: Any) -> tuple[TrainState, dict[str, Any]]:
+        """One train step on this process's numpy stack: stages offloaded rows, then `train_step`.
+        The returned metrics add the caches' hits, misses and bytes moved (host floats)."""
+        batch = self.to_device(local_stack)
+        if not self.offloaded:
+            return self.train_step(state, batch)
+        emb_state, slots, counts = self.stage(state.embeddings, local_stack)
+        state, metrics = self.train_step(state.replace(embeddings=emb_state), batch, slots)
+        return state, {**metrics, **counts}
 
     def per_pack(self, fn: Callable[[nnx.Module, Any, dict], Any]) -> Callable[[TrainState, Any], Any]:
         """jit of `(state, batch) -> fn(model, pack, embedded)` on every pack, stacked like the batch
         and replicated on every device (evaluation outputs are small)."""
         emb_specs = self.embeddings.state_specs() if self.embeddings else {}
 
-        def local(params, fp8_meta, emb_state, packs):
+        def local(params, fp8_meta, emb_state, packs, slots):
             model = self._model(params, fp8_meta)
-            acts, _ = self._lookup(emb_state, packs)
+            acts, _ = self._lookup(emb_state, packs, slots)
             return jax.vmap(lambda pack, act: fn(model, pack, act))(packs, acts)
 
         sharded = jax.shard_map(
             local,
             mesh=self.mesh,
-            in_specs=(P(), P(), emb_specs, self.batch_spec),
+            in_specs=(P(), P(), emb_specs, self.batch_spec, self.batch_spec),
             out_specs=self.batch_spec,
             check_vma=False,
         )
         run = jax.jit(sharded, out_shardings=self.replicated)
-        return lambda state, batch: run(state.params, state.fp8, state.embeddings, batch)
+
+        def call(state, batch):
+            if not self.offloaded:
+                return run(state.params, state.fp8, state.embeddings, batch, None)
+            # A copy of the caches holding the batch's rows; the train state's stay as they were.
+            emb_state, slots, _ = self.stage(state.embeddings, jax.device_get(batch), commit=False)
+            return run(state.params, state.fp8, emb_state, batch, slots)
+
+        return call
 
     def model_fn(self, fn: Callable[[nnx.Module], Any]) -> Callable[[TrainState], Any]:
         """jit of `state -> fn(model)`, replicated (e.g. the item table of a retrieval model)."""
@@ -167,6 +210,16 @@ class Trainer:
         return lambda state: run(state.params, state.fp8)
 
     # ------------------------------------------------------------------------- the step
+
+    def init_state(self) -> TrainState:
+        """The fresh sharded state (and the offloaded tables' host memory, filled alongside)."""
+        state = self._init_jit()
+        if self.offloaded:
+            self.embeddings.init_host(self._embedding_key())
+        return state
+
+    def _embedding_key(self) -> jax.Array:
+        return jax.random.key(self.config.train.seed + 2)
 
     def _init_state(self) -> TrainState:
         model = self.task.build_model()
@@ -178,17 +231,17 @@ class Trainer:
             params=params,
             opt_state=self.optimizer.init(params),
             rng=jax.random.key_data(jax.random.key(seed + 1)),
-            embeddings=self.embeddings.init(jax.random.key(seed + 2)) if self.embeddings else {},
+            embeddings=self.embeddings.init(self._embedding_key(), host=False) if self.embeddings else {},
             fp8=nnx.to_pure_dict(fp8_meta),
         )
 
-    def _local_step(self, params, fp8_meta, emb_state, packs, rng):
+    def _local_step(self, params, fp8_meta, emb_state, packs, rng, slots):
         """One device's part of the step (inside the shard_map): see the module docstring."""
         index = jax.lax.axis_index(self.axes) if self.axes else 0
         n = jax.tree.leaves(packs)[0].shape[0]
         keys = jax.random.split(jax.random.fold_in(rng, index), n) if rng is not None else None
         with jax.named_scope("embeddings"):
-            acts, residuals = self._lookup(emb_state, packs)
+            acts, residuals = self._lookup(emb_state, packs, slots)
         probes = fp8.pack_probes(self.probe_template, n)
 
         def sums(params, acts, probes):
@@ -214,7 +267,12 @@ class Trainer:
                 )
         return loss, aux, grads, amaxes, emb_state
 
-    def _train_step(self, state: TrainState, batch):
+    def _train_step(self, state: TrainState, batch, slots=None):
+        if self.offloaded and slots is None:
+            raise ValueError(
+                f"embedding features {self.offloaded} read offloaded tables: their rows must be staged "
+                "first; call Trainer.step(state, local_stack), not train_step"
+            )
         rng = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
         if not self.task.loss_needs_rng:
             rng = None
@@ -222,10 +280,10 @@ class Trainer:
         loss, aux, grads, amaxes, emb_state = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
-            in_specs=(P(), P(), emb_specs, self.batch_spec, P()),
+            in_specs=(P(), P(), emb_specs, self.batch_spec, P(), self.batch_spec),
             out_specs=(P(), P(), P(), P(), emb_specs),
             check_vma=False,
-        )(state.params, state.fp8, state.embeddings, batch, rng)
+        )(state.params, state.fp8, state.embeddings, batch, rng, slots)
         with jax.named_scope("optimizer"):  # named scopes label ops for `experiments profile`
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
