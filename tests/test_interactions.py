@@ -278,6 +278,6 @@ def test_real_files_match_readme(name, fmt, interactions, users, items):
     negatives = ix.sample_negatives(all_items, data.num_items, num=100, seed=0)
     elapsed = time.perf_counter() - start
     check_negatives(negatives[::101], all_items[::101], data.num_items, 100)
-    # A guard against a per-user Python loop (minutes), not a benchmark: about 2 s on a quiet core,
+    # A guard against a per-user Python loop (minutes), not a benchmark: under 10 s on a quiet machine,
     # 11.5 s once on a 2-core machine running the suite beside other jobs.
     assert elapsed < 60.0, f"sampling 100 negatives for {users} users took {elapsed:.1f}s"
