@@ -82,7 +82,10 @@ def test_a_lost_process_is_reported_by_the_other_in_one_line(status: Path):
     one._finished.set()  # process 1 stops beating without a word, as after kill -9
     t0 = time.monotonic()
     code, line, _ = exit0.wait()
-    assert TIMEOUT_S <= time.monotonic() - t0 < TIMEOUT_S + 1.0
+    # Not long before the timeout, nor long after it. The watch may have seen process 1's last beat a
+    # few intervals before t0, and on a loaded machine its thread runs late: the margins allow both
+    # (the strict bounds failed once beside the suite's compiles).
+    assert TIMEOUT_S - 5 * INTERVAL_S <= time.monotonic() - t0 < TIMEOUT_S + 5.0
     assert code == peers.LOST_PEER_EXIT == 75
     assert line == (
         f"lost process 1 at step 7 (no sign of life for {TIMEOUT_S:.0f} s): stopping; the last intact "
