@@ -50,7 +50,7 @@ TRAINER = textwrap.dedent(
         signal.signal(signal.SIGTERM, lambda s, f: (print("SIGTERM", os.getpgid(0) != os.getpgid(os.getppid()),
                                                         file=sys.stderr, flush=True), sys.exit(0)))
         print("ready", file=sys.stderr, flush=True)
-        time.sleep(60)
+        time.sleep(600)
     """
 )
 
@@ -105,19 +105,39 @@ def test_restarts_are_counted(trainer, checkpoints, capfd):
     )
 
 
+def _signal_state(pid: int) -> str:
+    """The signal lines of /proc/PID/status (blocked, ignored, caught), for a failure message."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return f"{pid}: gone"
+    return f"{pid}: " + " ".join(line for line in lines if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
 def test_a_signal_to_the_supervisor_reaches_the_trainer_once(trainer, checkpoints):
     """SIGTERM to the supervisor (a scheduler's, or Ctrl-C's SIGINT, which reaches the supervisor's
-    process group only: the trainer has its own) is passed on; the trainer's exit code is final."""
+    process group only: the trainer has its own) is passed on; the trainer's exit code is final.
+    The supervisor starts with SIGINT/SIGTERM blocked, as when a launcher's thread has them blocked
+    (a mask is inherited across exec): it must unblock them, for itself and for the trainer."""
     program = (
-        "import sys; from gem_jax.train import supervisor; "
+        "import signal, sys; from gem_jax.train import supervisor; "
+        "signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM)); "
         f"sys.exit(supervisor.run([{str(checkpoints)!r}, 'signal'], restarts=1, settle_s=0.0, command={trainer!r}))"
     )
     proc = subprocess.Popen([sys.executable, "-c", program], cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     lines = []
     while "ready" not in lines:
         lines.append(proc.stderr.readline().strip())
         assert time.monotonic() < deadline and proc.poll() is None, lines
     os.kill(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        state = [_signal_state(pid) for pid in (proc.pid, *map(int, children))]
+        for pid in children:
+            os.kill(int(pid), signal.SIGKILL)
+        proc.kill()
+        raise AssertionError(f"the SIGTERM was not passed on within 120 s; {state}") from None
     assert proc.returncode == 0 and err.splitlines() == ["SIGTERM True"], err  # its own process group

@@ -60,8 +60,12 @@ class Interrupts:
         return self._installed
 
     def install(self) -> dict[int, object]:
-        """Installs the handler (main thread only); returns the previous handlers."""
+        """Installs the handler (main thread only); returns the previous handlers.
+
+        Also unblocks the signals in this thread: a mask is inherited across exec, and a launcher
+        that starts the CLI from a thread with them blocked would make it deaf to Ctrl-C."""
         previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
         self._installed = True
         return previous
 

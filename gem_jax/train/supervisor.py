@@ -83,10 +83,15 @@ class _Supervisor:
         self.signalled: int | None = None
 
     def run(self, restarts: int, settle_s: float) -> int:
-        previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self._forward) for sig in signals}
+        # A thread's signal mask is inherited across fork and exec: a launcher that starts us from a
+        # thread with these blocked would leave both us and the trainer deaf to them.
+        mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
         try:
             return self._run(restarts, settle_s)
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
