@@ -44,11 +44,10 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
     data = iter(task.train_data(jax.process_index(), jax.process_count()))
     host = [next(data) for _ in range(max(1, min(batches or steps, steps)))]
     counts = [task.batch_counts(h) for h in host]
-    device_batches = [trainer.to_device(h) for h in host]
     state = trainer.init_state()
 
     t0 = time.perf_counter()
-    compiled = trainer.train_step.lower(state, device_batches[0]).compile()
+    compiled = trainer.lower_step(state, host[0]).compile()
     compile_s = time.perf_counter() - t0
     memory = compiled.memory_analysis()
     estimate = None
@@ -61,11 +60,12 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
             + memory.generated_code_size_in_bytes
         )
     collectives = collective_bytes(compiled.as_text())
+    run = trainer.rotating_steps(compiled, host)
 
     times, losses = [], []
     for i in range(steps):
         t = time.perf_counter()
-        state, metrics = compiled(state, device_batches[i % len(device_batches)])
+        state, metrics = run(state, i)
         jax.block_until_ready((state.step, metrics["loss"]))
         times.append(time.perf_counter() - t)
         losses.append(float(metrics["loss"]))

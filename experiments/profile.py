@@ -103,19 +103,19 @@ def run_profile(
     timing = time_pipeline(it, config.data.num_workers, pipeline_batches)
     host, pipeline_s = timing.untimed_batches + timing.batches, timing.s_per_batch  # traced: the first ones
     stacks = host[:batches] + [next(it) for _ in range(batches - len(host))]
-    device_batches = [trainer.to_device(s) for s in stacks]
 
     state = trainer.init_state()
-    compiled = trainer.train_step.lower(state, device_batches[0]).compile()
+    compiled = trainer.lower_step(state, stacks[0]).compile()
+    run = trainer.rotating_steps(compiled, stacks)
     hlo_text = compiled.as_text()
     module = re.search(r"^HloModule\s+([^\s,]+)", hlo_text, re.MULTILINE)
     for i in range(warmup):
-        state, metrics = compiled(state, device_batches[i % len(device_batches)])
+        state, metrics = run(state, i)
     jax.block_until_ready(metrics)
     times = []
     for i in range(steps):
         t = time.perf_counter()
-        state, metrics = compiled(state, device_batches[i % len(device_batches)])
+        state, metrics = run(state, i)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t)
 
@@ -125,7 +125,7 @@ def run_profile(
     try:
         for i in range(steps):
             with jax.profiler.StepTraceAnnotation("train", step_num=i):
-                state, metrics = compiled(state, device_batches[i % len(device_batches)])
+                state, metrics = run(state, i)
         jax.block_until_ready((state, metrics))
     finally:
         jax.profiler.stop_trace()

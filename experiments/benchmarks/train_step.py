@@ -3,9 +3,10 @@
 Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker, over
 at least two batches per worker; the generator, or the shards with `data.kind = "records"`) and
 (2) the jitted train step alone on batches already on the device (median of repeated steps over a few
-rotating batches), and reports both with the analytic TFLOP/s and MFU (by our count, and `_nvidia` by NVIDIA
-recsys-examples' HSTU count: gem_jax/train/flops.py), so a run's throughput can be attributed to host or
-device.
+rotating batches; with offloaded tables each timed step also stages its rows from host memory first,
+as training does: `host_staging` in the result, with the caches' counts), and reports both with the
+analytic TFLOP/s and MFU (by our count, and `_nvidia` by NVIDIA recsys-examples' HSTU count:
+gem_jax/train/flops.py), so a run's throughput can be attributed to host or device.
 
 The step is compiled once, ahead of time (`compile_s`), and the GEMM custom calls of its optimised HLO
 are counted (`gemm_calls`: cuBLASLt FP8, cuBLASLt, cuBLAS; GPU only). With `precision.fp8=true` it
@@ -60,12 +61,11 @@ def main(argv: list[str]) -> int:
     # after 12 read 16 ms per batch in one call and 84 ms in the next).
     pipeline = time_pipeline(it, config.data.num_workers, args.pipeline_steps)
     host = pipeline.batches
-    batches = [trainer.to_device(h) for h in host[: args.batches]]
     flops = [train_step_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     flops_nvidia = [nvidia_hstu_flops(config, h.offsets, h.num_targets) for h in host[: args.batches]]
     tokens = [float(h.offsets[:, -1].sum()) for h in host[: args.batches]]
     state = trainer.init_state()
-    lowered = trainer.train_step.lower(state, batches[0])
+    lowered = trainer.lower_step(state, host[0])
     t0 = time.perf_counter()
     step = lowered.compile()
     compile_s = time.perf_counter() - t0
@@ -75,15 +75,20 @@ def main(argv: list[str]) -> int:
             f.write(hlo)
     gemm_calls = {name: hlo.count(f'custom_call_target="{target}"') for name, target in GEMM_TARGETS.items()}
     fp8 = summary(*fp8_dots(lowered)) if config.precision.fp8 else None
-    for b in batches:  # warm up
-        state, m = step(state, b)
+    run = trainer.rotating_steps(step, host[: args.batches])
+
+    for i in range(min(args.batches, len(host))):  # warm up
+        state, m = run(state, i)
     jax.block_until_ready(m["loss"])
-    times = []
+    times, cache = [], {}
     for i in range(args.steps):
         t = time.perf_counter()
-        state, m = step(state, batches[i % len(batches)])
+        state, m = run(state, i)
         jax.block_until_ready(m["loss"])
         times.append(time.perf_counter() - t)
+        for k, v in m.items():  # offloaded tables: embeddings/TABLE/cache_hits, ..._bytes (host floats)
+            if k.startswith("embeddings/"):
+                cache[k] = cache.get(k, 0.0) + float(v) / args.steps
     step_s = float(np.median(times))
     peak = device_peak_flops(jax.devices()[0].device_kind)
     tflops = float(np.mean(flops)) / step_s / jax.device_count() / 1e12
@@ -105,6 +110,8 @@ def main(argv: list[str]) -> int:
         "mfu": (tflops * 1e12 / peak) if peak else None,
         "tflops_per_device_nvidia": tflops_nvidia,
         "mfu_nvidia": (tflops_nvidia * 1e12 / peak) if peak else None,
+        "host_staging": bool(trainer.offloaded),
+        "cache_per_step": cache or None,
         "compile_s": compile_s,
         "gemm_calls": gemm_calls if jax.default_backend() == "gpu" else None,
         "fp8": fp8,

@@ -164,15 +164,38 @@ class Trainer:
         emb_state, slots, counts = self.embeddings.stage(emb_state, rows, commit=commit)
         return emb_state, self.to_device(slots), counts
 
-    def step(self, state: TrainState, local_stack: Any) -> tuple[TrainState, dict[str, Any]]:
-        """One train step on this process's numpy stack: stages offloaded rows, then `train_step`.
-        The returned metrics add the caches' hits, misses and bytes moved (host floats)."""
+    def step(
+        self, state: TrainState, local_stack: Any, compiled: Callable | None = None
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """One train step on this process's numpy stack: stages offloaded rows, then `train_step` (or
+        `compiled`, from `lower_step`). The returned metrics add the caches' hits, misses and bytes
+        moved (host floats)."""
+        run = compiled or self.train_step
         batch = self.to_device(local_stack)
         if not self.offloaded:
-            return self.train_step(state, batch)
+            return run(state, batch)
         emb_state, slots, counts = self.stage(state.embeddings, local_stack)
-        state, metrics = self.train_step(state.replace(embeddings=emb_state), batch, slots)
+        state, metrics = run(state.replace(embeddings=emb_state), batch, slots)
         return state, {**metrics, **counts}
+
+    def lower_step(self, state: TrainState, local_stack: Any) -> jax.stages.Lowered:
+        """`train_step` lowered for this stack's shapes, for ahead-of-time compiles (benchmarks, memory
+        estimates); run the compiled step with `step(state, stack, compiled)`, which stages offloaded
+        rows first. Nothing is committed to the caches here."""
+        batch = self.to_device(local_stack)
+        if not self.offloaded:
+            return self.train_step.lower(state, batch)
+        _, slots, _ = self.stage(state.embeddings, local_stack, commit=False)
+        return self.train_step.lower(state, batch, slots)
+
+    def rotating_steps(self, compiled: Callable, stacks: list[Any]) -> Callable[[TrainState, int], Any]:
+        """`(state, i) -> (state, metrics)`: `compiled` (from `lower_step`) on stacks[i % n], for the
+        benchmarks and the profile. The batches go to the devices once, up front; with offloaded tables
+        each call stages its stack's rows from host memory first, as training does (`step`)."""
+        if self.offloaded:
+            return lambda state, i: self.step(state, stacks[i % len(stacks)], compiled)
+        batches = [self.to_device(s) for s in stacks]
+        return lambda state, i: compiled(state, batches[i % len(batches)])
 
     def per_pack(self, fn: Callable[[nnx.Module, Any, dict], Any]) -> Callable[[TrainState, Any], Any]:
         """jit of `(state, batch) -> fn(model, pack, embedded)` on every pack, stacked like the batch

@@ -1,0 +1,54 @@
+"""`bench train_step`, `measure` (the sweeps' point runner) and `profile` on a config with an offloaded
+table: each step stages its rows from host memory first, as training does (Trainer.lower_step,
+Trainer.rotating_steps), and the first step's loss equals the same config's with the table in HBM."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import measure, profile
+from experiments.benchmarks import train_step
+from tests.helpers import SMALL
+
+TABLES = (
+    "embeddings.tables.actions={rows=16, dim=16}",
+    "embeddings.tables.sparse={rows=256, dim=16}",
+    "embeddings.features.items={table='items', pooling='none'}",
+    "embeddings.features.actions={table='actions', pooling='none'}",
+    "embeddings.features.sparse={table='sparse', pooling='mean'}",
+    "model.num_layers=1",
+    "model.wukong_layers=1",
+)
+CONFIG = "configs/tiny.toml"
+
+
+def _overrides(items: str) -> list[str]:
+    return [
+        *SMALL,
+        *TABLES,
+        f"embeddings.tables.items={{rows=4096, dim=16, sharding='{items}', cache_rows=256}}",
+    ]
+
+
+@pytest.mark.slow  # three compiles of a small step, two steps each
+def test_measure_bench_and_profile_run_offloaded_tables(tmp_path, capsys):
+    offloaded = measure.measure(CONFIG, _overrides("offload"), steps=3, warmup=1, batches=2)
+    in_hbm = measure.measure(CONFIG, _overrides("row_wise"), steps=3, warmup=1, batches=2)
+    assert offloaded["status"] == "ok"
+    assert offloaded["loss_first"] == in_hbm["loss_first"]  # the same step, staged (bitwise, as training)
+    assert offloaded["loss"] == in_hbm["loss"]
+
+    assert train_step.main(["--config", CONFIG, *[f"--set={o}" for o in _overrides("offload")],
+                            "--batches=2", "--steps=2", "--pipeline-steps=2"]) == 0  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert report["host_staging"] is True
+    misses = report["cache_per_step"]["embeddings/items/cache_misses"]
+    hits = report["cache_per_step"]["embeddings/items/cache_hits"]
+    assert misses + hits > 0 and report["device_step_s_median"] > 0
+
+    result = profile.run_profile(
+        CONFIG, _overrides("offload"), steps=2, warmup=1, batches=2, pipeline_batches=2, out=tmp_path / "p"
+    )
+    assert result.summary["untraced_step_ms"] > 0
