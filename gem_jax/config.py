@@ -350,6 +350,10 @@ class TrainConfig:
     keep_checkpoints: int = setting(3, AT_LEAST_1, may_change=True)
     async_checkpointing: bool = setting(True, may_change=True)
     progress: bool = setting(True, may_change=True)
+    # A stalled run ends (exit 76, every thread's stack in WORKDIR/stalled-<process>.txt) when no step
+    # finished for this long; evaluations and saves are not counted (gem_jax/train/watchdog.py). 0: off.
+    stall_timeout_s: float = setting(900.0, AT_LEAST_0, may_change=True)
+    first_step_timeout_s: float = setting(3600.0, AT_LEAST_0, may_change=True)  # it compiles the step
 
 
 @dataclass(frozen=True)

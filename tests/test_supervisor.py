@@ -46,6 +46,9 @@ TRAINER = textwrap.dedent(
         sys.exit(2)
     if how == "crash":
         sys.exit(1)
+    if how == "stall":
+        print("stalled after step 7: no step finished within train.stall_timeout_s=900 s", file=sys.stderr)
+        sys.exit(76)
     if how == "signal":
         signal.signal(signal.SIGTERM, lambda s, f: (print("SIGTERM", os.getpgid(0) != os.getpgid(os.getppid()),
                                                         file=sys.stderr, flush=True), sys.exit(0)))
@@ -95,6 +98,14 @@ def test_a_restart_relaunches_with_its_record_and_a_final_end_is_not_restarted(t
     assert json.loads(err[3].split(": ", 1)[1]) == {"attempt": 1, "of": 1, "after": crashed}
     assert supervisor.run([str(checkpoints), "config error"], restarts=1, settle_s=0.0, command=trainer) == 2
     assert capfd.readouterr().err.splitlines() == ["training", "config error: no such key"]
+
+
+def test_a_stall_is_the_trainers_own_line_and_restarts(trainer, checkpoints, capfd):
+    assert supervisor.run([str(checkpoints), "stall"], restarts=1, settle_s=0.0, command=trainer) == 0
+    err = capfd.readouterr().err.splitlines()
+    stalled = "stalled after step 7: no step finished within train.stall_timeout_s=900 s"
+    assert err[:3] == ["training", stalled, "restart 1 of 1 in 0 s, from the last intact checkpoint"]
+    assert json.loads(err[3].split(": ", 1)[1]) == {"attempt": 1, "of": 1, "after": stalled}
 
 
 def test_restarts_are_counted(trainer, checkpoints, capfd):

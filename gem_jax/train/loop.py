@@ -33,7 +33,7 @@ import jax
 
 from gem_jax.distributed import agree
 from gem_jax.parallel import describe_mesh
-from gem_jax.train import files, interrupt
+from gem_jax.train import files, interrupt, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.profiling import TraceWindow
@@ -292,6 +292,16 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
             def signal_pending() -> bool:
                 return agreed_signal if multi else interrupts.requested is not None
 
+            stall = protect.enter_context(
+                watchdog.Watchdog(
+                    tc.first_step_timeout_s,
+                    tc.stall_timeout_s,
+                    watchdog.exit_stalled(
+                        workdir, jax.process_index(), start, tc.first_step_timeout_s, tc.stall_timeout_s
+                    ),
+                )
+            )
+
             while step < total and progress.stopped is None and not signal_pending():
                 if stop_after is not None and step >= stop_after:
                     break
@@ -305,6 +315,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
                     state, metrics = trainer.step(state, stack)
                 step += 1
+                stall.beat(step)
                 STATUS.at_step(step)
                 if step == start + 1:
                     protect.enter_context(interrupts.saving())
@@ -347,7 +358,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                         )
                     throughput.reset()
                 if eval_now:
-                    with jax.profiler.TraceAnnotation("evaluation"):
+                    with jax.profiler.TraceAnnotation("evaluation"), stall.paused():
                         last_eval = _evaluate(
                             task,
                             evaluate,
@@ -365,9 +376,11 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                         progress.stopped = "time"
                         say(f"stopping: train.max_minutes={tc.max_minutes} spent at step {step}")
                 if save_now:
-                    save()
+                    with stall.paused():
+                        save()
                 if bar is not None:
                     bar.update(1)
+            stall.close()  # the loop's steps are done: the last save and the test split are not steps
             if previous is not None:
                 last_values = _check_finite(previous[1], previous[0], checkpoints)
             if saved_step != step and step > start:

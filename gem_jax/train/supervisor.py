@@ -20,16 +20,16 @@ What it does:
 * relays the trainer's stderr as it comes, except native log lines at ERROR or FATAL level (abseil's
   `E1201 12:00:00.000000 ...` format) and what follows them for a few seconds: held back, then
   printed, unless the trainer ends by jax's abort for a lost peer (then dropped: its stack trace too).
-* when the trainer ends: exit codes 0, 2 (config or workdir error), 3 (NaN) and 128 + SIGINT/SIGTERM
-  are final, as is any end after a signal it passed on. Any other end is a lost peer (75, reported
-  by the trainer; or jax's abort, reported here) or a crash (reported here: exit code or signal, the
-  step, the last intact checkpoint). While restarts are left, the trainer is launched again after
-  `settle_s` seconds and resumes from the last intact checkpoint; the relaunched trainer records the
-  restart in resumes.jsonl (`restart_record`). In a multi-process run each process's supervisor
-  relaunches its own trainer, after the peer timeout plus a few seconds, when every trainer of the
-  old attempt has stopped and the coordinator's port is free; they meet again at the same
-  coordinator address (jax waits up to 5 minutes for all of them). A process whose whole host was
-  lost has no supervisor left: relaunch that one with the same command.
+* when the trainer ends: exit codes 0, 2 (config or workdir error), 3 (NaN) and 128 + SIGINT/SIGTERM are
+  final, as is any end after a signal it passed on. Any other end is a lost peer (75, reported by the
+  trainer; or jax's abort, reported here), a stall (76, reported by the trainer) or a crash (reported
+  here: exit code or signal, the step, the last intact checkpoint). While restarts are left, the trainer
+  is launched again after `settle_s` seconds and resumes from the last intact checkpoint; the relaunched
+  trainer records the restart in resumes.jsonl (`restart_record`). In a multi-process run each process's
+  supervisor relaunches its own trainer, after the peer timeout plus a few seconds, when every trainer of
+  the old attempt has stopped and the coordinator's port is free; they meet again at the same coordinator
+  address (jax waits up to 5 minutes for all of them). A process whose whole host was lost has no
+  supervisor left: relaunch that one with the same command.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import sys
 import time
 from typing import Any
 
-from gem_jax.train import peers
+from gem_jax.train import peers, watchdog
 from gem_jax.train.run_status import STATUS_FD, RunStatus
 
 SUPERVISED = "GEM_JAX_SUPERVISED"
@@ -150,7 +150,7 @@ class _Supervisor:
             _say(line)
             return peers.LOST_PEER_EXIT, line
         relay.release()
-        if rc == peers.LOST_PEER_EXIT:  # the trainer said so itself, and why
+        if rc in (peers.LOST_PEER_EXIT, watchdog.STALLED_EXIT):  # the trainer said so itself, and why
             return rc, relay.last_line
         if rc < 0:
             how = "was killed" if -rc == signal.SIGKILL else "died"
