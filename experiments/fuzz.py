@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.jagged_attention import jagged_attention
+from pallas_kernels.jagged_attention.options import KernelOptions
 
 # Static sizes a family draws from, per platform: small enough that a case runs in milliseconds on the
 # GPU (the padded reference is O(B N^2)), and tiny on the CPU, where the kernel is interpreted.
@@ -86,6 +87,9 @@ class Family:
     window: int
     num_pos: int  # 0: no position bias table
     num_time: int  # 0: no time bias table
+    # KernelOptions.hopper_forward: None runs the Mosaic GPU forward on Hopper where it supports the call
+    # (bf16, T a multiple of 8), False the Triton forward; so bf16 families cover both GPU forwards.
+    hopper_forward: bool | None = None
 
     def __str__(self) -> str:
         bias = [f"pos {self.num_pos}"] * bool(self.num_pos) + [f"time {self.num_time}"] * bool(self.num_time)
@@ -93,6 +97,7 @@ class Family:
             f"{self.dtype} {self.activation} T={self.capacity} B={self.batch} H={self.heads} "
             f"D={self.dqk}/{self.dv} N={self.max_seq_len} targets={'yes' if self.targets else 'no'} "
             f"window={self.window} bias={'+'.join(bias) or 'none'}"
+            + ("" if self.hopper_forward is None else f" hopper_forward={self.hopper_forward}")
         )
 
 
@@ -132,6 +137,8 @@ def make_family(seed: int, index: int, platform: str) -> Family:
         window=int(rng.integers(1, n)) if switches["window"] else 0,
         num_pos=num_pos if switches["pos"] else 0,
         num_time=num_time if switches["time"] else 0,
+        # Covering families 0 and 2 (bf16) take one forward each; the others draw it.
+        hopper_forward=(None, None, False, None)[index] if cover else (None if rng.random() < 0.5 else False),
     )
 
 
@@ -208,6 +215,7 @@ def _gradient_fn(family: Family, implementation: str) -> Callable:
             pos_bias=pos,
             time_bias=tim,
             implementation=implementation,
+            options=KernelOptions(hopper_forward=family.hopper_forward),
         )
         return jnp.sum(out.astype(jnp.float32) * do), out
 

@@ -18,8 +18,10 @@ def test_small_run_checks_and_prints_the_table(capsys):
 
 @pytest.mark.slow
 def test_small_offload_run_prints_the_cache_table(capsys):
-    argv = ["--small", "--no-torch", "--reps", "2", "--max-bag", "8", "--offload", "--cache-fraction", "0.9"]
+    argv = ["--small", "--no-torch", "--reps", "2", "--max-bag", "8", "--offload", "--cache-fraction", "0.9,0.95"]
     assert bench_embeddings.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| stage + forward + backward + row-wise Adagrad |" in out
+    assert "| cache fraction | ms / step | in-HBM step (ms) |" in out
+    rows = [line for line in out.splitlines() if line.startswith(("| 0.9 |", "| 0.95 |"))]
+    assert len(rows) == 2, out  # one row per fraction
     assert "| t00 | 4,096 | 16 | float32 | 272.0 KiB | offload |" in out
