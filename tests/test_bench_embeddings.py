@@ -18,7 +18,17 @@ def test_small_run_checks_and_prints_the_table(capsys):
 
 @pytest.mark.slow
 def test_small_offload_run_prints_the_cache_table(capsys):
-    argv = ["--small", "--no-torch", "--reps", "2", "--max-bag", "8", "--offload", "--cache-fraction", "0.9,0.95"]
+    argv = [
+        "--small",
+        "--no-torch",
+        "--reps",
+        "2",
+        "--max-bag",
+        "8",
+        "--offload",
+        "--cache-fraction",
+        "0.9,0.95",
+    ]
     assert bench_embeddings.main(argv) == 0
     out = capsys.readouterr().out
     assert "| cache fraction | ms / step | in-HBM step (ms) |" in out

@@ -399,11 +399,11 @@ def main(argv=None) -> int:
                 print(f"--offload --cache-fraction {fraction}: {e}", file=sys.stderr)
                 return 2
             print(plan, flush=True)
-            looked_up = counts["cache_hits"] + counts["cache_misses"]
+            hit_rate = counts["cache_hits"] / max(counts["cache_hits"] + counts["cache_misses"], 1)
+            h2d, d2h = (counts[f"{way}_bytes"] / a.reps / 1e6 for way in ("host_to_device", "device_to_host"))
             rows.append(
                 f"| {fraction:g} | {seconds * 1e3:.2f} | {ours['step'] * 1e3:.2f} | {seconds / ours['step']:.2f}x | "
-                f"{counts['cache_hits'] / max(looked_up, 1):.1%} | {counts['host_to_device_bytes'] / a.reps / 1e6:.1f} | "
-                f"{counts['device_to_host_bytes'] / a.reps / 1e6:.1f} |"
+                f"{hit_rate:.1%} | {h2d:.1f} | {d2h:.1f} |"
             )
         print("\nstage + forward + backward + row-wise Adagrad, offloaded, against the in-HBM step:\n")
         print(
