@@ -64,6 +64,7 @@ def test_bench_train_step_times_the_pipeline_after_every_workers_first_batch(mon
     report = json.loads(r.stdout[r.stdout.index("{") :])
     assert report["pipeline_batches"] == {"untimed": 2, "timed": 4}  # at least two per worker
     assert report["pipeline_s_per_batch"] > 0 and report["device_step_s_median"] > 0
+    assert report["step_s_back_to_back"] > 0
 
 
 def test_bench_bias_rows_checks_each_build_against_the_shipped_one(capsys):

@@ -46,7 +46,7 @@ def test_measure_bench_and_profile_run_offloaded_tables(tmp_path, capsys):
     assert report["host_staging"] is True
     misses = report["cache_per_step"]["embeddings/items/cache_misses"]
     hits = report["cache_per_step"]["embeddings/items/cache_hits"]
-    assert misses + hits > 0 and report["device_step_s_median"] > 0
+    assert misses + hits > 0 and report["device_step_s_median"] > 0 and report["step_s_back_to_back"] > 0
 
     result = profile.run_profile(
         CONFIG, _overrides("offload"), steps=2, warmup=1, batches=2, pipeline_batches=2, out=tmp_path / "p"

@@ -466,3 +466,21 @@ def test_time_thresholds_reproduce_reference_buckets(num_time):
     got = np.sum(x[:, None] >= thr[None, 1:], axis=1)
     want = np.asarray(time_buckets(jnp.asarray(dt), num_time))
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("bias_rows", [False, True])
+def test_gpu_forward_default_tiles_fit_shared_memory(dtype, head_dim, bias_rows):
+    """The Triton forward's shared memory (the q tile, `num_stages` K and V tiles, one bias_rows tile) fits the
+    H200's 227 KiB. The estimate is fitted to one measurement: the 288 KiB that Triton asked for in the fuzz's
+    float32 D=128 crash with the bf16 tiles (128 x 128 q, 3 stages of 64-key tiles, bias_rows)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    b = BlockSizes.get_default(
+        "gpu", head_dim=head_dim, max_seq_len=1024, has_bias=True, bias_rows=bias_rows, itemsize=itemsize
+    )
+    tiles = b.block_q * head_dim + b.num_stages * b.block_k * 2 * head_dim
+    tiles += b.block_q * b.block_k * bias_rows
+    assert tiles * itemsize <= 232448, (b, tiles * itemsize)
+    old = BlockSizes(block_q=128, block_k=64, num_stages=3)  # the bf16 tiles float32 had before
+    assert (old.block_q * 128 + old.num_stages * old.block_k * 256 + 128 * 64) * 4 == 294912

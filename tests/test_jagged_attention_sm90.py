@@ -94,6 +94,22 @@ def test_gpu_backend_picks_the_forward(hopper_forward):
         assert "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text  # Triton backward
 
 
+def test_lowers_bias_tables_wider_than_one_tma_box():
+    """A TMA copy moves at most 256 elements per dimension: wider bias tables (position buckets up to the
+    sequence length) come in chunks, each arriving on the query barrier (the fuzz found the one-copy version
+    failing to lower at 1041 and 273 buckets)."""
+    t, h, b = 3000, 2, 7
+    sd = jax.ShapeDtypeStruct
+    tables = tuple(sd(x.shape, x.dtype) for x in _tables(b, h, t, num_pos=1041, num_time=300))
+    args = (sd((t, h, 64), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tables
+    params = _static(
+        1024, "silu", 64, has_targets=True, has_pos=True, has_time=True, num_pos=1041, num_time=300
+    )
+    assert mosaic_gpu.table_chunks(1041) == 5 and mosaic_gpu.table_chunks(300) == 2
+    text = _lowered(lambda *a: mosaic_gpu.forward_mosaic_gpu(*a, params=params), *args)
+    assert text.count("mosaic_gpu") >= 1
+
+
 def test_supports():
     q = jnp.zeros((8, 2, 128), jnp.bfloat16)
     assert mosaic_gpu.supports(_static(256, "silu"), q, q)
@@ -101,6 +117,10 @@ def test_supports():
     assert mosaic_gpu.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
     assert mosaic_gpu.supports(_static(256, "silu", has_pos=True, has_time=True, num_pos=5, num_time=3), q, q)
     assert not mosaic_gpu.supports(_static(256, "silu", interpret=True), q, q)
+    # a position table larger than the shared memory the tiles leave (D = 256: about 16 KiB) falls back
+    q256 = jnp.zeros((8, 2, 256), jnp.bfloat16)
+    assert mosaic_gpu.supports(_static(4096, "silu", 256, has_pos=True, num_pos=1041), q256, q256)
+    assert not mosaic_gpu.supports(_static(8192, "silu", 256, has_pos=True, num_pos=4113), q256, q256)
     assert not mosaic_gpu.supports(_static(256, "silu"), q[:7], q[:7])  # T % 8 != 0
     assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     for d, ok in ((64, True), (256, True), (32, False), (96, False)):
@@ -136,7 +156,13 @@ def test_interpret_matches_reference(activation, d, block_k, pingpong, half_diag
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     t = (int(offsets[-1]) + 20 + 7) // 8 * 8  # capacity past offsets[B], a multiple of mosaic_gpu.ALIGN
     rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), jnp.bfloat16) for _ in range(3))
+
+    def poisoned():  # rows past offsets[B] are unused and hold NaN: nothing of them may reach a result
+        x = rng.standard_normal((t, h, d)).astype(np.float32)
+        x[offsets[-1] :] = np.nan
+        return jnp.asarray(x, jnp.bfloat16)
+
+    q, k, v = poisoned(), poisoned(), poisoned()
     targets, ts, pos, tim = _tables(len(lengths), h, t, num_pos=5, num_time=8)
     extra = dict(timestamps=ts, pos_bias=pos, time_bias=tim[:h]) if bias else {}
     bias_fields = dict(has_pos=True, has_time=True, num_pos=5, num_time=8) if bias else {}

@@ -3,8 +3,10 @@
 Times (1) the input pipeline alone (host: packs per second, after one untimed batch per data worker, over
 at least two batches per worker; the generator, or the shards with `data.kind = "records"`) and
 (2) the jitted train step alone on batches already on the device (median of repeated steps over a few
-rotating batches; with offloaded tables each timed step also stages its rows from host memory first,
-as training does: `host_staging` in the result, with the caches' counts), and reports both with the
+rotating batches, each waited for; then `step_s_back_to_back`: the same number of steps dispatched back to
+back, as the train loop runs them; with offloaded tables each step also stages its rows from host memory
+first, as training does: `host_staging` in the result, with the caches' counts; with `--batches` above
+`--steps` + 2 every timed batch is one the caches have not seen), and reports both with the
 analytic TFLOP/s and MFU (by our count, and `_nvidia` by NVIDIA recsys-examples' HSTU count:
 gem_jax/train/flops.py), so a run's throughput can be attributed to host or device.
 
@@ -26,6 +28,7 @@ import time
 import jax
 import numpy as np
 
+WARMUP_STEPS = 2  # after compiling; few, so that with offloaded tables the timed batches' rows are new
 GEMM_TARGETS = {
     "cublas_lt_f8": "__cublas$lt$matmul$f8",
     "cublas_lt": "__cublas$lt$matmul",
@@ -77,11 +80,12 @@ def main(argv: list[str]) -> int:
     fp8 = summary(*fp8_dots(lowered)) if config.precision.fp8 else None
     run = trainer.rotating_steps(step, host[: args.batches])
 
-    for i in range(min(args.batches, len(host))):  # warm up
+    warmup = min(args.batches, WARMUP_STEPS)
+    for i in range(warmup):
         state, m = run(state, i)
     jax.block_until_ready(m["loss"])
     times, cache = [], {}
-    for i in range(args.steps):
+    for i in range(warmup, warmup + args.steps):
         t = time.perf_counter()
         state, m = run(state, i)
         jax.block_until_ready(m["loss"])
@@ -89,6 +93,13 @@ def main(argv: list[str]) -> int:
         for k, v in m.items():  # offloaded tables: embeddings/TABLE/cache_hits, ..._bytes (host floats)
             if k.startswith("embeddings/"):
                 cache[k] = cache.get(k, 0.0) + float(v) / args.steps
+    # The same steps back to back, one wait at the end, as the train loop runs them: with offloaded tables
+    # the host stages step i + 1's rows while the device runs step i.
+    t = time.perf_counter()
+    for i in range(warmup + args.steps, warmup + 2 * args.steps):
+        state, m = run(state, i)
+    jax.block_until_ready(m["loss"])
+    pipelined_s = (time.perf_counter() - t) / args.steps
     step_s = float(np.median(times))
     peak = device_peak_flops(jax.devices()[0].device_kind)
     tflops = float(np.mean(flops)) / step_s / jax.device_count() / 1e12
@@ -104,6 +115,7 @@ def main(argv: list[str]) -> int:
         "pipeline_batches": {"untimed": pipeline.untimed, "timed": pipeline.timed},
         "device_step_s_median": step_s,
         "device_step_s_min": float(np.min(times)),
+        "step_s_back_to_back": pipelined_s,
         "tokens_per_step": float(np.mean(tokens)),
         "tokens_per_s_device_only": float(np.mean(tokens)) / step_s,
         "tflops_per_device": tflops,

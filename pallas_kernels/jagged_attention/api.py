@@ -68,6 +68,7 @@ def _tiles_and_bias_rows(
         head_dim=max(q.shape[-1], v.shape[-1]),
         max_seq_len=max_seq_len,
         has_bias=has_bias,
+        itemsize=max(q.dtype.itemsize, v.dtype.itemsize),
     )
     if wanted and fits(default(bias_rows=True)):
         return default(bias_rows=True), True

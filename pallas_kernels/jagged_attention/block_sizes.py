@@ -35,12 +35,14 @@ class BlockSizes:
         max_seq_len: int,
         has_bias: bool = False,
         bias_rows: bool = False,
+        itemsize: int = 2,
     ) -> BlockSizes:
         """Defaults tuned on the H200 for Dqk=Dv=128 (GPU); small tiles for short sequences and CPU tests.
 
         platform: "gpu", "tpu", or "cpu" (a kernel in interpret mode). head_dim: max(Dqk, Dv). bias_rows: the
-        GPU kernels load the bias from the bias_rows array (KernelOptions) rather than computing it. No default
-        key tile exceeds 128, the bias_rows array's column step.
+        GPU kernels load the bias from the bias_rows array (KernelOptions) rather than computing it. itemsize: bytes
+        per q/k/v element (float32 tiles take twice the shared memory). No default key tile exceeds 128, the
+        bias_rows array's column step.
         """
         if platform == "tpu":
             return cls(block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128)
@@ -55,4 +57,10 @@ class BlockSizes:
             # memory: 64x128 dK/dV tiles and 2 forward stages are faster there (docs/benchmarks.md). Loading the
             # bias from bias_rows, the no-bias defaults stay the fastest.
             sizes = dataclasses.replace(sizes, block_q_dkv=64, block_k_dkv=128, num_stages=2)
+        if platform == "gpu" and itemsize >= 4 and head_dim >= 128 and max_seq_len > 64:
+            # float32 (the exactness path, not a fast one): the bf16 tiles ask for more shared memory than the
+            # H200's 227 KiB (the fuzz: 288 KiB for the forward at D=128 with bias_rows); half-size tiles fit.
+            sizes = dataclasses.replace(
+                sizes, block_q=64, block_k=32, block_q_dkv=64, block_k_dkv=32, num_stages=2, num_stages_bwd=2
+            )
         return sizes

@@ -79,6 +79,9 @@ HEAD_DIMS = (64, 128, 256)  # multiples of 64 (the 128-byte swizzle); 256 needs 
 O_COLS = {64: 64, 128: 128, 256: 64}
 _LOG2_TO_BUCKET = math.log(2.0) / LOG_TIME_DIVISOR  # log(x) / LOG_TIME_DIVISOR = log2(x) * this
 TABLE_ALIGN = 32  # floats: each consumer's copy of a bias table starts 128-byte aligned in shared memory
+TMA_BOX = 256  # a TMA copy moves at most this many elements along each dimension: tables go in chunks
+SMEM_BYTES = 232448  # the H100/H200's shared memory per block (227 KiB)
+SMEM_SLACK = 8192  # barriers and the swizzled buffers' alignment, not counted by smem_bytes
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector laid out like the rows of a wgmma tile
 _COL = plgpu.Layout.WGMMA.reduce(0)  # a [bk] vector laid out like its columns
 
@@ -114,8 +117,32 @@ def wanted(hopper_forward: bool | None) -> bool:
     return is_hopper() if hopper_forward is None else hopper_forward
 
 
+def table_width(n: int) -> int:
+    """Floats of shared memory a bias table of n buckets takes per consumer (TABLE_ALIGN-aligned)."""
+    return cdiv(n, TABLE_ALIGN) * TABLE_ALIGN
+
+
+def table_chunks(n: int) -> int:
+    """TMA copies that bring one head's row of an n-bucket table into shared memory."""
+    return cdiv(table_width(n), TMA_BOX)
+
+
+def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int) -> int:
+    """Shared memory the kernel's buffers take with its default tiles (the layout in forward_mosaic_gpu)."""
+    has_bias = params.has_pos or params.has_time
+    block_k, stages = default_tiles(max(dqk, dv), has_bias)
+    tiles = COMPUTE_WGS * BLOCK_Q * (dqk + O_COLS.get(dv, dv)) + stages * block_k * (dqk + dv)
+    floats = COMPUTE_WGS * BLOCK_Q * (params.activation == "softmax")
+    if params.has_time:
+        floats += COMPUTE_WGS * BLOCK_Q + stages * block_k + COMPUTE_WGS * table_width(params.num_time)
+    if params.has_pos:
+        floats += COMPUTE_WGS * table_width(params.num_pos)
+    return tiles * itemsize + 4 * floats
+
+
 def supports(params: KernelParams, q, v) -> bool:
-    """Whether forward_mosaic_gpu handles this call (otherwise the GPU backend runs its Triton forward)."""
+    """Whether forward_mosaic_gpu handles this call (otherwise the GPU backend runs its Triton forward): a
+    bias table too large for the shared memory left by the tiles (thousands of position buckets) is one."""
     return (
         not params.interpret
         and q.dtype in (jnp.bfloat16, jnp.float16)
@@ -124,6 +151,7 @@ def supports(params: KernelParams, q, v) -> bool:
         and q.shape[-1] in HEAD_DIMS
         and v.shape[-1] in HEAD_DIMS
         and params.activation in ("silu", "softmax")
+        and smem_bytes(params, q.shape[-1], v.shape[-1], q.dtype.itemsize) <= SMEM_BYTES - SMEM_SLACK
     )
 
 
@@ -161,6 +189,15 @@ def _gather(interpret: bool, table_ref, idx):
         return cells.foreach(lambda v, _: memref.load(table, [arith.index_cast(index, v)]), create_array=True)
 
     return gather(table_ref, idx)
+
+
+def _copy_table(src, dst, barrier):
+    """TMA copies of one head's bias table row into shared memory, TMA_BOX floats at a time (table_chunks of
+    them, each arriving once on `barrier`)."""
+    width = dst.shape[0]
+    for start in range(0, width, TMA_BOX):
+        size = min(TMA_BOX, width - start)
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(start, size)], dst.at[pl.ds(start, size)], barrier)
 
 
 def _store_rows(src_smem, dst, nrows, max_rows: int, first=0):
@@ -311,9 +348,9 @@ def _kernel(
             plgpu.copy_gmem_to_smem(rows_of(q_ref, row, bq, h, dqk), q_smem2.at[wg], q_bar.at[wg])
             if params.has_time:
                 plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem2.at[wg], q_bar.at[wg])
-                plgpu.copy_gmem_to_smem(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
+                _copy_table(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
             if params.has_pos:
-                plgpu.copy_gmem_to_smem(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
+                _copy_table(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
 
     def bias_tile(q_lo, step, width, ts_rows, slot, pos_scalar):
         """float32 [bq, width] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
@@ -622,6 +659,12 @@ def default_tiles(head_dim: int, has_bias: bool) -> tuple[int, int]:
     return (64, 3) if has_bias else (128, 2)
 
 
+def _zero_unused_rows(x, offsets):
+    """x [T, ...] with the rows past offsets[B] set to zero."""
+    row = lax.broadcasted_iota(jnp.int32, (x.shape[0],) + (1,) * (x.ndim - 1), 0)
+    return jnp.where(row < offsets[-1], x, jnp.zeros((), x.dtype))
+
+
 def _table_rows(table, heads: int, width: int):
     """The first `heads` rows of a float32 bias table, `width` (a multiple of TABLE_ALIGN) wide."""
     table = table[:heads, :width]
@@ -663,6 +706,10 @@ def forward_mosaic_gpu(
         raise ValueError(
             f"the Mosaic GPU kernel needs a token capacity T that is a multiple of {ALIGN}, got {t}"
         )
+    # The P.V wgmma multiplies a tile's masked key rows by P = 0, and 0 x NaN is NaN: rows past offsets[B] may
+    # hold anything (the contract), so K and V are zeroed there (XLA fuses the select into their producer). Rows
+    # before offsets[B] that a tile masks belong to other sequences and are finite.
+    k, v = (_zero_unused_rows(x, offsets) for x in (k, v))
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
     # tiles of each sequence's aligned frame: frame length L + offsets[b] % ALIGN (at most ALIGN - 1 more rows
     # per sequence, hence the larger static bounds)
@@ -673,8 +720,8 @@ def forward_mosaic_gpu(
     work = jnp.stack([wb, wm, wv])
     num_zero = cdiv(t, ZERO_TILES * tile)
     softmax = params.activation == "softmax"
-    pos_width = cdiv(params.num_pos, TABLE_ALIGN) * TABLE_ALIGN
-    time_width = cdiv(params.num_time, TABLE_ALIGN) * TABLE_ALIGN
+    pos_width = table_width(params.num_pos)
+    time_width = table_width(params.num_time)
     ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
     pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
     time_rows = (
@@ -682,7 +729,11 @@ def forward_mosaic_gpu(
     )
     # each copy into a ring slot / query buffer arrives once on its barrier
     k_arrivals = 1 + int(params.has_time)
-    q_arrivals = 1 + 2 * int(params.has_time) + int(params.has_pos)
+    q_arrivals = (
+        1
+        + int(params.has_time) * (1 + table_chunks(params.num_time))
+        + int(params.has_pos) * table_chunks(params.num_pos)
+    )
 
     def entry(
         work_ref, offsets_ref, targets_ref, q_ref, k_ref, v_ref, ts_ref, pos_ref, time_ref, o_ref, lse_ref
