@@ -106,3 +106,33 @@ def test_zero_reference_gradient_is_judged_against_the_case_scale():
     assert max(fuzz._errors(noise, zero, offsets, floor)) < 0.01
     assert min(fuzz._errors(bug, zero, offsets, floor)) > 1.0
     assert fuzz._errors(noise, zero, offsets)[0] > 1e20  # without the floor: noise / 1e-30
+
+
+def test_bias_sums_are_the_reference_gradients_and_judge_cancellation():
+    """`_bias_sums` (float64 per-bucket sums of the reference's per-cell dScore) equals the reference's own
+    bias-table gradients; rounding small against the summed magnitudes passes even where the sum cancels,
+    and one bucket's worth of gradient moved to another bucket fails."""
+    import jax
+    import jax.numpy as jnp
+
+    family = fuzz.make_family(0, 0, "cpu")  # bf16 silu, targets, window, pos and time tables
+    case = fuzz.make_case(family, 0, 0, 1)
+    rounded = fuzz.dataclasses.replace(
+        case, **{x: np.asarray(jnp.asarray(getattr(case, x), jnp.bfloat16), np.float32) for x in "qkv"}
+    )
+    with jax.default_matmul_precision("float32"):
+        _, grads = fuzz._run(fuzz._gradient_fn(family, "reference"), rounded, jnp.float32)
+    for name, got in zip(("dpos", "dtime"), grads[3:]):
+        exact, magnitudes = fuzz._bias_sums(family, rounded, name)
+        assert exact.shape == got.shape and (magnitudes >= np.abs(exact) - 1e-9).all()
+        np.testing.assert_allclose(got, exact, rtol=1e-4, atol=1e-6 * np.abs(magnitudes).max())
+        tol = fuzz.TOLERANCE["bfloat16"][0]
+        noise = 1e-3 * fuzz.CANCELLATION * np.linalg.norm(magnitudes) / np.sqrt(exact.size)
+        assert fuzz._bias_error(exact + noise, exact, magnitudes, 0.0) <= tol
+        moved = exact.copy()
+        b = int(np.argmax(np.abs(exact[0])))
+        moved[0, b], moved[0, (b + 1) % exact.shape[1]] = (
+            0.0,
+            exact[0, (b + 1) % exact.shape[1]] + exact[0, b],
+        )
+        assert fuzz._bias_error(moved, exact, magnitudes, 0.0) > tol

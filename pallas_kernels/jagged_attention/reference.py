@@ -47,6 +47,36 @@ def allowed_mask(
     return valid & (history | target)
 
 
+def _padded_rows(offsets, lengths, n: int):
+    """([B, N] flat row of each padded slot, whether the slot is in its sequence, the row to gather)."""
+    pos = jnp.arange(n, dtype=jnp.int32)
+    rows = offsets[:-1, None] + pos[None, :]
+    in_seq = pos[None, :] < lengths[:, None]
+    return rows, in_seq, jnp.where(in_seq, rows, 0)
+
+
+def padded_buckets(
+    offsets: Int[ArrayLike, " B1"],
+    timestamps: Int[ArrayLike, " T"] | None,
+    *,
+    max_seq_len: int,
+    num_pos: int,
+    num_time: int,
+) -> tuple[Int[ArrayLike, "N N"], Int[ArrayLike, "B N N"] | None]:
+    """The position bucket of every padded (i, j) cell and, with timestamps, the time bucket of every
+    sequence's cell: the reference's buckets, in the layout of `score_offset`."""
+    n = max_seq_len
+    offsets = jnp.asarray(offsets, jnp.int32)
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], n)
+    pos = jnp.arange(n, dtype=jnp.int32)
+    pos_bucket = position_buckets(pos[:, None] - pos[None, :], num_pos)
+    if timestamps is None:
+        return pos_bucket, None
+    _, _, gather_rows = _padded_rows(offsets, lengths, n)
+    ts = jnp.take(jnp.asarray(timestamps, jnp.int32), gather_rows, axis=0)
+    return pos_bucket, time_buckets(ts[:, :, None] - ts[:, None, :], num_time)
+
+
 def jagged_attention_reference(
     q: Float[ArrayLike, "T H Dqk"],
     k: Float[ArrayLike, "T H Dqk"],
@@ -63,12 +93,15 @@ def jagged_attention_reference(
     time_bias: Float[ArrayLike, "H NT"] | None = None,
     weight_dropout: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    score_offset: Float[ArrayLike, "B H N N"] | None = None,
 ) -> Float[ArrayLike, "T H Dv"]:
     """Jagged causal attention with SiLU (HSTU) or softmax, targets, window and relative bias.
 
     Every sequence must satisfy offsets[b+1] - offsets[b] <= max_seq_len; longer ones are truncated.
     Returns [T, H, Dv] in v.dtype; rows past offsets[B] are zero. `weight_dropout` (with
     `dropout_rng`) drops attention weights in training, as SASRec/HSTU do; no kernel implements it.
+    `score_offset` (zeros, for checks) is added to the padded scores: its gradient is dScore of every cell,
+    the terms that a bias table's gradient sums per bucket (see `padded_buckets`).
     """
     t, h, dqk = q.shape
     n = max_seq_len
@@ -82,9 +115,7 @@ def jagged_attention_reference(
     num_targets = jnp.clip(num_targets.astype(jnp.int32), 0, lengths)
 
     pos = jnp.arange(n, dtype=jnp.int32)
-    rows = offsets[:-1, None] + pos[None, :]  # [B, N] flat row of each padded slot
-    in_seq = pos[None, :] < lengths[:, None]
-    gather_rows = jnp.where(in_seq, rows, 0)
+    rows, in_seq, gather_rows = _padded_rows(offsets, lengths, n)
 
     def pad(x):
         xp = jnp.take(x, gather_rows, axis=0).astype(jnp.float32)  # [B, N, H, D]
@@ -101,6 +132,8 @@ def jagged_attention_reference(
         ts = jnp.take(timestamps.astype(jnp.int32), gather_rows, axis=0)  # [B, N]
         bucket = time_buckets(ts[:, :, None] - ts[:, None, :], time_bias.shape[1])  # [B, N, N]
         s = s + jnp.moveaxis(time_bias.astype(jnp.float32)[:, bucket], 0, 1)  # [B, H, N, N]
+    if score_offset is not None:
+        s = s + score_offset
     mask = allowed_mask(lengths, num_targets, n, max_attn_len)[:, None]  # [B, 1, N, N]
     if activation == "silu":
         p = jnp.where(mask, jax.nn.silu(s), 0.0) / n
