@@ -170,3 +170,27 @@ def test_slot_cache_evicts_the_least_used_rows_outside_the_batch():
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="4 distinct rows in one batch, over the 3 slots"):
         cache.place(np.array([0, 1, 2, 4]), np.ones(4, np.int64))
+
+
+def test_slot_cache_samples_its_evictions_in_a_large_cache():
+    """Past MIN_SAMPLE slots the victims come from a sample (sampled LFU): they are distinct, never the batch's
+    own rows, and all less used than the cache's median row; every slot stays mapped both ways."""
+    from gem_jax.embeddings import host_cache
+
+    rows, slots = 200_000, 20_000
+    cache = SlotCache(rows, slots)
+    rng = np.random.default_rng(0)
+    for _ in range(12):  # fill with rows of varied use counts
+        batch = np.unique(rng.integers(0, rows, 3000))
+        cache.place(batch, rng.integers(1, 50, len(batch)))
+    assert cache.filled == (cache.row_in >= 0).sum() == slots
+    batch = np.unique(rng.integers(0, rows, 2000))
+    median_uses = np.median(cache.uses[cache.row_in])
+    assert host_cache.SAMPLE_PER_EVICTION * 2000 < slots  # the sampled path, not a scan of every slot
+    placed = cache.place(batch, np.ones(len(batch), np.int64))
+    evicted = placed.evicted_rows
+    assert len(np.unique(placed.fill_slots)) == len(placed.fill_slots) and (evicted >= 0).all()
+    assert not np.isin(evicted, batch).any()
+    assert cache.uses[evicted].max() < median_uses  # the least used eighth of a sample, all below the median
+    np.testing.assert_array_equal(cache.slot_of[cache.row_in], np.arange(slots))
+    assert (cache.slot_of[evicted] == -1).all()
