@@ -7,7 +7,7 @@ sharded by rows), so the step's lookup and sparse update run unchanged on them, 
 place of row ids (slot `d * C + s`, C slots per device, lives on device d, as row `d * R + r` would).
 
 Before a step (`stage`), the host gives each distinct row of the batch a slot on its owner
-(host_cache.py: LFU among the slots the batch does not need), then one jitted exchange per table
+(host_cache.py: sampled LFU among the slots the batch does not need), then one jitted exchange per table
 reads the evicted slots' values out of the cache and writes the missing rows in. The exchange runs
 after the previous step on the device (it takes that step's output), so an evicted row carries every
 update; its values reach the host table when the next `stage` (or `flush`) collects them. A row's
