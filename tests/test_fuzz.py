@@ -118,7 +118,7 @@ def test_bias_sums_are_the_reference_gradients_and_judge_cancellation():
     family = fuzz.make_family(0, 0, "cpu")  # bf16 silu, targets, window, pos and time tables
     case = fuzz.make_case(family, 0, 0, 1)
     rounded = fuzz.dataclasses.replace(
-        case, **{x: np.asarray(jnp.asarray(getattr(case, x), jnp.bfloat16), np.float32) for x in "qkv"}
+        case, **{x: np.asarray(jnp.asarray(getattr(case, x), jnp.bfloat16), np.float32) for x in fuzz.ROUNDED}
     )
     with jax.default_matmul_precision("float32"):
         _, grads = fuzz._run(fuzz._gradient_fn(family, "reference"), rounded, jnp.float32)
