@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -120,6 +121,37 @@ def initialize(
         file=sys.stderr,
     )
     return True
+
+
+def wait_for_all(name: str, timeout_s: float) -> None:
+    """Waits until every process reaches the barrier `name` (unique per run of the coordination service),
+    through jax's coordination service rather than a collective. Before the first step: processes that
+    start apart (a restart, a slow restore) would otherwise reach their first collective apart, and gloo
+    gives up on a peer after 30 s (seen under load in tests). With one process, nothing."""
+    import jax
+
+    if jax.process_count() == 1:
+        return
+    # jax's own array serialization waits on this client the same way (no public barrier without a collective)
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            client.wait_at_barrier(name, timeout_in_ms=int(timeout_s * 1000))
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    # In a thread, so that the main thread keeps running Python signal handlers (a signal before the first
+    # step ends the process at once, gem_jax/train/interrupt.py) while a peer is late.
+    waiter = threading.Thread(target=wait, name=f"barrier {name}", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.1)
+    if errors:
+        raise errors[0]
 
 
 def process_zero_says(flag: bool) -> bool:

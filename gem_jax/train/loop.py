@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from gem_jax.distributed import agree
+from gem_jax.distributed import agree, wait_for_all
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
@@ -302,6 +302,8 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 )
             )
 
+            if multi:  # start compiling the first step together (gem_jax/distributed.py: wait_for_all)
+                wait_for_all(f"gem_jax/first_step/{step}", tc.first_step_timeout_s)
             while step < total and progress.stopped is None and not signal_pending():
                 if stop_after is not None and step >= stop_after:
                     break
