@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from gem_jax.distributed import agree, wait_for_all
 from gem_jax.parallel import describe_mesh
@@ -238,9 +239,9 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
     t_start = time.perf_counter()
     tc = task.config.train
     if jax.process_index() == 0:
-        print(describe_mesh(task.mesh, task.config.parallel), file=sys.stderr)
+        _line(describe_mesh(task.mesh, task.config.parallel))
     if task.describe():
-        print(task.describe(), file=sys.stderr)
+        _line(task.describe())
     trainer = Trainer(task, task.mesh)
     evaluate = task.evaluator(trainer)
     total = task.total_steps()
@@ -250,7 +251,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
             state, saved = checkpoints.restore(latest, *trainer.saved_target, data_iter)
             state = trainer.from_saved_form(state)
             progress = Progress.from_dict(saved)
-            print(f"resumed from step {latest} {_where(task, latest)}in {workdir}", file=sys.stderr)
+            _line(f"resumed from step {latest} {_where(task, latest)}in {workdir}")
         else:
             state, progress = trainer.init_state(), Progress()
         step = start = int(state.step)
@@ -302,7 +303,12 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 )
             )
 
-            if multi:  # start compiling the first step together (gem_jax/distributed.py: wait_for_all)
+            compiled, compiled_for = None, None
+            if multi and first is not None:
+                # Compile first, then meet: the first step's collectives then start together. A process
+                # that compiled longer (a restart, a loaded host) would otherwise reach them more than
+                # gloo's 30 s after the others (gem_jax/distributed.py: wait_for_all).
+                compiled, compiled_for = trainer.lower_step(state, first).compile(), _shapes(first)
                 wait_for_all(f"gem_jax/first_step/{step}", tc.first_step_timeout_s)
             while step < total and progress.stopped is None and not signal_pending():
                 if stop_after is not None and step >= stop_after:
@@ -315,7 +321,8 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                         stack = next(data_iter)
                 throughput.add(task.batch_counts(stack))
                 with jax.profiler.StepTraceAnnotation("train", step_num=step):
-                    state, metrics = trainer.step(state, stack)
+                    same = compiled is not None and _shapes(stack) == compiled_for
+                    state, metrics = trainer.step(state, stack, compiled if same else None)
                 step += 1
                 stall.beat(step)
                 STATUS.at_step(step)
@@ -431,6 +438,11 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
     }
 
 
+def _shapes(stack: Any) -> Any:
+    """The shapes and dtypes of a host batch: the step compiled ahead for one runs any batch alike."""
+    return jax.tree.map(lambda x: (np.shape(x), getattr(x, "dtype", type(x))), stack)
+
+
 def _where(task: Task, step: int) -> str:
     position = task.position(step)
     return "".join(f"({k} {v}) " for k, v in position.items())
@@ -447,6 +459,13 @@ def _best(task: Task, progress: Progress) -> dict[str, Any] | None:
     }
 
 
+def _line(text: str) -> None:
+    """`text` and its newline on stderr in one write: `print` writes them apart, and a signal handler
+    that ends the process in between (gem_jax/train/interrupt.py) would glue its own line to this one."""
+    sys.stderr.write(f"{text}\n")
+    sys.stderr.flush()
+
+
 def _message_printer(bar) -> Callable[[str], None]:
     """Prints the loop's messages to stderr, each on a line of its own while the progress bar shows.
 
@@ -457,11 +476,11 @@ def _message_printer(bar) -> Callable[[str], None]:
 
     def say(text: str) -> None:
         if bar is None:
-            print(text, file=sys.stderr)
+            _line(text)
         elif sys.stderr.isatty():
             bar.write(text, file=sys.stderr)
         else:
-            print(f"\n{text}", file=sys.stderr)
+            _line(f"\n{text}")
 
     return say
 
