@@ -386,6 +386,10 @@ class RetrievalConfig:
     )  # 0: all evaluated users; else a fixed random subset (quick runs)
     exclude_history: bool = False  # full ranking: drop the user's own items from the candidates
     # (ICLRec's evaluation code does); the "full_incl_history/" metrics then report the other setting
+    # Which positions train: "all_positions", every token of a user's sequence predicts the next item
+    # (causal models); "last_of_prefixes", every prefix of it is an example that predicts only the item
+    # after its last token (the same pairs, as BSARec's and FMLP-Rec's loaders; a non-causal model needs it).
+    train_targets: Literal["all_positions", "last_of_prefixes"] = "all_positions"
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,15 @@
 """Next-item data: leave-one-out users of an interactions file -> epochs of jagged packs.
 
 * `load_next_item_data`: `load_interactions` -> `leave_one_out`. A user's training sequence (its
-  most recent `max_len + 1` items) becomes `max_len` input tokens, each predicting the next item.
+  most recent `max_len + 1` items) becomes `max_len` input tokens, each predicting the next item;
+  with `retrieval.train_targets = "last_of_prefixes"` each prefix of those tokens is an example of
+  its own that predicts only the item after its last token (`prefix_examples`).
   The validation and test users' histories, targets and 100 sampled negatives are prepared once.
-* `NextItemEpochs`: the training stream. Epoch e visits every training user once, in an order
+* `NextItemEpochs`: the training stream. Epoch e visits every training example once, in an order
   drawn from (seed, e); with the BCE loss it also draws one negative per position (as SASRec's
-  sampler does). Users are packed with the one packer (`packing.greedy_groups`), so an epoch ends
-  with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator` whose
-  state is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
+  sampler does). Examples are packed with the one packer (`packing.greedy_groups`), so an epoch ends
+  with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator` whose state
+  is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
 * `eval_stacks`: an evaluation split's users as stacks of packs (this process's share).
 """
 
@@ -143,8 +145,8 @@ class EvalSet:
 class NextItemData:
     interactions: Interactions
     split: LeaveOneOutSplit
-    inputs: list[np.ndarray]  # per training user: input tokens (<= max_len)
-    targets: list[np.ndarray]  # per training user: the next item of each input token
+    inputs: list[np.ndarray]  # per training example: input tokens (<= max_len)
+    targets: list[np.ndarray]  # per training example: the next item of each input token (0: none)
     train_owner: np.ndarray  # dense user of each training example
     user_item_keys: np.ndarray  # sorted user * (N + 1) + item of every training interaction
     eval_sets: dict[str, EvalSet]
@@ -167,6 +169,8 @@ def load_next_item_data(config: Config) -> NextItemData:
             inputs.append(seq[:-1])
             targets.append(seq[1:])
             owners.append(u)
+    if r.train_targets == "last_of_prefixes":
+        inputs, targets, owners = prefix_examples(inputs, targets, owners)
     stride = inter.num_items + 1
     lengths = np.fromiter((len(s) for s in split.train), np.int64, split.num_users)
     flat = np.concatenate(split.train).astype(np.int64)
@@ -190,6 +194,23 @@ def load_next_item_data(config: Config) -> NextItemData:
         exclude = pad_sequences(full_hist) if r.exclude_history else None
         eval_sets[name] = EvalSet(hist, split.targets(name)[pick], negatives, exclude)
     return NextItemData(inter, split, inputs, targets, np.asarray(owners, np.int64), keys, eval_sets)
+
+
+def prefix_examples(
+    inputs: list[np.ndarray], targets: list[np.ndarray], owners: list[int]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:
+    """Every prefix of every sequence as an example whose only target is the item after its last token:
+    the (input, target) pairs of the all-positions examples, one per example, so a model that sees the
+    whole input (a non-causal filter) never sees its target."""
+    out_inputs, out_targets, out_owners = [], [], []
+    for seq, nxt, owner in zip(inputs, targets, owners, strict=True):
+        for t in range(1, len(seq) + 1):
+            target = np.zeros(t, nxt.dtype)
+            target[-1] = nxt[t - 1]
+            out_inputs.append(seq[:t])
+            out_targets.append(target)
+            out_owners.append(owner)
+    return out_inputs, out_targets, out_owners
 
 
 def sample_train_negatives(data: NextItemData, rng: np.random.Generator) -> list[np.ndarray]:

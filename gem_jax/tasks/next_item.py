@@ -5,7 +5,8 @@
 * Losses (`retrieval.loss`): SASRec's BCE with one negative per position (drawn on the host,
   uniformly from items the user never had in training), HSTU's sampled softmax (uniform
   negatives drawn on device, one set per pack shared by its positions, or the pack's own targets),
-  or the full softmax over every item (optionally label-smoothed).
+  or the full softmax over every item (optionally label-smoothed). They score every position with a
+  target, or (`retrieval.train_targets = "last_of_prefixes"`) each example's last position only.
 * Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
   time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
   and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
@@ -59,6 +60,8 @@ class NextItemTask:
         # Epoch structure (same on every process): global steps per epoch, cumulative, grown lazily.
         self._epochs = NextItemEpochs(self.data, config, shards=self.shards)
         self._epoch_ends: list[int] = []
+        r = config.retrieval
+        self._scored_positions = _last_positions if r.train_targets == "last_of_prefixes" else _all_positions
 
     def describe(self) -> str:
         return (
@@ -100,23 +103,23 @@ class NextItemTask:
         dropout_key, negative_key = jax.random.split(rng)
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)
         with jax.named_scope("loss"):
-            return self._loss_sums(model, pack, user, negative_key)
+            return self._loss_sums(model, *self._scored_positions(pack, user), negative_key)
 
-    def _loss_sums(self, model, pack, user, negative_key) -> dict[str, jax.Array]:
+    def _loss_sums(self, model, user, targets, negatives, negative_key) -> dict[str, jax.Array]:
         r = self.config.retrieval
         table = model.item_table()
         if r.loss == "bce":
-            total, count = bce_loss(user, table, pack.targets, pack.negatives)
+            total, count = bce_loss(user, table, targets, negatives)
         elif r.loss == "full_softmax":
-            total, count = full_softmax_loss(user, table, pack.targets, r.temperature, r.label_smoothing)
+            total, count = full_softmax_loss(user, table, targets, r.temperature, r.label_smoothing)
         else:
             if r.negatives == "in_batch":
-                negatives = pack.targets
+                negatives = targets
             else:
                 # One draw per pack, shared by its positions: a [T, d] x [d, K] matmul instead of a
                 # [T, K, d] gather, so K can be large (HSTU draws per position; same estimator family).
                 negatives = jax.random.randint(negative_key, (r.num_negatives,), 1, self.num_items + 1)
-            total, count = sampled_softmax_loss(user, table, pack.targets, negatives, r.temperature)
+            total, count = sampled_softmax_loss(user, table, targets, negatives, r.temperature)
         return {"loss_sum": total, "count": count}
 
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -179,6 +182,23 @@ class NextItemTask:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "users")
                 lines.append(f"   {split}: {shown}")
         return lines
+
+
+def _all_positions(pack: NextItemPack, user: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(user vectors, targets, BCE negatives) of every token; tokens without a target have target 0."""
+    return user, pack.targets, pack.negatives
+
+
+def _last_positions(pack: NextItemPack, user: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The same at each example's last token only (target 0 for an empty example): [B, ...] instead of
+    [T, ...], so the full softmax scores B rows, not T."""
+    last = jnp.clip(pack.offsets[1:] - 1, 0, user.shape[0] - 1)
+    targets = jnp.where(_nonempty(pack.offsets), pack.targets[last], 0)
+    return user[last], targets, pack.negatives[last]
+
+
+def _nonempty(offsets: jax.Array) -> jax.Array:
+    return offsets[1:] > offsets[:-1]
 
 
 class NextItemEvaluator:
