@@ -396,6 +396,15 @@ class RetrievalConfig:
     # (causal models); "last_of_prefixes", every prefix of it is an example that predicts only the item
     # after its last token (the same pairs, as BSARec's and FMLP-Rec's loaders; a non-causal model needs it).
     train_targets: Literal["all_positions", "last_of_prefixes"] = "all_positions"
+    # Contrastive auxiliary loss (CL4SRec's): two augmented views of each training example, InfoNCE between
+    # the user vectors of the views over the pack's examples, added with this weight (0: off).
+    contrastive_weight: float = setting(0.0, AT_LEAST_0)
+    contrastive_temperature: float = setting(0.1, POSITIVE)  # InfoNCE logits are similarity / temperature
+    # The augmentations, one drawn per view (gem_jax/data/augment.py): a crop keeps this fraction of the
+    # items (a contiguous run), a mask hides this fraction, a reorder shuffles a run of this fraction.
+    augment_crop_keep: float = setting(0.6, Range(0.0, 1.0, low_open=True))
+    augment_mask_fraction: float = setting(0.3, FRACTION)
+    augment_reorder_fraction: float = setting(0.3, FRACTION)
 
 
 @dataclass(frozen=True)

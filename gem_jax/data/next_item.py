@@ -7,9 +7,10 @@
   The validation and test users' histories, targets and 100 sampled negatives are prepared once.
 * `NextItemEpochs`: the training stream. Epoch e visits every training example once, in an order
   drawn from (seed, e); with the BCE loss it also draws one negative per position (as SASRec's
-  sampler does). Examples are packed with the one packer (`packing.greedy_groups`), so an epoch ends
-  with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator` whose state
-  is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
+  sampler does), with the contrastive loss two augmented views of every example (`views`, packed
+  beside the pack's examples). Examples are packed with the one packer (`packing.greedy_groups`), so
+  an epoch ends with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator`
+  whose state is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
 * `eval_stacks`: an evaluation split's users as stacks of packs (this process's share).
 """
 
@@ -26,6 +27,7 @@ from flax import struct
 from jaxtyping import ArrayLike, Int
 
 from gem_jax.config import Config, ConfigError
+from gem_jax.data.augment import Augmentation
 from gem_jax.data.interactions import (
     Interactions,
     LeaveOneOutSplit,
@@ -48,12 +50,15 @@ class NextItemPack:
     Example b owns tokens `offsets[b]:offsets[b+1]`; the tail past `offsets[B]` is padding.
     For training, `targets[t]` is the item that follows token t (0: no target) and `negatives[t]`
     one sampled negative for the BCE loss (0 when unused). Evaluation packs carry zeros there.
+    `views` (contrastive training only): a pack of twice the capacities whose example b is the first
+    augmented view of example b and whose example B + b is its second.
     """
 
     item_ids: Int[ArrayLike, "... T"]
     targets: Int[ArrayLike, "... T"]
     negatives: Int[ArrayLike, "... T"]
     offsets: Int[ArrayLike, "... B1"]
+    views: NextItemPack | None = None
 
     @property
     def num_examples_capacity(self) -> int:
@@ -241,6 +246,7 @@ class _Layout:
     shards: int  # packs per global step (all processes)
     process_index: int
     process_count: int
+    views: bool = False  # packs carry two augmented views of their examples
 
     @property
     def local_shards(self) -> int:
@@ -264,10 +270,19 @@ class NextItemEpochs(grain.IterDataset):
             raise ValueError(f"{shards} batch shards do not split over {process_count} processes")
         self.data = data
         self.seed = config.train.seed
-        self.bce_negatives = config.retrieval.loss == "bce"
-        self.epochs = config.retrieval.epochs
+        r = config.retrieval
+        self.bce_negatives = r.loss == "bce"
+        self.augmentation = Augmentation.from_config(r) if r.contrastive_weight > 0 else None
+        self.epochs = r.epochs
         d = config.data
-        self.layout = _Layout(d.examples_per_shard, d.tokens_per_shard, shards, process_index, process_count)
+        self.layout = _Layout(
+            d.examples_per_shard,
+            d.tokens_per_shard,
+            shards,
+            process_index,
+            process_count,
+            views=self.augmentation is not None,
+        )
         self._steps_cache: dict[int, int] = {}
 
     def _order(self, epoch: int) -> tuple[np.random.Generator, np.ndarray]:
@@ -296,15 +311,17 @@ class NextItemEpochs(grain.IterDataset):
         packs = []
         for a, b in self._groups(order):
             idx = order[a:b]
-            packs.append(
-                pack_next_item(
-                    [self.data.inputs[i] for i in idx],
-                    [self.data.targets[i] for i in idx],
-                    None if negatives is None else [negatives[i] for i in idx],
-                    examples_capacity=lay.examples_capacity,
-                    tokens_capacity=lay.tokens_capacity,
-                )
+            inputs = [self.data.inputs[i] for i in idx]
+            pack = pack_next_item(
+                inputs,
+                [self.data.targets[i] for i in idx],
+                None if negatives is None else [negatives[i] for i in idx],
+                examples_capacity=lay.examples_capacity,
+                tokens_capacity=lay.tokens_capacity,
             )
+            if self.augmentation is not None:
+                pack = pack.replace(views=_views_pack(*self.augmentation.views(inputs, rng), lay))
+            packs.append(pack)
         return packs
 
     def __iter__(self) -> _EpochIterator:
@@ -343,8 +360,22 @@ class _EpochIterator(grain.DatasetIterator):
 
 
 def _empty(lay: _Layout) -> NextItemPack:
-    return pack_next_item(
+    pack = pack_next_item(
         [], None, None, examples_capacity=lay.examples_capacity, tokens_capacity=lay.tokens_capacity
+    )
+    return pack.replace(views=_views_pack([], [], lay)) if lay.views else pack
+
+
+def _views_pack(first: list[np.ndarray], second: list[np.ndarray], lay: _Layout) -> NextItemPack:
+    """Example b: first[b]; example B + b: second[b] (B = the pack's example capacity). No augmentation
+    lengthens a sequence, so twice the pack's capacities hold them."""
+    empty = [np.zeros(0, np.int32)] * (lay.examples_capacity - len(first))
+    return pack_next_item(
+        [*first, *empty, *second],
+        None,
+        None,
+        examples_capacity=2 * lay.examples_capacity,
+        tokens_capacity=2 * lay.tokens_capacity,
     )
 
 

@@ -7,6 +7,9 @@
   negatives drawn on device, one set per pack shared by its positions, or the pack's own targets),
   or the full softmax over every item (optionally label-smoothed). They score every position with a
   target, or (`retrieval.train_targets = "last_of_prefixes"`) each example's last position only.
+  With `retrieval.contrastive_weight` > 0, InfoNCE between the user vectors of two augmented views of
+  each example is added with that weight (reported as `contrastive`, the next-item part as
+  `next_item_loss`).
 * Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
   time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
   and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
@@ -27,7 +30,13 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config
 from gem_jax.data.next_item import NextItemEpochs, NextItemPack, eval_stacks, load_next_item_data
-from gem_jax.model.next_item import NextItemModel, bce_loss, full_softmax_loss, sampled_softmax_loss
+from gem_jax.model.next_item import (
+    NextItemModel,
+    bce_loss,
+    full_softmax_loss,
+    info_nce_loss,
+    sampled_softmax_loss,
+)
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train.retrieval_metrics import (
     RetrievalAccumulator,
@@ -103,7 +112,20 @@ class NextItemTask:
         dropout_key, negative_key = jax.random.split(rng)
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)
         with jax.named_scope("loss"):
-            return self._loss_sums(model, *self._scored_positions(pack, user), negative_key)
+            sums = self._loss_sums(model, *self._scored_positions(pack, user), negative_key)
+        if pack.views is None:
+            return sums
+        views = pack.views
+        vectors = model.last_vectors(views.item_ids, views.offsets, rng=jax.random.fold_in(rng, 1))
+        with jax.named_scope("contrastive"):
+            b = pack.num_examples_capacity
+            total, count = info_nce_loss(
+                vectors[:b],
+                vectors[b:],
+                _nonempty(pack.offsets),
+                self.config.retrieval.contrastive_temperature,
+            )
+        return {**sums, "contrastive_sum": total, "contrastive_count": count}
 
     def _loss_sums(self, model, user, targets, negatives, negative_key) -> dict[str, jax.Array]:
         r = self.config.retrieval
@@ -123,7 +145,12 @@ class NextItemTask:
         return {"loss_sum": total, "count": count}
 
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return sums["loss_sum"] / jnp.maximum(sums["count"], 1.0), {"positions": sums["count"]}
+        loss = sums["loss_sum"] / jnp.maximum(sums["count"], 1.0)
+        if "contrastive_sum" not in sums:
+            return loss, {"positions": sums["count"]}
+        contrastive = sums["contrastive_sum"] / jnp.maximum(sums["contrastive_count"], 1.0)
+        total = loss + self.config.retrieval.contrastive_weight * contrastive
+        return total, {"positions": sums["count"], "next_item_loss": loss, "contrastive": contrastive}
 
     # ------------------------------------------------------------------------- schedule
 
