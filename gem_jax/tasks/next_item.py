@@ -75,7 +75,7 @@ class NextItemTask:
     def describe(self) -> str:
         return (
             f"{self.data.interactions.summary()}\n{self.data.split.summary()}\n{len(self.data.inputs)} training "
-            f"sequences, {self._epochs.steps_in_epoch(0)} steps per epoch on {self.shards} shard(s)"
+            f"examples, {self._epochs.steps_in_epoch(0)} steps per epoch on {self.shards} shard(s)"
         )
 
     # ------------------------------------------------------------------------- model and data
