@@ -276,6 +276,12 @@ class ModelConfig:
     block_size: int = setting(64, AT_LEAST_1)  # BlockAttention block (tokens); <= 128 for the Pallas kernel
     # Per layer: fraction of the most recent history kept; () = all.
     pyramid: tuple[float, ...] = setting((), Range(0.0, 1.0, low_open=True))
+    # BSARec's frequency branch beside attention in every HSTU layer (gem_jax/model/frequency_filter.py):
+    # the layer adds mix x filter + (1 - mix) x attention (BSARec's alpha; 0: no branch). The filter is not
+    # causal: next-item data only, trained with `retrieval.train_targets = "last_of_prefixes"`.
+    frequency_mix: float = setting(0.0, FRACTION)
+    # Lowest real-FFT bins of the max_len window kept as the low-pass part (BSARec's c maps to c // 2 + 1).
+    frequency_bins: int = setting(3, AT_LEAST_1)
 
 
 @dataclass(frozen=True)
@@ -386,6 +392,19 @@ class RetrievalConfig:
     )  # 0: all evaluated users; else a fixed random subset (quick runs)
     exclude_history: bool = False  # full ranking: drop the user's own items from the candidates
     # (ICLRec's evaluation code does); the "full_incl_history/" metrics then report the other setting
+    # Which positions train: "all_positions", every token of a user's sequence predicts the next item
+    # (causal models); "last_of_prefixes", every prefix of it is an example that predicts only the item
+    # after its last token (the same pairs, as BSARec's and FMLP-Rec's loaders; a non-causal model needs it).
+    train_targets: Literal["all_positions", "last_of_prefixes"] = "all_positions"
+    # Contrastive auxiliary loss (CL4SRec's): two augmented views of each training example, InfoNCE between
+    # the user vectors of the views over the pack's examples, added with this weight (0: off).
+    contrastive_weight: float = setting(0.0, AT_LEAST_0)
+    contrastive_temperature: float = setting(0.1, POSITIVE)  # InfoNCE logits are similarity / temperature
+    # The augmentations, one drawn per view (gem_jax/data/augment.py): a crop keeps this fraction of the
+    # items (a contiguous run), a mask hides this fraction, a reorder shuffles a run of this fraction.
+    augment_crop_keep: float = setting(0.6, Range(0.0, 1.0, low_open=True))
+    augment_mask_fraction: float = setting(0.3, FRACTION)
+    augment_reorder_fraction: float = setting(0.3, FRACTION)
 
 
 @dataclass(frozen=True)
@@ -577,6 +596,7 @@ def validate(config: Config, source: str) -> Config:
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
     _validate_long_history(config, source)
+    _validate_frequency_filter(config, source)
     _validate_embeddings(config, source)
     _validate_selection(config, source)
     _validate_precision(config, source)
@@ -669,6 +689,33 @@ def _validate_long_history(config: Config, source: str) -> None:
                 f"{source}: `model.pyramid` must be non-increasing (deeper layers keep "
                 f"fewer tokens), got {m.pyramid}"
             )
+
+
+def _validate_frequency_filter(config: Config, source: str) -> None:
+    """`model.frequency_mix`: BSARec's filter sees the whole sequence, so only next-item examples whose
+    target follows all of their input may train it."""
+    m, r = config.model, config.retrieval
+    if m.frequency_mix == 0:
+        return
+    if config.data.kind != "interactions":
+        raise ConfigError(
+            f'{source}: `model.frequency_mix` is for next-item data (data.kind = "interactions"): the filter '
+            "is not causal, and a ranking sequence holds its candidates"
+        )
+    if r.train_targets != "last_of_prefixes":
+        raise ConfigError(
+            f"{source}: `model.frequency_mix` ({m.frequency_mix}) lets every position see later items: it "
+            f'needs `retrieval.train_targets = "last_of_prefixes"`, got {r.train_targets!r}'
+        )
+    if m.layer != "hstu" or m.long_history:
+        raise ConfigError(
+            f'{source}: `model.frequency_mix` needs model.layer = "hstu" without model.long_history'
+        )
+    if m.frequency_bins > r.max_len // 2 + 1:
+        raise ConfigError(
+            f"{source}: `model.frequency_bins` ({m.frequency_bins}) exceeds the {r.max_len // 2 + 1} "
+            f"real-FFT bins of a window of retrieval.max_len = {r.max_len}"
+        )
 
 
 def _validate_embeddings(config: Config, source: str) -> None:

@@ -1,13 +1,16 @@
 """Next-item data: leave-one-out users of an interactions file -> epochs of jagged packs.
 
 * `load_next_item_data`: `load_interactions` -> `leave_one_out`. A user's training sequence (its
-  most recent `max_len + 1` items) becomes `max_len` input tokens, each predicting the next item.
+  most recent `max_len + 1` items) becomes `max_len` input tokens, each predicting the next item;
+  with `retrieval.train_targets = "last_of_prefixes"` each prefix of those tokens is an example of
+  its own that predicts only the item after its last token (`prefix_examples`).
   The validation and test users' histories, targets and 100 sampled negatives are prepared once.
-* `NextItemEpochs`: the training stream. Epoch e visits every training user once, in an order
+* `NextItemEpochs`: the training stream. Epoch e visits every training example once, in an order
   drawn from (seed, e); with the BCE loss it also draws one negative per position (as SASRec's
-  sampler does). Users are packed with the one packer (`packing.greedy_groups`), so an epoch ends
-  with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator` whose
-  state is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
+  sampler does), with the contrastive loss two augmented views of every example (`views`, packed
+  beside the pack's examples). Examples are packed with the one packer (`packing.greedy_groups`), so
+  an epoch ends with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator`
+  whose state is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
 * `eval_stacks`: an evaluation split's users as stacks of packs (this process's share).
 """
 
@@ -24,6 +27,7 @@ from flax import struct
 from jaxtyping import ArrayLike, Int
 
 from gem_jax.config import Config, ConfigError
+from gem_jax.data.augment import Augmentation
 from gem_jax.data.interactions import (
     Interactions,
     LeaveOneOutSplit,
@@ -46,12 +50,15 @@ class NextItemPack:
     Example b owns tokens `offsets[b]:offsets[b+1]`; the tail past `offsets[B]` is padding.
     For training, `targets[t]` is the item that follows token t (0: no target) and `negatives[t]`
     one sampled negative for the BCE loss (0 when unused). Evaluation packs carry zeros there.
+    `views` (contrastive training only): a pack of twice the capacities whose example b is the first
+    augmented view of example b and whose example B + b is its second.
     """
 
     item_ids: Int[ArrayLike, "... T"]
     targets: Int[ArrayLike, "... T"]
     negatives: Int[ArrayLike, "... T"]
     offsets: Int[ArrayLike, "... B1"]
+    views: NextItemPack | None = None
 
     @property
     def num_examples_capacity(self) -> int:
@@ -143,8 +150,8 @@ class EvalSet:
 class NextItemData:
     interactions: Interactions
     split: LeaveOneOutSplit
-    inputs: list[np.ndarray]  # per training user: input tokens (<= max_len)
-    targets: list[np.ndarray]  # per training user: the next item of each input token
+    inputs: list[np.ndarray]  # per training example: input tokens (<= max_len)
+    targets: list[np.ndarray]  # per training example: the next item of each input token (0: none)
     train_owner: np.ndarray  # dense user of each training example
     user_item_keys: np.ndarray  # sorted user * (N + 1) + item of every training interaction
     eval_sets: dict[str, EvalSet]
@@ -167,6 +174,8 @@ def load_next_item_data(config: Config) -> NextItemData:
             inputs.append(seq[:-1])
             targets.append(seq[1:])
             owners.append(u)
+    if r.train_targets == "last_of_prefixes":
+        inputs, targets, owners = prefix_examples(inputs, targets, owners)
     stride = inter.num_items + 1
     lengths = np.fromiter((len(s) for s in split.train), np.int64, split.num_users)
     flat = np.concatenate(split.train).astype(np.int64)
@@ -190,6 +199,23 @@ def load_next_item_data(config: Config) -> NextItemData:
         exclude = pad_sequences(full_hist) if r.exclude_history else None
         eval_sets[name] = EvalSet(hist, split.targets(name)[pick], negatives, exclude)
     return NextItemData(inter, split, inputs, targets, np.asarray(owners, np.int64), keys, eval_sets)
+
+
+def prefix_examples(
+    inputs: list[np.ndarray], targets: list[np.ndarray], owners: list[int]
+) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:
+    """Every prefix of every sequence as an example whose only target is the item after its last token:
+    the (input, target) pairs of the all-positions examples, one per example, so a model that sees the
+    whole input (a non-causal filter) never sees its target."""
+    out_inputs, out_targets, out_owners = [], [], []
+    for seq, nxt, owner in zip(inputs, targets, owners, strict=True):
+        for t in range(1, len(seq) + 1):
+            target = np.zeros(t, nxt.dtype)
+            target[-1] = nxt[t - 1]
+            out_inputs.append(seq[:t])
+            out_targets.append(target)
+            out_owners.append(owner)
+    return out_inputs, out_targets, out_owners
 
 
 def sample_train_negatives(data: NextItemData, rng: np.random.Generator) -> list[np.ndarray]:
@@ -220,6 +246,7 @@ class _Layout:
     shards: int  # packs per global step (all processes)
     process_index: int
     process_count: int
+    views: bool = False  # packs carry two augmented views of their examples
 
     @property
     def local_shards(self) -> int:
@@ -243,10 +270,19 @@ class NextItemEpochs(grain.IterDataset):
             raise ValueError(f"{shards} batch shards do not split over {process_count} processes")
         self.data = data
         self.seed = config.train.seed
-        self.bce_negatives = config.retrieval.loss == "bce"
-        self.epochs = config.retrieval.epochs
+        r = config.retrieval
+        self.bce_negatives = r.loss == "bce"
+        self.augmentation = Augmentation.from_config(r) if r.contrastive_weight > 0 else None
+        self.epochs = r.epochs
         d = config.data
-        self.layout = _Layout(d.examples_per_shard, d.tokens_per_shard, shards, process_index, process_count)
+        self.layout = _Layout(
+            d.examples_per_shard,
+            d.tokens_per_shard,
+            shards,
+            process_index,
+            process_count,
+            views=self.augmentation is not None,
+        )
         self._steps_cache: dict[int, int] = {}
 
     def _order(self, epoch: int) -> tuple[np.random.Generator, np.ndarray]:
@@ -275,15 +311,17 @@ class NextItemEpochs(grain.IterDataset):
         packs = []
         for a, b in self._groups(order):
             idx = order[a:b]
-            packs.append(
-                pack_next_item(
-                    [self.data.inputs[i] for i in idx],
-                    [self.data.targets[i] for i in idx],
-                    None if negatives is None else [negatives[i] for i in idx],
-                    examples_capacity=lay.examples_capacity,
-                    tokens_capacity=lay.tokens_capacity,
-                )
+            inputs = [self.data.inputs[i] for i in idx]
+            pack = pack_next_item(
+                inputs,
+                [self.data.targets[i] for i in idx],
+                None if negatives is None else [negatives[i] for i in idx],
+                examples_capacity=lay.examples_capacity,
+                tokens_capacity=lay.tokens_capacity,
             )
+            if self.augmentation is not None:
+                pack = pack.replace(views=_views_pack(*self.augmentation.views(inputs, rng), lay))
+            packs.append(pack)
         return packs
 
     def __iter__(self) -> _EpochIterator:
@@ -322,8 +360,22 @@ class _EpochIterator(grain.DatasetIterator):
 
 
 def _empty(lay: _Layout) -> NextItemPack:
-    return pack_next_item(
+    pack = pack_next_item(
         [], None, None, examples_capacity=lay.examples_capacity, tokens_capacity=lay.tokens_capacity
+    )
+    return pack.replace(views=_views_pack([], [], lay)) if lay.views else pack
+
+
+def _views_pack(first: list[np.ndarray], second: list[np.ndarray], lay: _Layout) -> NextItemPack:
+    """Example b: first[b]; example B + b: second[b] (B = the pack's example capacity). No augmentation
+    lengthens a sequence, so twice the pack's capacities hold them."""
+    empty = [np.zeros(0, np.int32)] * (lay.examples_capacity - len(first))
+    return pack_next_item(
+        [*first, *empty, *second],
+        None,
+        None,
+        examples_capacity=2 * lay.examples_capacity,
+        tokens_capacity=2 * lay.tokens_capacity,
     )
 
 

@@ -3,6 +3,11 @@
 Per layer: U, V, Q, K = split(SiLU(LN(X) W1)); A = attention(Q, K, V) with a learned relative
 position and log-time bias; Y = X + (LN(A) * U) W2.
 
+With `model.frequency_mix` = alpha > 0, a layer also runs BSARec's frequency filter F over LN(X)
+(gem_jax/model/frequency_filter.py) and mixes the two residual branches:
+Y = X + alpha F(LN(X)) + (1 - alpha) (LN(A) * U) W2, BSARec's alpha * filter + (1 - alpha) * attention
+written for a pre-norm residual stream.
+
 With `model.long_history`, the layers attend with `long_history_attention` (BlockAttention over the
 older history, full jagged attention over the recent part) and `model.pyramid` runs deeper layers
 on fewer tokens; see gem_jax/model/long_history.py.
@@ -19,6 +24,7 @@ from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
 from gem_jax.model.attention import AttentionSpec, attention
+from gem_jax.model.frequency_filter import FrequencyBranch
 from gem_jax.model.layers import Dense, LayerNorm, dropout
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.model.sasrec import SASRecLayer
@@ -51,6 +57,11 @@ class HSTULayer(nnx.Module):
             if c.num_time_buckets
             else None
         )
+        self.frequency = (
+            FrequencyBranch(c.model_dim, low_bins=c.frequency_bins, rngs=rngs)
+            if c.frequency_mix > 0
+            else None
+        )
 
     def __call__(
         self,
@@ -66,7 +77,8 @@ class HSTULayer(nnx.Module):
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         with jax.named_scope(f"{self.name}/uvqk"):
-            uvqk = jax.nn.silu(self.uvqk(self.input_norm(x)))
+            xn = self.input_norm(x)
+            uvqk = jax.nn.silu(self.uvqk(xn))
             u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
         attention_rng = None if rng is None else jax.random.fold_in(rng, 1)
         with jax.named_scope(f"{self.name}/attention"):
@@ -82,7 +94,13 @@ class HSTULayer(nnx.Module):
             )
         with jax.named_scope(f"{self.name}/output"):
             y = self.attn_norm(a.reshape(t, h * dv)) * u
-            return x + dropout(self.out(y), c.dropout, rng)
+            attended = dropout(self.out(y), c.dropout, rng)
+        if self.frequency is None:
+            return x + attended
+        with jax.named_scope(f"{self.name}/frequency"):
+            filtered = self.frequency(xn, offsets, max_len=max_seq_len).astype(attended.dtype)
+            filtered = dropout(filtered, c.dropout, None if rng is None else jax.random.fold_in(rng, 2))
+            return x + c.frequency_mix * filtered + (1.0 - c.frequency_mix) * attended
 
     def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int, rng: jax.Array | None):
         """Full jagged attention over every sequence (weight dropout with `rng`, if configured)."""

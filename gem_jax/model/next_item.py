@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jaxtyping import Array, ArrayLike, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from gem_jax.config import Config
 from gem_jax.embeddings import HashedEmbedding, segment_ids
@@ -83,10 +83,11 @@ class NextItemModel(nnx.Module):
             return jnp.where(valid[:, None], x, 0.0)
 
     def last_vectors(
-        self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"]
+        self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"], *, rng: jax.Array | None = None
     ) -> Float[ArrayLike, "B d"]:
-        """Each example's user vector at its newest item (evaluation); padding examples -> token 0."""
-        x = self(item_ids, offsets)
+        """Each example's user vector at its newest item (evaluation; with `rng`, training's dropout);
+        an empty example gets the vector of the token before it (token 0 at the start)."""
+        x = self(item_ids, offsets, rng=rng)
         last = jnp.clip(offsets[1:] - 1, 0, item_ids.shape[0] - 1)
         return x[last]
 
@@ -162,3 +163,30 @@ def full_softmax_loss(
     if label_smoothing > 0:
         per = per - label_smoothing * jnp.mean(logits, axis=1)
     return jnp.sum(per * mask), jnp.sum(mask)
+
+
+def info_nce_loss(
+    first: Float[ArrayLike, "B d"],
+    second: Float[ArrayLike, "B d"],
+    valid: Bool[ArrayLike, " B"],
+    temperature: float,
+) -> tuple[Array, Array]:
+    """InfoNCE between two views (CL4SRec's NT-Xent): each of the 2n valid vectors has its other view as
+    the positive and the other 2n - 2 vectors of the batch as negatives; logits = dot / temperature.
+
+    Returns (sum of the 2n per-vector losses, 2n); invalid rows (empty examples) neither count nor serve
+    as negatives.
+    """
+    b = first.shape[0]
+    z = jnp.concatenate([first, second]).astype(jnp.float32)
+    both = jnp.concatenate([valid, valid])
+    logits = (z @ z.T) / temperature
+    # A finite floor, not -inf: an invalid row stays finite (its zero cotangent must not meet a NaN).
+    logits = jnp.where(both[None, :] & ~jnp.eye(2 * b, dtype=bool), logits, _MASKED_LOGIT)
+    partner = jnp.concatenate([jnp.arange(b, 2 * b), jnp.arange(b)])
+    positive = jnp.take_along_axis(logits, partner[:, None], axis=1)[:, 0]
+    per = jax.nn.logsumexp(logits, axis=1) - positive
+    return jnp.sum(jnp.where(both, per, 0.0)), jnp.sum(both.astype(jnp.float32))
+
+
+_MASKED_LOGIT = -1e9

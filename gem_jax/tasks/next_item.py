@@ -5,7 +5,11 @@
 * Losses (`retrieval.loss`): SASRec's BCE with one negative per position (drawn on the host,
   uniformly from items the user never had in training), HSTU's sampled softmax (uniform
   negatives drawn on device, one set per pack shared by its positions, or the pack's own targets),
-  or the full softmax over every item (optionally label-smoothed).
+  or the full softmax over every item (optionally label-smoothed). They score every position with a
+  target, or (`retrieval.train_targets = "last_of_prefixes"`) each example's last position only.
+  With `retrieval.contrastive_weight` > 0, InfoNCE between the user vectors of two augmented views of
+  each example is added with that weight (reported as `contrastive`, the next-item part as
+  `next_item_loss`).
 * Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
   time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
   and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
@@ -26,7 +30,13 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config
 from gem_jax.data.next_item import NextItemEpochs, NextItemPack, eval_stacks, load_next_item_data
-from gem_jax.model.next_item import NextItemModel, bce_loss, full_softmax_loss, sampled_softmax_loss
+from gem_jax.model.next_item import (
+    NextItemModel,
+    bce_loss,
+    full_softmax_loss,
+    info_nce_loss,
+    sampled_softmax_loss,
+)
 from gem_jax.parallel import num_batch_shards
 from gem_jax.train.retrieval_metrics import (
     RetrievalAccumulator,
@@ -59,11 +69,13 @@ class NextItemTask:
         # Epoch structure (same on every process): global steps per epoch, cumulative, grown lazily.
         self._epochs = NextItemEpochs(self.data, config, shards=self.shards)
         self._epoch_ends: list[int] = []
+        r = config.retrieval
+        self._scored_positions = _last_positions if r.train_targets == "last_of_prefixes" else _all_positions
 
     def describe(self) -> str:
         return (
             f"{self.data.interactions.summary()}\n{self.data.split.summary()}\n{len(self.data.inputs)} training "
-            f"sequences, {self._epochs.steps_in_epoch(0)} steps per epoch on {self.shards} shard(s)"
+            f"examples, {self._epochs.steps_in_epoch(0)} steps per epoch on {self.shards} shard(s)"
         )
 
     # ------------------------------------------------------------------------- model and data
@@ -100,27 +112,45 @@ class NextItemTask:
         dropout_key, negative_key = jax.random.split(rng)
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)
         with jax.named_scope("loss"):
-            return self._loss_sums(model, pack, user, negative_key)
+            sums = self._loss_sums(model, *self._scored_positions(pack, user), negative_key)
+        if pack.views is None:
+            return sums
+        views = pack.views
+        vectors = model.last_vectors(views.item_ids, views.offsets, rng=jax.random.fold_in(rng, 1))
+        with jax.named_scope("contrastive"):
+            b = pack.num_examples_capacity
+            total, count = info_nce_loss(
+                vectors[:b],
+                vectors[b:],
+                _nonempty(pack.offsets),
+                self.config.retrieval.contrastive_temperature,
+            )
+        return {**sums, "contrastive_sum": total, "contrastive_count": count}
 
-    def _loss_sums(self, model, pack, user, negative_key) -> dict[str, jax.Array]:
+    def _loss_sums(self, model, user, targets, negatives, negative_key) -> dict[str, jax.Array]:
         r = self.config.retrieval
         table = model.item_table()
         if r.loss == "bce":
-            total, count = bce_loss(user, table, pack.targets, pack.negatives)
+            total, count = bce_loss(user, table, targets, negatives)
         elif r.loss == "full_softmax":
-            total, count = full_softmax_loss(user, table, pack.targets, r.temperature, r.label_smoothing)
+            total, count = full_softmax_loss(user, table, targets, r.temperature, r.label_smoothing)
         else:
             if r.negatives == "in_batch":
-                negatives = pack.targets
+                negatives = targets
             else:
                 # One draw per pack, shared by its positions: a [T, d] x [d, K] matmul instead of a
                 # [T, K, d] gather, so K can be large (HSTU draws per position; same estimator family).
                 negatives = jax.random.randint(negative_key, (r.num_negatives,), 1, self.num_items + 1)
-            total, count = sampled_softmax_loss(user, table, pack.targets, negatives, r.temperature)
+            total, count = sampled_softmax_loss(user, table, targets, negatives, r.temperature)
         return {"loss_sum": total, "count": count}
 
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        return sums["loss_sum"] / jnp.maximum(sums["count"], 1.0), {"positions": sums["count"]}
+        loss = sums["loss_sum"] / jnp.maximum(sums["count"], 1.0)
+        if "contrastive_sum" not in sums:
+            return loss, {"positions": sums["count"]}
+        contrastive = sums["contrastive_sum"] / jnp.maximum(sums["contrastive_count"], 1.0)
+        total = loss + self.config.retrieval.contrastive_weight * contrastive
+        return total, {"positions": sums["count"], "next_item_loss": loss, "contrastive": contrastive}
 
     # ------------------------------------------------------------------------- schedule
 
@@ -179,6 +209,23 @@ class NextItemTask:
                 shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != "users")
                 lines.append(f"   {split}: {shown}")
         return lines
+
+
+def _all_positions(pack: NextItemPack, user: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(user vectors, targets, BCE negatives) of every token; tokens without a target have target 0."""
+    return user, pack.targets, pack.negatives
+
+
+def _last_positions(pack: NextItemPack, user: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The same at each example's last token only (target 0 for an empty example): [B, ...] instead of
+    [T, ...], so the full softmax scores B rows, not T."""
+    last = jnp.clip(pack.offsets[1:] - 1, 0, user.shape[0] - 1)
+    targets = jnp.where(_nonempty(pack.offsets), pack.targets[last], 0)
+    return user[last], targets, pack.negatives[last]
+
+
+def _nonempty(offsets: jax.Array) -> jax.Array:
+    return offsets[1:] > offsets[:-1]
 
 
 class NextItemEvaluator:
