@@ -19,7 +19,6 @@ from jaxtyping import ArrayLike, Float, Int
 
 from pallas_kernels import implementations
 from pallas_kernels.checks import check_jagged_qkv
-from pallas_kernels.jagged_attention import gpu_sm90
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -188,7 +187,10 @@ def jagged_attention(
         options=options,
         bias_rows=bias_rows,
     )
-    if kernel == "gpu" and gpu_sm90.wanted(options.hopper_forward):
-        params = dataclasses.replace(params, hopper_forward=gpu_sm90.supports(params, q, v))
+    if kernel == "gpu":
+        from pallas_kernels.jagged_attention import gpu_sm90  # Mosaic GPU: imported only where it may run
+
+        if gpu_sm90.wanted(options.hopper_forward):
+            params = dataclasses.replace(params, hopper_forward=gpu_sm90.supports(params, q, v))
     extras = (num_targets, timestamps, pos_bias, time_bias)
     return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)
