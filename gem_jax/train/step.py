@@ -236,11 +236,7 @@ class Trainer:
 
     def init_state(self) -> TrainState:
         """The fresh sharded state (and the offloaded tables' host memory, filled alongside)."""
-        # It runs once: on the CPU, XLA's backend optimisations cost more compile time than they save
-        # (tiny config, 2 cores: ~10 CPU s of compiling without the option, ~4 with it).
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
-        options = {"xla_backend_optimization_level": 0} if cpu else None
-        state = self._init_jit.lower().compile(compiler_options=options)()
+        state = self._init_jit()
         if self.offloaded:
             self.embeddings.init_host(self._embedding_key())
         return state
