@@ -41,9 +41,12 @@ def test_measure_bench_and_profile_run_offloaded_tables(tmp_path, capsys):
     assert offloaded["loss"] == in_hbm["loss"]
 
     assert train_step.main(["--config", CONFIG, *[f"--set={o}" for o in _overrides("offload")],
-                            "--batches=2", "--steps=2", "--pipeline-steps=2"]) == 0  # fmt: skip
+                            "--batches=10", "--steps=2", "--pipeline-steps=10", "--warmup=6"]) == 0  # fmt: skip
     report = json.loads(capsys.readouterr().out)
     assert report["host_staging"] is True
+    assert report["warmup_steps"] == 6 and report["every_step_a_new_batch"] is True
+    # a 256-row cache after six fresh batches is full: the timed steps write evicted rows back
+    assert report["cache_per_step"]["embeddings/items/device_to_host_bytes"] > 0
     misses = report["cache_per_step"]["embeddings/items/cache_misses"]
     hits = report["cache_per_step"]["embeddings/items/cache_hits"]
     assert misses + hits > 0 and report["device_step_s_median"] > 0 and report["step_s_back_to_back"] > 0

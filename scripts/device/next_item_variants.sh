@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Next-item variants (docs/results.md) trained at the same time on one GPU, each to its early stop or to
+# $MIN minutes; logs and a table packed into $OUT/next_item.tgz.
+#   bash scripts/device/next_item_variants.sh beauty:freq:0 sports:freq:0 beauty:r2:1 ...   (set:variant:seed)
+set -u  # one file comes back: the device tool returns only a few files per call
+python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1; python3 -c "import grain" || { cat /tmp/pip.log; exit 1; }
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
+MIN=${MIN:-6.6}; LIMIT=${LIMIT:-555}
+L=/tmp/next_item; R=/tmp/runs; mkdir -p $L $R
+PREFIX="--set retrieval.train_targets=\"last_of_prefixes\" --set data.examples_per_shard=1024 --set data.tokens_per_shard=16384 --set retrieval.eval_every_epochs=2"
+declare -A V
+V[r2]=""
+V[prefix]="$PREFIX"
+V[freq]="$PREFIX --set model.frequency_mix=0.7 --set model.frequency_bins=3"
+V[freq5]="$PREFIX --set model.frequency_mix=0.7 --set model.frequency_bins=5"
+V[cl]="--set retrieval.contrastive_weight=0.1"
+V[big]="--set model.num_layers=4 --set model.model_dim=128 --set embeddings.dim=128 --set model.attention_dim=64 --set model.value_dim=64"
+V[extra]="${EXTRA:-}"  # any other overrides, from the environment
+for spec in "$@"; do
+  IFS=: read -r ds v seed <<< "$spec"
+  name=${ds}_${v}_s$seed
+  eval timeout -k 10 $LIMIT python3 -m experiments train --config configs/${ds}_hstu.toml --workdir $R/$name \
+    --set model.attention_implementation=\"reference\" --set train.max_minutes=$MIN \
+    --set train.seed=$seed --set data.seed=$seed ${V[$v]} > $L/$name.log 2>&1 &
+done
+sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv > $L/smi.txt; uptime >> $L/smi.txt
+wait
+python3 scripts/device/next_item_table.py $R | tee $L/summary.txt
+for d in $R/*; do mkdir -p $L/runs/$(basename $d); cp $d/test.json $d/metrics.jsonl $L/runs/$(basename $d)/ 2>/dev/null; done
+grep -h "stopping\|Error" $L/*.log | sort | uniq -c | head -20
+tar czf $OUT/next_item.tgz -C /tmp next_item
