@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from experiments import measure, profile
+from experiments import measure, plots, profile
 from experiments.benchmarks import train_step
 from tests.helpers import SMALL
 
@@ -47,6 +47,13 @@ def test_measure_bench_and_profile_run_offloaded_tables(tmp_path, capsys):
     assert report["warmup_steps"] == 6 and report["every_step_a_new_batch"] is True
     # a 256-row cache after six fresh batches is full: the timed steps write evicted rows back
     assert report["cache_per_step"]["embeddings/items/device_to_host_bytes"] > 0
+    assert report["offloaded"] == {"items": {"rows": 4096, "cache_rows": 256}}
+    log = tmp_path / "bench.log"
+    log.write_text("bench train_step: progress on stderr\n" + json.dumps(report, indent=1))
+    assert plots.main(["offload", str(log), "--out", str(tmp_path / "curve.png")]) == 0
+    assert (tmp_path / "curve.png").stat().st_size > 10_000
+    with pytest.raises(ValueError, match="no report has table 'sparse' offloaded"):
+        plots.plot_offload([report], tmp_path / "x.png", table="sparse")
     misses = report["cache_per_step"]["embeddings/items/cache_misses"]
     hits = report["cache_per_step"]["embeddings/items/cache_hits"]
     assert misses + hits > 0 and report["device_step_s_median"] > 0 and report["step_s_back_to_back"] > 0

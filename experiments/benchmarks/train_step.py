@@ -142,6 +142,10 @@ def main(argv: list[str]) -> int:
         "tflops_per_device_nvidia": tflops_nvidia,
         "mfu_nvidia": (tflops_nvidia * 1e12 / peak) if peak else None,
         "host_staging": bool(trainer.offloaded),
+        "offloaded": {
+            name: {"rows": t.rows, "cache_rows": t.devices * t.slots_per_device}
+            for name, t in (trainer.embeddings.offload.items() if trainer.embeddings else ())
+        },
         "warmup_steps": warmup,
         "every_step_a_new_batch": warmup + 2 * args.steps <= args.batches,
         "cache_per_step": cache or None,

@@ -3,8 +3,9 @@
 # given fractions of its rows. A long warm-up of fresh batches fills the small caches, so their timed steps
 # evict (the steady state of a long run). One device call; each point is one process, its log in $OUT.
 #   bash scripts/device/offload_curve.sh hbm 0.1 0.05      (points: "hbm" or cache fractions)
+# then, here: python -m experiments.plots offload DIR/*.log --out docs/offload_curve.png
 set -u
-python3 -m pip install -q --no-deps .whl/*.whl > "$OUT/pip.log" 2>&1
+python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1  # few files come back from a call: $OUT holds the points
 export PYTHONPATH=$PWD
 W=${W:-100}; S=${S:-16}; B=$((W + 2 * S)); LIMIT=${LIMIT:-270}
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$OUT/smi.txt"
