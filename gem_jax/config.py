@@ -405,6 +405,27 @@ class RetrievalConfig:
     augment_crop_keep: float = setting(0.6, Range(0.0, 1.0, low_open=True))
     augment_mask_fraction: float = setting(0.3, FRACTION)
     augment_reorder_fraction: float = setting(0.3, FRACTION)
+    # The vector of a view (and, for the intent loss, of a sequence): "last", the user vector at its newest
+    # item; "mean", the mean of its per-position user vectors (ICLRec's sequence representation),
+    # L2-normalised again when `normalize` is on.
+    contrastive_pooling: Literal["last", "mean"] = "last"
+    # Whether the views are encoded with the model's dropout (CL4SRec's and ICLRec's training mode); false:
+    # without (the gradient still flows). At model.dropout 0.5 the dropout noise hides which view is whose
+    # (the InfoNCE stays at chance, docs/results.md, issue 31); without it the views are told apart.
+    contrastive_dropout: bool = True
+    # ICLRec's intent contrastive loss (Chen et al. 2022): every `intent_every_epochs` epochs (at the epoch's
+    # start) every training example is encoded (no dropout, `contrastive_pooling`) and k-means
+    # (`intent_clusters` centroids, `intent_kmeans_iterations` Lloyd iterations) finds the intents; each
+    # step assigns every example its nearest centroid (from the training forward, no gradient) and adds, with
+    # this weight (0: off), InfoNCE between each augmented view and its example's L2-normalised centroid
+    # (logits / contrastive_temperature; the other examples' views and centroids are the negatives).
+    intent_weight: float = setting(0.0, AT_LEAST_0)
+    intent_clusters: int = setting(256, Range(2.0))
+    intent_every_epochs: int = setting(1, AT_LEAST_1)
+    intent_kmeans_iterations: int = setting(20, AT_LEAST_1)
+    # ICLRec's --de_noise: examples of the same intent are not each other's negatives (its published Beauty
+    # and Sports scripts run without it).
+    intent_denoise: bool = False
 
 
 @dataclass(frozen=True)
@@ -770,6 +791,20 @@ def _validate_retrieval(config: Config, source: str) -> None:
             f"{source}: `data.balance` {d.balance!r} is for the ranking packs; the next-item packer does not "
             'balance (use "off")'
         )
+    contrastive_keys = (
+        ("contrastive_pooling", "last"),
+        ("contrastive_dropout", True),
+        ("intent_denoise", False),
+    )
+    if r.contrastive_weight == 0 and r.intent_weight == 0:
+        for key, default in contrastive_keys:
+            if getattr(r, key) != default:
+                raise ConfigError(
+                    f"{source}: `retrieval.{key}` ({getattr(r, key)!r}) shapes the contrastive and intent "
+                    "losses: it needs `retrieval.contrastive_weight` or `retrieval.intent_weight` > 0"
+                )
+    if r.intent_weight == 0 and r.intent_denoise:
+        raise ConfigError(f"{source}: `retrieval.intent_denoise` needs `retrieval.intent_weight` > 0")
     if d.tokens_per_shard < r.max_len:
         raise ConfigError(
             f"{source}: `data.tokens_per_shard` ({d.tokens_per_shard}) is smaller than "

@@ -7,7 +7,7 @@
   The validation and test users' histories, targets and 100 sampled negatives are prepared once.
 * `NextItemEpochs`: the training stream. Epoch e visits every training example once, in an order
   drawn from (seed, e); with the BCE loss it also draws one negative per position (as SASRec's
-  sampler does), with the contrastive loss two augmented views of every example (`views`, packed
+  sampler does), with the contrastive or intent loss two augmented views of every example (`views`, packed
   beside the pack's examples). Examples are packed with the one packer (`packing.greedy_groups`), so
   an epoch ends with a short stack padded with empty packs. Its iterator is a grain `DatasetIterator`
   whose state is `{"epoch", "step"}`: a run resumes at any step, mid-epoch included.
@@ -272,7 +272,8 @@ class NextItemEpochs(grain.IterDataset):
         self.seed = config.train.seed
         r = config.retrieval
         self.bce_negatives = r.loss == "bce"
-        self.augmentation = Augmentation.from_config(r) if r.contrastive_weight > 0 else None
+        views = r.contrastive_weight > 0 or r.intent_weight > 0
+        self.augmentation = Augmentation.from_config(r) if views else None
         self.epochs = r.epochs
         d = config.data
         self.layout = _Layout(

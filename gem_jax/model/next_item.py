@@ -47,6 +47,14 @@ class NextItemModel(nnx.Module):
             None if same else Dense("retrieval/output", m.model_dim, e.dim, policy, rngs=rngs, sensitive=True)
         )
         self.tower = HSTUTower(m, policy, rngs=rngs)
+        # ICLRec's intent centroids (`retrieval.intent_weight`): written by the task's k-means at epoch
+        # starts, read without gradient (so the optimizer leaves them: zero gradients, zero Adam moments);
+        # a Param so that checkpoints keep them. Absent when the intent loss is off (the model as before).
+        self.intent_centroids = (
+            nnx.Param(jnp.zeros((r.intent_clusters, e.dim), jnp.float32), logical_axes=(None, None))
+            if r.intent_weight > 0
+            else None
+        )
 
     def item_table(self) -> Float[ArrayLike, "N1 d"]:
         """The scoring table (row 0 = padding), normalised when the config says so."""
@@ -90,6 +98,36 @@ class NextItemModel(nnx.Module):
         x = self(item_ids, offsets, rng=rng)
         last = jnp.clip(offsets[1:] - 1, 0, item_ids.shape[0] - 1)
         return x[last]
+
+    def sequence_vectors(
+        self,
+        item_ids: Int[ArrayLike, " T"],
+        offsets: Int[ArrayLike, " B1"],
+        pooling: str,
+        *,
+        rng: jax.Array | None = None,
+    ) -> Float[ArrayLike, "B d"]:
+        """One vector per example for the contrastive and intent losses: "last", the user vector at its
+        newest item (`last_vectors`); "mean", the mean of its per-position user vectors (ICLRec's
+        sequence representation), L2-normalised again when `retrieval.normalize` is on. An empty example
+        gets zeros under "mean"."""
+        return pool_examples(
+            self(item_ids, offsets, rng=rng), offsets, pooling, self.config.retrieval.normalize
+        )
+
+
+def pool_examples(
+    x: Float[ArrayLike, "T d"], offsets: Int[ArrayLike, " B1"], pooling: str, normalize: bool
+) -> Float[ArrayLike, "B d"]:
+    """One vector per example from per-position vectors (see `NextItemModel.sequence_vectors`)."""
+    t_cap, b_cap = x.shape[0], offsets.shape[0] - 1
+    if pooling == "last":
+        return x[jnp.clip(offsets[1:] - 1, 0, t_cap - 1)]
+    seg = segment_ids(offsets, t_cap)  # b_cap past offsets[B]: dropped by the sum
+    total = jax.ops.segment_sum(x, seg, num_segments=b_cap)
+    lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+    mean = total / jnp.maximum(lengths, 1.0)[:, None]
+    return _l2_normalize(mean) if normalize else mean
 
 
 def _l2_normalize(x: Array) -> Array:
@@ -170,9 +208,12 @@ def info_nce_loss(
     second: Float[ArrayLike, "B d"],
     valid: Bool[ArrayLike, " B"],
     temperature: float,
+    groups: Int[ArrayLike, " B"] | None = None,
 ) -> tuple[Array, Array]:
     """InfoNCE between two views (CL4SRec's NT-Xent): each of the 2n valid vectors has its other view as
     the positive and the other 2n - 2 vectors of the batch as negatives; logits = dot / temperature.
+    With `second` the examples' intent centroids, it is ICLRec's intent loss (its NCELoss(view, intent)).
+    `groups` (ICLRec's de-noising): vectors of examples in the same group are not each other's negatives.
 
     Returns (sum of the 2n per-vector losses, 2n); invalid rows (empty examples) neither count nor serve
     as negatives.
@@ -181,12 +222,44 @@ def info_nce_loss(
     z = jnp.concatenate([first, second]).astype(jnp.float32)
     both = jnp.concatenate([valid, valid])
     logits = (z @ z.T) / temperature
-    # A finite floor, not -inf: an invalid row stays finite (its zero cotangent must not meet a NaN).
-    logits = jnp.where(both[None, :] & ~jnp.eye(2 * b, dtype=bool), logits, _MASKED_LOGIT)
     partner = jnp.concatenate([jnp.arange(b, 2 * b), jnp.arange(b)])
+    keep = both[None, :] & ~jnp.eye(2 * b, dtype=bool)
+    if groups is not None:
+        g = jnp.concatenate([groups, groups])
+        keep = keep & ((g[:, None] != g[None, :]) | (jnp.arange(2 * b)[None, :] == partner[:, None]))
+    # A finite floor, not -inf: an invalid row stays finite (its zero cotangent must not meet a NaN).
+    logits = jnp.where(keep, logits, _MASKED_LOGIT)
     positive = jnp.take_along_axis(logits, partner[:, None], axis=1)[:, 0]
     per = jax.nn.logsumexp(logits, axis=1) - positive
     return jnp.sum(jnp.where(both, per, 0.0)), jnp.sum(both.astype(jnp.float32))
 
 
 _MASKED_LOGIT = -1e9
+
+
+# ----------------------------------------------------------------------------- intent clustering
+
+
+def kmeans(x: Float[ArrayLike, "n d"], k: int, iterations: int, key: jax.Array) -> Array:
+    """Lloyd's k-means (squared L2) of `x`, from k distinct points drawn with `key`; a cluster left empty
+    keeps its centroid. Returns the [k, d] centroids (ICLRec: faiss k-means, 20 iterations)."""
+    x = jnp.asarray(x, jnp.float32)
+    centroids = x[jax.random.choice(key, x.shape[0], (k,), replace=False)]
+    norms = jnp.sum(x * x, axis=1)
+
+    def update(_, c):
+        assign = nearest_centroid(x, c, norms)
+        sums = jax.ops.segment_sum(x, assign, num_segments=k)
+        counts = jax.ops.segment_sum(jnp.ones_like(norms), assign, num_segments=k)
+        return jnp.where(counts[:, None] > 0, sums / jnp.maximum(counts, 1.0)[:, None], c)
+
+    return jax.lax.fori_loop(0, iterations, update, centroids)
+
+
+def nearest_centroid(
+    x: Float[ArrayLike, "n d"], centroids: Float[ArrayLike, "k d"], norms: Array | None = None
+) -> Int[Array, " n"]:
+    """Index of each row's nearest centroid (squared L2, as ICLRec's faiss index)."""
+    norms = jnp.sum(x * x, axis=1) if norms is None else norms
+    dist = norms[:, None] - 2.0 * (x @ centroids.T) + jnp.sum(centroids * centroids, axis=1)[None, :]
+    return jnp.argmin(dist, axis=1).astype(jnp.int32)

@@ -9,7 +9,9 @@
   target, or (`retrieval.train_targets = "last_of_prefixes"`) each example's last position only.
   With `retrieval.contrastive_weight` > 0, InfoNCE between the user vectors of two augmented views of
   each example is added with that weight (reported as `contrastive`, the next-item part as
-  `next_item_loss`).
+  `next_item_loss`); with `retrieval.intent_weight` > 0, ICLRec's InfoNCE between each view and its
+  example's intent centroid (reported as `intent`; the centroids come from k-means over every training
+  example, redone at the start of every `retrieval.intent_every_epochs` epochs by `refresh`).
 * Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
   time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
   and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import bisect
+import functools
 from typing import Any
 
 import grain
@@ -28,13 +31,23 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from gem_jax.config import Config
-from gem_jax.data.next_item import NextItemEpochs, NextItemPack, eval_stacks, load_next_item_data
+from gem_jax.config import Config, ConfigError
+from gem_jax.data.next_item import (
+    EvalSet,
+    NextItemEpochs,
+    NextItemPack,
+    eval_stacks,
+    load_next_item_data,
+)
 from gem_jax.model.next_item import (
     NextItemModel,
+    _l2_normalize,
     bce_loss,
     full_softmax_loss,
     info_nce_loss,
+    kmeans,
+    nearest_centroid,
+    pool_examples,
     sampled_softmax_loss,
 )
 from gem_jax.parallel import num_batch_shards
@@ -71,6 +84,12 @@ class NextItemTask:
         self._epoch_ends: list[int] = []
         r = config.retrieval
         self._scored_positions = _last_positions if r.train_targets == "last_of_prefixes" else _all_positions
+        if r.intent_weight > 0 and r.intent_clusters > len(self.data.inputs):
+            raise ConfigError(
+                f"`retrieval.intent_clusters` ({r.intent_clusters}) exceeds the {len(self.data.inputs)} "
+                "training examples that k-means clusters"
+            )
+        self._encode = None  # the intent clustering's jitted encoder (built on first use)
 
     def describe(self) -> str:
         return (
@@ -115,17 +134,35 @@ class NextItemTask:
             sums = self._loss_sums(model, *self._scored_positions(pack, user), negative_key)
         if pack.views is None:
             return sums
-        views = pack.views
-        vectors = model.last_vectors(views.item_ids, views.offsets, rng=jax.random.fold_in(rng, 1))
-        with jax.named_scope("contrastive"):
-            b = pack.num_examples_capacity
-            total, count = info_nce_loss(
-                vectors[:b],
-                vectors[b:],
-                _nonempty(pack.offsets),
-                self.config.retrieval.contrastive_temperature,
-            )
-        return {**sums, "contrastive_sum": total, "contrastive_count": count}
+        r, views, b = self.config.retrieval, pack.views, pack.num_examples_capacity
+        valid = _nonempty(pack.offsets)
+        view_rng = jax.random.fold_in(rng, 1) if r.contrastive_dropout else None
+        vectors = model.sequence_vectors(views.item_ids, views.offsets, r.contrastive_pooling, rng=view_rng)
+        if r.contrastive_weight > 0:
+            with jax.named_scope("contrastive"):
+                total, count = info_nce_loss(vectors[:b], vectors[b:], valid, r.contrastive_temperature)
+            sums = {**sums, "contrastive_sum": total, "contrastive_count": count}
+        if r.intent_weight > 0:
+            with jax.named_scope("intent"):
+                # ICLRec: the example's intent is the centroid nearest to its representation in the
+                # training forward (dropout on), without gradient; the loss reads the normalised centroid.
+                centroids = jax.lax.stop_gradient(model.intent_centroids[...])
+                sequence = pool_examples(
+                    jax.lax.stop_gradient(user), pack.offsets, r.contrastive_pooling, r.normalize
+                )
+                intent = nearest_centroid(sequence, centroids)
+                target = _l2_normalize(centroids)[intent]
+                groups = intent if r.intent_denoise else None
+                parts = [
+                    info_nce_loss(view, target, valid, r.contrastive_temperature, groups)
+                    for view in (vectors[:b], vectors[b:])
+                ]
+            sums = {
+                **sums,
+                "intent_sum": parts[0][0] + parts[1][0],
+                "intent_count": parts[0][1] + parts[1][1],
+            }
+        return sums
 
     def _loss_sums(self, model, user, targets, negatives, negative_key) -> dict[str, jax.Array]:
         r = self.config.retrieval
@@ -145,12 +182,63 @@ class NextItemTask:
         return {"loss_sum": total, "count": count}
 
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
+        r = self.config.retrieval
         loss = sums["loss_sum"] / jnp.maximum(sums["count"], 1.0)
-        if "contrastive_sum" not in sums:
+        if "contrastive_sum" not in sums and "intent_sum" not in sums:
             return loss, {"positions": sums["count"]}
-        contrastive = sums["contrastive_sum"] / jnp.maximum(sums["contrastive_count"], 1.0)
-        total = loss + self.config.retrieval.contrastive_weight * contrastive
-        return total, {"positions": sums["count"], "next_item_loss": loss, "contrastive": contrastive}
+        total, aux = loss, {"positions": sums["count"], "next_item_loss": loss}
+        for name, weight in (("contrastive", r.contrastive_weight), ("intent", r.intent_weight)):
+            if f"{name}_sum" in sums:
+                aux[name] = sums[f"{name}_sum"] / jnp.maximum(sums[f"{name}_count"], 1.0)
+                total = total + weight * aux[name]
+        return total, aux
+
+    # ------------------------------------------------------------------------- intent clustering
+
+    def refresh(self, trainer, state: Any, step: int) -> Any:
+        """Called by the loop before every step: at the start of every `retrieval.intent_every_epochs`
+        epochs (step 0 included) the intent centroids in `state` are recomputed from its parameters (so a
+        run resumed mid-epoch keeps the checkpoint's, and one resumed at an epoch end recomputes the same
+        ones). Other steps, and runs without the intent loss: `state` as it is."""
+        r = self.config.retrieval
+        if r.intent_weight == 0 or (step and self.epoch_end(step) is None):
+            return state
+        epoch = self.position(step)["epoch"]
+        if epoch % r.intent_every_epochs or epoch >= self.epochs:
+            return state
+        centroids = self.intent_centroids(trainer, state, epoch)
+        params = dict(state.params)
+        params["intent_centroids"] = jax.device_put(
+            centroids.astype(params["intent_centroids"].dtype),
+            trainer.state_shardings.params["intent_centroids"],
+        )
+        return state.replace(params=params)
+
+    def intent_centroids(self, trainer, state: Any, epoch: int) -> jax.Array:
+        """k-means centroids of every training example's representation (no dropout), as ICLRec's
+        clustering pass before each epoch."""
+        r = self.config.retrieval
+        if self._encode is None:
+            self._encode = trainer.per_pack(
+                lambda model, pack, embedded: model.sequence_vectors(
+                    pack.item_ids, pack.offsets, r.contrastive_pooling
+                )
+            )
+        examples = EvalSet(self.data.inputs, np.zeros(0), np.zeros((0, 0)), None)
+        vectors = []
+        for stack, chunk in eval_stacks(
+            examples,
+            self.config,
+            shards=self.shards,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        ):
+            out = np.asarray(self._encode(state, trainer.to_device(stack)))  # [shards, B, d]
+            vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
+        key = jax.random.fold_in(jax.random.key(self.config.train.seed), epoch)
+        return _kmeans(
+            jnp.asarray(np.concatenate(vectors)), key, r.intent_clusters, r.intent_kmeans_iterations
+        )
 
     # ------------------------------------------------------------------------- schedule
 
@@ -222,6 +310,11 @@ def _last_positions(pack: NextItemPack, user: jax.Array) -> tuple[jax.Array, jax
     last = jnp.clip(pack.offsets[1:] - 1, 0, user.shape[0] - 1)
     targets = jnp.where(_nonempty(pack.offsets), pack.targets[last], 0)
     return user[last], targets, pack.negatives[last]
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _kmeans(x: jax.Array, key: jax.Array, k: int, iterations: int) -> jax.Array:
+    return kmeans(x, k, iterations, key)
 
 
 def _nonempty(offsets: jax.Array) -> jax.Array:

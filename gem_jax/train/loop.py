@@ -304,6 +304,7 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
             )
 
             compiled, compiled_for = None, None
+            refresh = getattr(task, "refresh", None)  # optional: `Task` documents it
             if multi and first is not None:
                 # Compile first, then meet: the first step's collectives then start together. A process
                 # that compiled longer (a restart, a loaded host) would otherwise reach them more than
@@ -314,6 +315,9 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
                 if stop_after is not None and step >= stop_after:
                     break
                 window.before(step)
+                if refresh is not None:  # task state computed from the parameters (e.g. intent centroids)
+                    with stall.paused():
+                        state = refresh(trainer, state, step)
                 if first is not None:  # fetched before the loop (gem_jax/train/interrupt.py: blocked())
                     stack, first = first, None
                 else:

@@ -109,6 +109,11 @@ class Task(Protocol):
         """What the CLI prints about a finished or interrupted run, beyond the common lines."""
         ...
 
+    # Optional (not part of the runtime check): `refresh(trainer, state, step) -> state`, called before
+    # every step, for state the task derives from the parameters at some steps (the next-item task's
+    # intent centroids, at epoch starts). It must depend only on `state` and `step`, so that a resumed run
+    # recomputes what the interrupted one did.
+
 
 @runtime_checkable
 class Evaluator(Protocol):
