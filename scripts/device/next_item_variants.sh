@@ -14,6 +14,8 @@ V[prefix]="$PREFIX"
 V[freq]="$PREFIX --set model.frequency_mix=0.7 --set model.frequency_bins=3"
 V[freq5]="$PREFIX --set model.frequency_mix=0.7 --set model.frequency_bins=5"
 V[cl]="--set retrieval.contrastive_weight=0.1"
+V[clfix]="--set retrieval.contrastive_weight=0.1 --set retrieval.contrastive_dropout=false --set retrieval.contrastive_pooling=\\\"mean\\\""
+V[intent]="${V[clfix]} --set retrieval.intent_weight=0.1 --set retrieval.intent_clusters=256"
 V[big]="--set model.num_layers=4 --set model.model_dim=128 --set embeddings.dim=128 --set model.attention_dim=64 --set model.value_dim=64"
 V[extra]="${EXTRA:-}"  # any other overrides, from the environment
 for spec in "$@"; do
