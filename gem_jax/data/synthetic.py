@@ -22,6 +22,9 @@ from gem_jax.config import DataConfig
 _NUM_SEGMENTS = 16
 _CATEGORY_SIZE = 16  # items per category for the candidate-category feature
 BLOCK = 64  # examples drawn together
+# Which random stream the settings draw: a run's fingerprint records it, so a resume refuses data that the
+# same settings would now draw differently. Change it with any change to what a seed yields.
+STREAM_VERSION = 2
 _CACHED_BLOCKS = 16  # per generator: every shard's stream reads from the few newest blocks
 # No reader threads: a block costs ~3 ms of numpy, and grain's 16 default threads cost more than that in
 # switching (one pack of the tiny config: 14 ms with them, 5 ms without). The training loop draws the
