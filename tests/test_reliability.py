@@ -200,6 +200,17 @@ def test_changed_generator_setting_is_refused_by_name(trained, tmp_path):
         record.check(changed, data_fingerprint(changed))
 
 
+def test_a_run_of_another_generator_stream_is_refused(trained, tmp_path):
+    # Same settings, another random stream (a run written before the generator changed what a seed draws).
+    workdir = _copy(trained, tmp_path)
+    path = workdir / "run.json"
+    record = json.loads(path.read_text())
+    del record["data"]["stream"]
+    path.write_text(json.dumps(record))
+    with pytest.raises(RecordMismatch, match=r"data fingerprint \(stream null -> \d+\)"):
+        RunRecord(workdir).check(_config(), data_fingerprint(_config()))
+
+
 def test_changed_data_file_is_refused_and_a_moved_one_accepted(tmp_path, capsys):
     data = write_cyclic_pairs(tmp_path / "pairs.txt", num_users=24)
     config = small_next_item(data, "retrieval.epochs=1", "retrieval.eval_every_epochs=1")

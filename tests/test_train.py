@@ -68,22 +68,34 @@ def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
-def test_sharded_step_equals_single_device():
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
+def test_sharded_step_equals_single_device(compute):
+    """Three steps on 8 devices (one pack each) and on 1 device (the 8 packs vmapped) give the same
+    losses. In float32 they agree to float rounding at every step (measured over 5 seeds and data
+    offsets: at most 2.7e-7 relative). In bfloat16 only the first step does (<= 1.8e-7): the vmapped and
+    the per-device programs round differently in float32, and a few activation gradients then land on
+    the other side of a bfloat16 rounding (2^-8 relative each); the row-wise Adagrad's first update is
+    scale-free, so those rows move differently and the next losses differ by up to 3.4e-4 relative
+    (same 5 cases). bfloat16's later steps are held to 2e-3, float32's steps to 1e-6."""
     assert jax.device_count() == 8, "conftest sets 8 fake CPU devices"
     lean = ("model.num_layers=1", "model.wukong_layers=1")  # compile time dominates this test
-    c8 = small_config("parallel.mesh_shape=[8]", *lean)
-    c1 = small_config("parallel.mesh_shape=[1]", *lean)
+    c8 = small_config("parallel.mesh_shape=[8]", f"precision.compute_dtype={compute}", *lean)
+    c1 = small_config("parallel.mesh_shape=[1]", f"precision.compute_dtype={compute}", *lean)
     stack = next(stacks(c8, shards=8))
     t8, t1 = (Trainer(task, task.mesh) for task in (make_task(c8), make_task(c1)))
     losses = []
     for t in (t8, t1):
         state = t.init_state()
         batch = jax.device_put(stack, t.batch_sharding)
-        state, m1 = t.train_step(state, batch)
-        state, m2 = t.train_step(state, batch)
-        losses.append((float(m1["loss"]), float(m2["loss"])))
+        curve = []
+        for _ in range(3):
+            state, m = t.train_step(state, batch)
+            curve.append(float(m["loss"]))
+        losses.append(curve)
     assert len(t8.batch_sharding.device_set) == 8
-    np.testing.assert_allclose(losses[0], losses[1], rtol=2e-5)
+    np.testing.assert_allclose(losses[0][0], losses[1][0], rtol=1e-6)
+    np.testing.assert_allclose(losses[0][1:], losses[1][1:], rtol=1e-6 if compute == "float32" else 2e-3)
+    assert losses[1][2] < losses[1][0] - 0.05, "the model learns (the later steps are not vacuous)"
 
 
 def test_two_axis_mesh_runs():
@@ -144,7 +156,7 @@ def test_sigterm_saves_a_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_default_cli_run_reaches_auc_bar_and_eval_command(tmp_path):
-    """The README's main command: the tiny config trains to click AUC >= 0.75 on the CPU (measured 0.759;
+    """The README's main command: the tiny config trains to click AUC >= 0.75 on the CPU (measured 0.757 in 400 steps;
     a model that does not learn stays near 0.5)."""
     r = subprocess.run(
         [

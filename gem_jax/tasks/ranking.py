@@ -25,6 +25,7 @@ from gem_jax.data.batch import JaggedBatch
 from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.records.dataset import READ_OPTIONS, RecordsData
 from gem_jax.data.records.reader import COUNTS
+from gem_jax.data.synthetic import READ_OPTIONS as SYNTHETIC_READ_OPTIONS
 from gem_jax.data.synthetic import SyntheticAds
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids, sparse_feature_groups
@@ -99,7 +100,7 @@ class RankingTask:
             process_index=process_index,
             process_count=process_count,
             stream=self.records.stream if self.records is not None else None,
-            read_options=READ_OPTIONS if self.records is not None else None,
+            read_options=READ_OPTIONS if self.records is not None else SYNTHETIC_READ_OPTIONS,
             balance=d.balance == "attention",
         )
 

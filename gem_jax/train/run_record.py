@@ -87,8 +87,10 @@ def _fingerprint(config: Config) -> dict[str, Any]:
         from gem_jax.data.records.dataset import records_fingerprint
 
         return {"kind": d.kind, **records_fingerprint(d)}
+    from gem_jax.data.synthetic import STREAM_VERSION
+
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_DATA_IDENTITY}
-    return {"kind": d.kind, "generator": settings}
+    return {"kind": d.kind, "generator": settings, "stream": STREAM_VERSION}
 
 
 def code_version() -> dict[str, Any]:
