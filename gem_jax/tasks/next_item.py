@@ -225,20 +225,9 @@ class NextItemTask:
                 )
             )
         examples = EvalSet(self.data.inputs, np.zeros(0), np.zeros((0, 0)), None)
-        vectors = []
-        for stack, chunk in eval_stacks(
-            examples,
-            self.config,
-            shards=self.shards,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        ):
-            out = np.asarray(self._encode(state, trainer.to_device(stack)))  # [shards, B, d]
-            vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
+        vectors = encode_examples(self._encode, trainer, state, examples, self.config, self.shards)
         key = jax.random.fold_in(jax.random.key(self.config.train.seed), epoch)
-        return _kmeans(
-            jnp.asarray(np.concatenate(vectors)), key, r.intent_clusters, r.intent_kmeans_iterations
-        )
+        return _kmeans(jnp.asarray(vectors), key, r.intent_clusters, r.intent_kmeans_iterations)
 
     # ------------------------------------------------------------------------- schedule
 
@@ -312,6 +301,24 @@ def _last_positions(pack: NextItemPack, user: jax.Array) -> tuple[jax.Array, jax
     return user[last], targets, pack.negatives[last]
 
 
+def encode_examples(
+    encode: Any, trainer: Any, state: Any, examples: EvalSet, config: Config, shards: int
+) -> np.ndarray:
+    """One vector per example of `examples`, in its order: `encode` (a `Trainer.per_pack` function of
+    the state and a device stack) over the packed stacks of this process's share."""
+    vectors = []
+    for stack, chunk in eval_stacks(
+        examples,
+        config,
+        shards=shards,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    ):
+        out = np.asarray(encode(state, trainer.to_device(stack)))  # [shards, B, d]
+        vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
+    return np.concatenate(vectors)
+
+
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _kmeans(x: jax.Array, key: jax.Array, k: int, iterations: int) -> jax.Array:
     return kmeans(x, k, iterations, key)
@@ -337,17 +344,7 @@ class NextItemEvaluator:
     def __call__(self, state: Any, split: str) -> Metrics:
         task, r = self.task, self.task.config.retrieval
         eval_set = task.data.eval_sets[split]
-        vectors = []
-        for stack, chunk in eval_stacks(
-            eval_set,
-            task.config,
-            shards=task.shards,
-            process_index=jax.process_index(),
-            process_count=jax.process_count(),
-        ):
-            out = np.asarray(self.user_vectors(state, self.trainer.to_device(stack)))  # [shards, B, d]
-            vectors.extend(out[i, : b - a] for i, (a, b) in enumerate(chunk))
-        users = np.concatenate(vectors)
+        users = encode_examples(self.user_vectors, self.trainer, state, eval_set, task.config, task.shards)
         table = self.item_table(state)
         results: dict[str, float] = {}
         if r.eval_protocol in ("sampled", "both"):
