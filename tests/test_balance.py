@@ -168,6 +168,8 @@ def test_training_with_balance_resumes_bitwise(tmp_path):
         *ZIPF,
         "data.balance=attention",
         "parallel.mesh_shape=[2]",
+        "model.num_layers=1",  # a bitwise resume does not depend on depth; one layer compiles faster
+        "model.wukong_layers=1",
         "train.steps=6",
         "train.checkpoint_every=3",
     )
