@@ -32,6 +32,8 @@ FEATURE_MAP = [
     'embeddings.features={items = {table = "items", pooling = "none"}, actions = {table = "actions", pooling = "none"}'
     ', segments = {table = "segments", pooling = "sum"}, sparse = {table = "sparse", pooling = "mean"}}',
 ]
+# Where depth plays no part in what a test checks (a resume, a data error), one layer: less to compile.
+ONE_LAYER = ["model.num_layers=1", "model.wukong_layers=1"]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,9 @@ def test_cli_trains_on_records_and_logs_the_data_counters(shards, tmp_path):
 def test_resume_on_records_is_bitwise(shards, tmp_path):
     """Stopped at step 12 and resumed, a run on records (global shuffle, the feature map from config, more
     than one epoch) ends with the uninterrupted run's parameters and metrics."""
-    c = small_config(*records_overrides(shards), *FEATURE_MAP, "train.steps=24", "train.checkpoint_every=6")
+    c = small_config(
+        *records_overrides(shards), *FEATURE_MAP, *ONE_LAYER, "train.steps=24", "train.checkpoint_every=6"
+    )
     task = make_task(c)
     assert task.feature_groups == {"segments": (0,), "sparse": (1,)}
     loop.train(task, tmp_path / "one")
@@ -137,7 +141,8 @@ def test_a_bad_record_stops_the_cli_run_with_one_line(shards, tmp_path):
     write_raw(bad, shard_set.schema, [records[a:b] for a, b in zip(split[:-1], split[1:])])
     shutil.copytree(shards / "valid", tmp_path / "valid")
     where = bad / shard_set.shards[1].path.name
-    overrides = [*SMALL, "data.kind=records", f"data.path={bad}", "train.steps=200", "train.log_every=50"]
+    overrides = [*SMALL, *ONE_LAYER, "data.kind=records", f"data.path={bad}", "train.steps=200"]
+    overrides += ["train.log_every=50"]
     r = _cli("train", "--workdir", str(tmp_path / "run"), *_sets(overrides))
     assert r.returncode == 2, r.stderr[-3000:]
     lines = [line for line in r.stderr.splitlines() if line.startswith("data error:")]
