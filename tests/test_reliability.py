@@ -49,6 +49,8 @@ from tests.test_retrieval import write_cyclic_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN = ("train.steps=20", "train.checkpoint_every=10", "train.log_every=5")
+# Where depth plays no part in what a test checks (signals), one layer: less to compile.
+ONE_LAYER = ("model.num_layers=1", "model.wukong_layers=1")
 
 
 def _config(*extra):
@@ -419,7 +421,7 @@ def test_ctrl_c_during_data_worker_start_up_exits_cleanly(tmp_path, monkeypatch)
 @pytest.mark.slow
 def test_two_signals_in_a_row_exit_cleanly_and_the_next_start_cleans_up(tmp_path):
     workdir = tmp_path / "run"
-    run = ("train.steps=100000", "train.log_every=1")
+    run = ("train.steps=100000", "train.log_every=1", *ONE_LAYER)
     proc = _start("train", "--workdir", str(workdir), *_config_args(tmp_path, *run))
     _wait_for(lambda: _lines(workdir / "metrics.jsonl") >= 3, proc)
     os.killpg(proc.pid, signal.SIGINT)
