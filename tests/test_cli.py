@@ -31,8 +31,13 @@ def test_help_names_every_command_and_what_eval_reads():
 def finished_run(tmp_path_factory):
     """A short ranking run with the progress bar on, its stderr captured as a log file would hold it."""
     workdir = tmp_path_factory.mktemp("finished")
-    config = small_config(
-        "train.steps=6", "train.progress=true", "train.log_every=3", "train.checkpoint_every=3"
+    config = small_config(  # one layer: what these tests check (the log, the rerun) does not depend on depth
+        "model.num_layers=1",
+        "model.wukong_layers=1",
+        "train.steps=6",
+        "train.progress=true",
+        "train.log_every=3",
+        "train.checkpoint_every=3",
     )
     log = io.StringIO()  # not a TTY
     with contextlib.redirect_stderr(log):
