@@ -38,6 +38,11 @@ def _grouped_order(group: np.ndarray, key: np.ndarray) -> np.ndarray:
     return order[np.argsort(group.astype(np.int16)[order], kind="stable")]
 
 
+def _rank_in_group(sizes: np.ndarray) -> np.ndarray:
+    """Each element's position inside its group, for consecutive groups of `sizes` elements."""
+    return np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+
+
 class SyntheticAds:
     """Deterministic generator: `example(i)` depends only on (seed, i), drawn with the other examples of
     its block of `BLOCK` (`block`); thread-safe (grain's prefetch threads share it)."""
@@ -104,7 +109,7 @@ class SyntheticAds:
         affinity = np.einsum("pr,pr->p", self.item_factors[pool], taste[pool_owner])
         keys = affinity + rng.gumbel(size=len(pool))
         by_key = _grouped_order(pool_owner, -keys)  # each user's pool, best key first
-        rank = np.arange(len(pool)) - np.repeat(np.cumsum(pool_sizes) - pool_sizes, pool_sizes)
+        rank = _rank_in_group(pool_sizes)
         chosen = by_key[rank < lengths[pool_owner]]
         owner = pool_owner[chosen]  # sorted: each user's chosen items together
         chosen = chosen[_grouped_order(owner, rng.random(len(chosen)))]  # each user's in random order
@@ -139,9 +144,7 @@ class SyntheticAds:
         # Each example's tokens: its history, then its candidates (at the request time, action 0).
         sizes = lengths + k
         token_owner = np.repeat(np.arange(n), sizes)
-        is_history = (
-            np.arange(len(token_owner)) - np.repeat(np.cumsum(sizes) - sizes, sizes) < lengths[token_owner]
-        )
+        is_history = _rank_in_group(sizes) < lengths[token_owner]
         is_event = np.ones(len(times), bool)
         is_event[time_ends - 1] = False
         item_ids = np.empty(len(token_owner), np.int32)
