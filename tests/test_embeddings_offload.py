@@ -194,3 +194,24 @@ def test_slot_cache_samples_its_evictions_in_a_large_cache():
     assert cache.uses[evicted].max() < median_uses  # the least used eighth of a sample, all below the median
     np.testing.assert_array_equal(cache.slot_of[cache.row_in], np.arange(slots))
     assert (cache.slot_of[evicted] == -1).all()
+
+
+def test_host_init_in_chunks_gives_the_whole_tables_values(monkeypatch):
+    """An offloaded table is drawn a few blocks at a time on the device; each block of rows has its
+    own key, so the chunks give the values of the whole table drawn at once (the in-HBM init), also
+    with a last block cut short: equal up to float rounding (the two programs vectorise differently)."""
+    import gem_jax.embeddings.collection as collection
+
+    monkeypatch.setattr(collection, "INIT_BLOCK_ROWS", 64)
+    monkeypatch.setattr(collection, "INIT_CHUNK_BYTES", 3 * 64 * 8 * 4)  # three blocks a chunk
+    mesh = _mesh(1)
+    tables = {"big": TableConfig(rows=2000, dim=8, sharding="offload", cache_rows=256)}
+    features = {"bag": FeatureConfig(table="big", pooling="sum", max_bag_size=4)}
+    coll = EmbeddingCollection(tables, features, mesh, ("data",), optimizer=RowWiseAdagrad())
+    key = jax.random.key(5)
+    coll.init(key)
+    whole = jax.device_get(coll._init_table(key, "big"))
+    host = coll.offload["big"]
+    np.testing.assert_allclose(host.table, whole["table"], rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(host.accumulator, whole["accumulator"])
+    assert len(np.unique(host.table[:, 0])) == 2000  # 32 blocks, no two drawn from one key

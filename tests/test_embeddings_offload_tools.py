@@ -45,6 +45,7 @@ def test_measure_bench_and_profile_run_offloaded_tables(tmp_path, capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["host_staging"] is True
     assert report["warmup_steps"] == 16 and report["every_step_a_new_batch"] is True
+    assert 0 < report["host_stage_s_median"] < 60
     # a 256-row cache after 16 fresh batches is full: the timed steps write evicted rows back
     cache = report["cache_per_step"]
     assert cache["embeddings/items/device_to_host_bytes"] > 0

@@ -96,6 +96,17 @@ def main(argv: list[str]) -> int:
             f.write(hlo)
     gemm_calls = {name: hlo.count(f'custom_call_target="{target}"') for name, target in GEMM_TARGETS.items()}
     fp8 = summary(*fp8_dots(lowered)) if config.precision.fp8 else None
+    stage_times: list[float] = []
+    if trainer.offloaded:  # the host's staging time per step (in the waited-for loop: no device wait inside)
+        stage = trainer.stage
+
+        def timed_stage(*a, **k):
+            t = time.perf_counter()
+            out = stage(*a, **k)
+            stage_times.append(time.perf_counter() - t)
+            return out
+
+        trainer.stage = timed_stage
     run = trainer.rotating_steps(step, host[: args.batches])
 
     warmup = args.warmup
@@ -104,6 +115,7 @@ def main(argv: list[str]) -> int:
     jax.block_until_ready(m["loss"])
     phase(f"{warmup} warm-up steps")
     times, cache = [], {}
+    stage_times.clear()
     for i in range(warmup, warmup + args.steps):
         t = time.perf_counter()
         state, m = run(state, i)
@@ -112,6 +124,7 @@ def main(argv: list[str]) -> int:
         for k, v in m.items():  # offloaded tables: embeddings/TABLE/cache_hits, ..._bytes (host floats)
             if k.startswith("embeddings/"):
                 cache[k] = cache.get(k, 0.0) + float(v) / args.steps
+    host_stage_s = float(np.median(stage_times)) if stage_times else None
     # The same steps back to back, one wait at the end, as the train loop runs them: with offloaded tables
     # the host stages step i + 1's rows while the device runs step i.
     t = time.perf_counter()
@@ -146,6 +159,7 @@ def main(argv: list[str]) -> int:
             name: {"rows": t.rows, "cache_rows": t.devices * t.slots_per_device}
             for name, t in (trainer.embeddings.offload.items() if trainer.embeddings else ())
         },
+        "host_stage_s_median": host_stage_s,
         "warmup_steps": warmup,
         "every_step_a_new_batch": warmup + 2 * args.steps <= args.batches,
         "cache_per_step": cache or None,

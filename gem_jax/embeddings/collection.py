@@ -41,6 +41,15 @@ from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
 from gem_jax.parallel import fast_axes, shard_axes
 
 
+
+INIT_BLOCK_ROWS = 1 << 16  # rows drawn from one key (a table's values do not depend on how it is filled)
+INIT_CHUNK_BYTES = 1 << 28  # float32 bytes an offloaded table's init draws on the device at a time
+
+
+def _init_block_rows(rows: int) -> int:
+    return min(INIT_BLOCK_ROWS, rows)
+
+
 class FeatureIds(NamedTuple):
     """One feature's ids on one device. Leading dims (e.g. packs) are kept in the output.
 
@@ -250,19 +259,29 @@ class EmbeddingCollection:
 
     # ------------------------------------------------------------------------- state
 
-    def _init_table(self, rng: jax.Array, name: str) -> dict[str, Array]:
+    def _init_values(self, rng: jax.Array, name: str, first_block: int | Array, blocks: int) -> Array:
+        """Rows `[first_block * b, (first_block + blocks) * b)` of table `name`'s initial values, b =
+        `_init_block_rows`: each block of rows is drawn from its own key, so any run of blocks (a host
+        table filled a chunk at a time, or the whole table at once) gets the same values."""
         t = self.tables[name]
+        block = _init_block_rows(t.rows)
         key = jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
-        shape = (t.rows, t.dim)
+        keys = jax.vmap(lambda b: jax.random.fold_in(key, b))(first_block + jnp.arange(blocks))
+        shape = (block, t.dim)
         if t.initializer == "normal":
-            table = t.init_scale * jax.random.normal(key, shape, jnp.float32)
+            draw = lambda k: t.init_scale * jax.random.normal(k, shape, jnp.float32)  # noqa: E731
         elif t.initializer == "uniform":
-            table = jax.random.uniform(key, shape, jnp.float32, -t.init_scale, t.init_scale)
+            draw = lambda k: jax.random.uniform(k, shape, jnp.float32, -t.init_scale, t.init_scale)  # noqa: E731
         elif t.initializer == "zeros":
-            table = jnp.zeros(shape, jnp.float32)
+            draw = lambda k: jnp.zeros(shape, jnp.float32)  # noqa: E731
         else:
             raise ConfigError(f"table {name!r}: unknown initializer {t.initializer!r}")
-        out = {"table": table.astype(DTYPES[t.dtype])}
+        return jax.vmap(draw)(keys).reshape(blocks * block, t.dim).astype(DTYPES[t.dtype])
+
+    def _init_table(self, rng: jax.Array, name: str) -> dict[str, Array]:
+        t = self.tables[name]
+        blocks = -(-t.rows // _init_block_rows(t.rows))
+        out = {"table": self._init_values(rng, name, 0, blocks)[: t.rows]}
         if self.optimizer.has_accumulator:
             out["accumulator"] = self.optimizer.init_accumulator(t.rows)
         return out
@@ -313,13 +332,23 @@ class EmbeddingCollection:
         return state
 
     def init_host(self, rng: jax.Array) -> None:
-        """The offloaded tables' initial values, computed on the host's CPU device into host memory."""
-        device = host_device()
+        """The offloaded tables' initial values, drawn a chunk of rows at a time on the default
+        device (an accelerator draws a 60 GB table in seconds, a host CPU in many minutes) and
+        copied into host memory: no device ever holds more than one chunk."""
         for name, table in self.offload.items():
-            with jax.default_device(device):
-                logical = jax.jit(self._init_table, static_argnums=1)(jax.device_put(rng, device), name)
-            logical = jax.tree.map(np.asarray, logical)
-            table.load(logical["table"], logical.get("accumulator"))
+            t = self.tables[name]
+            block = _init_block_rows(t.rows)
+            per_chunk = max(1, INIT_CHUNK_BYTES // (block * t.dim * 4))
+            draw = jax.jit(self._init_values, static_argnums=(1, 3))
+            blocks = -(-t.rows // block)
+            for first in range(0, blocks, per_chunk):
+                n = min(per_chunk, blocks - first)
+                start = first * block
+                stop = min(t.rows, start + n * block)
+                table.table[start:stop] = np.asarray(draw(rng, name, first, n))[: stop - start]
+            if table.accumulator is not None:
+                table.accumulator[...] = table.initial_accumulator
+            table.reset()
 
     def _resident(self, tree):
         return {k: v for k, v in tree.items() if k not in self.offload}

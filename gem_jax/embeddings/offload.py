@@ -97,6 +97,10 @@ class OffloadedTable:
             self.accumulator[...] = (
                 self.initial_accumulator if accumulator is None else np.asarray(accumulator, np.float32)
             )
+        return self.reset()
+
+    def reset(self) -> Cache:
+        """Empties the slot maps (the host table holds every value); returns an empty device cache."""
         self.caches = [SlotCache(self.block, self.slots_per_device) for _ in range(self.devices)]
         self.pending = []
         return self._empty()
