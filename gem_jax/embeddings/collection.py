@@ -40,8 +40,6 @@ from gem_jax.embeddings.optimizers import from_config as optimizer_from_config
 from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
 from gem_jax.parallel import fast_axes, shard_axes
 
-
-
 INIT_BLOCK_ROWS = 1 << 16  # rows drawn from one key (a table's values do not depend on how it is filled)
 INIT_CHUNK_BYTES = 1 << 28  # float32 bytes an offloaded table's init draws on the device at a time
 
