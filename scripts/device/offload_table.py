@@ -7,7 +7,6 @@ from pathlib import Path
 out = Path(sys.argv[1])
 print(
     f"{'point':6s} {'med ms':>7s} {'b2b ms':>7s} {'hits':>8s} {'misses':>8s} {'h2d MB':>7s} {'d2h MB':>7s} "
-    f"{'point':6s} {'med ms':>7s} {'b2b ms':>7s} {'hits':>8s} {'misses':>8s} {'h2d MB':>7s} {'d2h MB':>7s} "
     f"{'stage ms':>8s}  compile"
 )
 for point in sys.argv[2:]:
