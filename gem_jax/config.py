@@ -320,8 +320,9 @@ class PrecisionConfig:
     # FP8 GEMMs (gem_jax/model/fp8.py, docs/fp8.md): e4m3 inputs and weights, e5m2 output gradients, one
     # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on
     # sensitive layers: task heads, logit layers; LayerNorms and embeddings are not Dense). Their output
-    # dtype stays the layer's compute dtype.
-    fp8: bool = False
+    # dtype stays the layer's compute dtype. "auto": only the named layers whose GEMM shapes measured faster
+    # in FP8 on this GPU kind (gem_jax/model/fp8_auto.py; the task resolves it to true/false and exact names).
+    fp8: Literal[False, True, "auto"] = False
     fp8_layers: tuple[str, ...] = ("hstu/", "wukong/")  # HSTU U/V/Q/K and output projections, Wukong MLPs
     fp8_recipe: Literal["delayed", "current"] = "delayed"  # amax history, or this step's amax
     fp8_amax_history: int = setting(1024, AT_LEAST_1)  # steps of amax history (delayed recipe)
@@ -481,7 +482,7 @@ def _check_value(value: Any, annotation: Any, key: str, source: str, valid: Rang
 
     if origin is Literal:
         allowed = typing.get_args(annotation)
-        if not isinstance(value, str) or value not in allowed:
+        if not any(type(value) is type(a) and value == a for a in allowed):  # true is not 1, "1" not 1
             raise ConfigError(f"{source}: `{key}` must be one of {allowed}, got {value!r}")
         return value
     if annotation is bool:

@@ -40,6 +40,11 @@ class PrecisionPolicy:
                 key=lambda kv: -len(kv[0]),
             )
         )  # longest prefix wins
+        if config.fp8 == "auto":  # a model built straight from a config: no GPU table was asked
+            raise ConfigError(
+                '`precision.fp8 = "auto"` must be resolved to the measured layers before the model is built '
+                "(gem_jax.model.fp8_auto.resolve; make_task does it)"
+            )
         fp8 = FP8Recipe(config.fp8_recipe, config.fp8_amax_history, config.fp8_margin) if config.fp8 else None
         return cls(
             param_dtype=_dtype(config.param_dtype, "param_dtype"),

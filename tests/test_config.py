@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -165,7 +166,8 @@ def test_every_choice_is_refused_naming_key_allowed_values_and_file(tmp_path):
         # A feature must read a named table; an interactions file must be named (rules between keys).
         context = {"embeddings.features.t": '\ntable = "t"\n[embeddings.tables.t]', "data": '\npath = "x"'}
         for value in ("bogus", *allowed):
-            config.write_text(f'[{section}]\n{name} = "{value}"{context.get(section, "")}\n')
+            text = json.dumps(value)  # a TOML string, or true / false for a boolean choice
+            config.write_text(f"[{section}]\n{name} = {text}{context.get(section, '')}\n")
             if value in allowed:
                 assert getattr(load_config(config), key.split(".")[0]) is not None
                 continue

@@ -434,13 +434,22 @@ def test_amax_history_gets_the_global_max_over_packs_and_shards():
 
 
 @pytest.mark.slow
-def test_bench_fp8_small_runs_its_checks(capsys):
+def test_bench_fp8_small_runs_its_checks_and_writes_the_auto_table(capsys, tmp_path):
     from experiments.benchmarks.fp8 import main
+    from gem_jax.model import fp8_auto
 
-    assert main(["--small"]) == 0
+    table = tmp_path / "speedups.json"
+    assert main(["--small", "--widths", "16", "--write-table", str(table)]) == 0
     out = capsys.readouterr().out
     # The largest GEMM of configs/tiny.toml: the HSTU input projection, model_dim wide.
-    dim = load_config(ROOT / "configs" / "tiny.toml").model.model_dim
-    assert re.search(rf"\| hstu/0/uvqk[^|]* \| \d+ x {dim} x \d+ \| delayed \|", out), out
+    config = load_config(ROOT / "configs" / "tiny.toml")
+    dim, m = config.model.model_dim, config.data.tokens_per_shard
+    assert re.search(rf"\| tiny: hstu/0/uvqk[^|]* \| {m} x {dim} x \d+ \| delayed \|", out), out
+    assert f"| width 16 | {m} x 16 x 64 | current |" in out
     assert "| square | 128 x 128 x 128 | current |" in out
     assert "CHECK FAILED" not in out
+    # The first recipe's rows (delayed), one per shape, under this device's kind, for "auto" to read.
+    rows = fp8_auto.load_table(table)[jax.devices()[0].device_kind]
+    shapes = {(r["m"], r["k"], r["n"]) for r in rows}
+    assert len(shapes) == len(rows) == 4 and {(m, 16, 16), (m, 16, 64), (128, 128, 128)} < shapes
+    assert all(r["recipe"] == "delayed" and r["fp8_s"] > 0 and r["bf16_s"] > 0 for r in rows)

@@ -11,6 +11,9 @@ For every distinct FP8 GEMM shape of the config's model (HSTU U/V/Q/K and output
    quantised vs bf16), and prints a markdown table.
 It also compiles the FP8 layer the way the train step runs it (vmapped over the packs of a device,
 under shard_map) and counts its FP8 GEMMs per recipe. Exit code 1 if any check fails.
+`--config` takes several configs (comma-separated); `--widths` adds (M, w, w) and (M, w, 4w) GEMMs; each row
+prints as it is measured. `--write-table [PATH]` merges the first recipe's times into the table that
+`precision.fp8 = "auto"` reads (gem_jax/model/fp8_auto.py), under this GPU's kind, when every check passed.
 `--small`: the largest configs/tiny.toml GEMM and a 128^3 square, seconds on CPU (a test runs it).
 """
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,39 +32,12 @@ from jax.sharding import PartitionSpec as P
 
 from experiments.benchmarks.timing import median_seconds
 from gem_jax.config import PrecisionConfig, load_config
-from gem_jax.model import fp8
-from gem_jax.model.gem import GEMModel
+from gem_jax.model import fp8, fp8_auto
+from gem_jax.model.fp8_auto import GemmShape, model_gemm_shapes
 from gem_jax.model.layers import Dense
 from gem_jax.precision import RECIPES, PrecisionPolicy
 
 CUBLAS_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmShape:
-    layers: str  # the model's layers with this shape
-    m: int
-    k: int
-    n: int
-
-    @property
-    def flops(self) -> float:  # forward + backward: three GEMMs of 2 M K N
-        return 3 * 2.0 * self.m * self.k * self.n
-
-
-def model_gemm_shapes(config) -> list[GemmShape]:
-    """The distinct (M, K, N) of the model's FP8 layers; K and N from the model itself, M from the
-    batch: tokens for the HSTU tower, examples x candidates for the Wukong stack."""
-    config = dataclasses.replace(config, precision=dataclasses.replace(config.precision, fp8=True))
-    model = nnx.eval_shape(lambda: GEMModel(config, rngs=nnx.Rngs(0)))
-    d = config.data
-    rows = {"hstu/": d.tokens_per_shard, "wukong/": d.examples_per_shard * d.num_candidates}
-    groups: dict[tuple[int, int, int], list[str]] = {}
-    for _, layer in nnx.iter_graph(model):
-        if isinstance(layer, Dense) and layer.fp8 is not None:
-            m = next((r for prefix, r in rows.items() if layer.name.startswith(prefix)), d.tokens_per_shard)
-            groups.setdefault((m, *layer.kernel.shape), []).append(layer.name)
-    return [GemmShape(", ".join(sorted(names)), *mkn) for mkn, names in sorted(groups.items())]
 
 
 def _dense_pair(recipe: str, k: int, n: int) -> tuple[Dense, Dense]:
@@ -199,33 +177,68 @@ def trainer_shaped_calls(shape: GemmShape, recipe: str, packs_per_device: int) -
     return text.count(CUBLAS_FP8)
 
 
-def _table(rows: list[dict]) -> str:
-    lines = [
-        "| FP8 layers | M x K x N | recipe | FP8 GEMM calls (of 3) | FP8 rel. err Y / dX / dW | bf16 rel. err "
-        "Y / dX / dW | bf16 fwd+bwd ms | FP8 fwd+bwd ms | speedup | FP8 TFLOP/s | bare GEMM FP8 / bf16 "
-        "TFLOP/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for r in rows:
-        g = r["gemm"]
-        fwd = 2.0 * g.m * g.k * g.n
-        calls = "n/a (CPU)" if r["calls"] is None else str(r["calls"])
-        errs = {k: " / ".join(f"{e:.4f}" for e in r[f"{k}_err"]) for k in ("fp8", "bf16")}
-        lines.append(
-            f"| {g.layers} | {g.m} x {g.k} x {g.n} | {r['recipe']} | {calls} | {errs['fp8']} | {errs['bf16']} | "
-            f"{r['bf16_s'] * 1e3:.3f} | {r['fp8_s'] * 1e3:.3f} | {r['bf16_s'] / r['fp8_s']:.2f}x | "
-            f"{g.flops / r['fp8_s'] / 1e12:.1f} | {fwd / r['gemm_fp8_s'] / 1e12:.1f} / "
-            f"{fwd / r['gemm_bf16_s'] / 1e12:.1f} |"
-        )
-    return "\n".join(lines)
+TABLE_HEADER = [
+    "| FP8 layers | M x K x N | recipe | FP8 GEMM calls (of 3) | FP8 rel. err Y / dX / dW | bf16 rel. err "
+    "Y / dX / dW | bf16 fwd+bwd ms | FP8 fwd+bwd ms | speedup | FP8 TFLOP/s | bare GEMM FP8 / bf16 "
+    "TFLOP/s |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+]
+
+
+def _table_row(r: dict) -> str:
+    g = r["gemm"]
+    fwd = 2.0 * g.m * g.k * g.n
+    calls = "n/a (CPU)" if r["calls"] is None else str(r["calls"])
+    errs = {k: " / ".join(f"{e:.4f}" for e in r[f"{k}_err"]) for k in ("fp8", "bf16")}
+    return (
+        f"| {g.layers} | {g.m} x {g.k} x {g.n} | {r['recipe']} | {calls} | {errs['fp8']} | {errs['bf16']} | "
+        f"{r['bf16_s'] * 1e3:.3f} | {r['fp8_s'] * 1e3:.3f} | {r['bf16_s'] / r['fp8_s']:.2f}x | "
+        f"{g.flops / r['fp8_s'] / 1e12:.1f} | {fwd / r['gemm_fp8_s'] / 1e12:.1f} / "
+        f"{fwd / r['gemm_bf16_s'] / 1e12:.1f} |"
+    )
+
+
+def _shapes(args, configs) -> list[GemmShape]:
+    """Every distinct model GEMM of the configs, then the sweep's (M, w, w) and (M, w, 4 w) shapes (M: the
+    first config's tokens per pack), then the square; each (M, K, N) once."""
+    shapes: dict[tuple[int, int, int], GemmShape] = {}
+    for path, config in configs:
+        model = model_gemm_shapes(config)
+        if args.small:  # the largest model GEMM only: the run is there to exercise the code
+            model = [max(model, key=lambda g: g.flops)]
+        for g in model:
+            shapes.setdefault(
+                (g.m, g.k, g.n), dataclasses.replace(g, layers=f"{Path(path).stem}: {g.layers}")
+            )
+    m = configs[0][1].data.tokens_per_shard
+    for w in args.widths:
+        for k, n in ((w, w), (w, 4 * w)):
+            shapes.setdefault((m, k, n), GemmShape(f"width {w}", m, k, n))
+    if args.square:
+        s = args.square
+        shapes.setdefault((s, s, s), GemmShape("square", s, s, s))
+    return list(shapes.values())
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments bench fp8", description=__doc__)
-    parser.add_argument("--config", default="configs/gem_h200.toml")
+    parser.add_argument("--config", default="configs/gem_h200.toml", help="comma-separated configs")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--recipes", default="delayed,current", help="comma-separated FP8 recipes")
     parser.add_argument("--square", type=int, default=8192, help="also an N^3 GEMM (0: none)")
+    parser.add_argument(
+        "--widths",
+        type=lambda t: [int(w) for w in t.split(",") if w],
+        default=[],
+        help="also (M, w, w) and (M, w, 4w) GEMMs for each width, M the first config's tokens per pack",
+    )
+    parser.add_argument(
+        "--write-table",
+        nargs="?",
+        const=str(fp8_auto.TABLE),
+        default=None,
+        help=f'merge the first recipe\'s times into the table `precision.fp8 = "auto"` reads ({fp8_auto.TABLE.name})',
+    )
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--small", action="store_true", help="tiny shapes for a CPU smoke run")
     args = parser.parse_args(argv)
@@ -235,28 +248,25 @@ def main(argv: list[str]) -> int:
     for recipe in recipes:
         if recipe not in RECIPES:
             parser.error(f"--recipes: unknown recipe {recipe!r} (known: {', '.join(RECIPES)})")
-    config = load_config(args.config, args.overrides)
-    shapes = model_gemm_shapes(config)
-    if args.small:  # the largest model GEMM only: the run is there to exercise the code
-        shapes = [max(shapes, key=lambda g: g.flops)]
-    if args.square:
-        shapes.append(GemmShape("square", args.square, args.square, args.square))
+    configs = [(path, load_config(path, args.overrides)) for path in args.config.split(",")]
+    shapes = _shapes(args, configs)
 
     device = jax.devices()[0]
     print(f"# FP8 Dense vs bf16 Dense, {datetime.date.today()}, {device.device_kind}, jax {jax.__version__}")
-    print(f"# config {args.config} {' '.join(args.overrides)}; median of {args.reps} reps\n")
+    print(f"# configs {args.config} {' '.join(args.overrides)}; median of {args.reps} reps\n")
+    print("\n".join(TABLE_HEADER), flush=True)
     rows, failures = [], []
-    for shape in shapes:
+    for shape in shapes:  # each row as it is measured: a call cut short still shows what it got
         for recipe in recipes:
             row, failed = bench_shape(shape, recipe, args.reps)
             rows.append(row)
             failures += failed
-    print(_table(rows))
+            print(_table_row(row), flush=True)
 
     print(
         "\n| recipe | packs per device | FP8 GEMM calls in the train-step shape (of 3) |\n| --- | --- | --- |"
     )
-    big = max(model_gemm_shapes(config), key=lambda g: g.flops)
+    big = max(model_gemm_shapes(configs[0][1]), key=lambda g: g.flops)
     for recipe in recipes:
         for packs in (1, 2):
             calls = trainer_shaped_calls(big, recipe, packs)
@@ -266,4 +276,25 @@ def main(argv: list[str]) -> int:
                 failures.append(f"train-step shape, delayed, {packs} packs: {calls} FP8 GEMMs, expected 3")
     for f in failures:
         print(f"CHECK FAILED: {f}")
+    if args.write_table and not failures:
+        measured = [
+            {
+                "m": r["gemm"].m,
+                "k": r["gemm"].k,
+                "n": r["gemm"].n,
+                "fp8_s": r["fp8_s"],
+                "bf16_s": r["bf16_s"],
+                "recipe": r["recipe"],
+                "date": str(datetime.date.today()),
+                "jax": jax.__version__,
+            }
+            for r in rows
+            if r["recipe"] == recipes[0]
+        ]
+        path = Path(args.write_table)
+        table = fp8_auto.merge_rows(fp8_auto.load_table(path), device.device_kind, measured)
+        path.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(measured)} {recipes[0]} rows for {device.device_kind} into {path}")
+    elif args.write_table:
+        print(f"not writing {args.write_table}: checks failed")
     return 1 if failures else 0
