@@ -232,10 +232,8 @@ class OffloadedTable:
         out = {}
         for slot, host in self._slots().items():
 
-            def piece(index, host=host):
-                start = _start(index)
-                d = start // self.block
-                first = self.local_block[d] * self.block
+            def piece(index, host=host):  # a copy: a device may alias, or read later, what it is given
+                first = self.local_block[_start(index) // self.block] * self.block
                 return host[first : first + self.block].copy()
 
             sharding = self.logical_shardings[slot]
