@@ -49,17 +49,16 @@ def _init_block_rows(rows: int) -> int:
 
 
 def _gather_rows(local: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, slice]]:
-    """Every process's rows of each table (`local`: this process's, the same lengths everywhere), in
-    process order, in one all-gather; and where this process's lie among them."""
+    """Every process's rows of each table (`local`: this process's, the same lengths everywhere, as
+    every process's part of a batch has the same shapes), in process order, in one all-gather; and
+    where this process's lie among them."""
     if jax.process_count() == 1 or not local:
         return local, dict.fromkeys(local, slice(None))
     from jax.experimental import multihost_utils
 
     names = sorted(local)
     sizes = [len(local[t]) for t in names]
-    if any(local[t].size and local[t].max() >= np.iinfo(np.int32).max for t in names):
-        raise ValueError("offloaded tables' rows must fit in int32")
-    flat = np.concatenate([local[t] for t in names]).astype(np.int32)
+    flat = np.concatenate([local[t] for t in names]).astype(np.int32)  # `table_rows` gives int32 rows
     gathered = np.asarray(multihost_utils.process_allgather(flat)).astype(np.int64)  # [processes, sum]
     every, mine, at = {}, {}, 0
     # Row p holds the processes of the p-th `local_device_count` devices of `jax.devices()` (process_allgather).
