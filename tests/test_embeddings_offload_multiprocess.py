@@ -1,6 +1,6 @@
 """Offloaded tables in a multi-process run: 2 local CPU processes (4 fake devices each, gloo) train the
-collection of tests/test_embeddings_offload.py through caches of 24 slots per device (every step
-evicts), each process holding only its own half of the host table. They save the logical form with
+collection of tests/test_embeddings_offload.py through caches of 24 slots per device (rows are
+evicted), each process holding only its own half of the host table. They save the logical form with
 orbax after 3 steps (each process its own blocks, from host memory), restore it into fresh collections
 (a resume) and train 3 more steps. Both checkpoints, restored in this one process onto the in-HBM
 `row_wise` placement, equal the one-process in-HBM run's tables and accumulators bit for bit. (Slow:) the
