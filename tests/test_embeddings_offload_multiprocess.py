@@ -3,8 +3,9 @@ collection of tests/test_embeddings_offload.py through caches of 24 slots per de
 evicted), each process holding only its own half of the host table. They save the logical form with
 orbax after 3 steps (each process its own blocks, from host memory), restore it into fresh collections
 (a resume) and train 3 more steps. Both checkpoints, restored in this one process onto the in-HBM
-`row_wise` placement, equal the one-process in-HBM run's tables and accumulators bit for bit. (Slow:) the
-real training loop in 2 processes, offloaded and resumed, and resumed in HBM, ends bitwise like in HBM.
+`row_wise` placement (and offloaded), equal the one-process in-HBM run's tables and accumulators bit
+for bit. (Slow:) the real training loop in 2 processes, offloaded and resumed, and resumed in HBM, ends
+bitwise like in HBM.
 
 The workers run this module (`python -m tests.test_embeddings_offload_multiprocess PID PORT DIR`)."""
 
@@ -98,13 +99,16 @@ def test_two_processes_train_offloaded_tables_like_one_in_hbm(tmp_path):
     batches = _batches(8)
     for steps, name in ((SAVED_AT, "saved"), (STEPS, "final")):
         _, expected, _ = _run(mesh, False, RowWiseAdagrad(eps=1e-6), CACHE, batches[:steps])
-        hbm = _collection(mesh, False, RowWiseAdagrad(eps=1e-6), CACHE)
-        got = jax.device_get(hbm.to_logical(hbm.from_logical(_restore(tmp_path / name, hbm))))
-        for table in expected:
-            for slot in expected[table]:
-                np.testing.assert_array_equal(
-                    got[table][slot], expected[table][slot], err_msg=f"{name}: {table} {slot}"
-                )
+        for offload in (False, True):  # restored in this one process in HBM, and offloaded
+            coll = _collection(mesh, offload, RowWiseAdagrad(eps=1e-6), CACHE)
+            got = jax.device_get(coll.to_logical(coll.from_logical(_restore(tmp_path / name, coll))))
+            for table in expected:
+                for slot in expected[table]:
+                    np.testing.assert_array_equal(
+                        got[table][slot],
+                        expected[table][slot],
+                        err_msg=f"{name} ({offload=}): {table} {slot}",
+                    )
 
 
 @pytest.mark.slow
