@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
@@ -34,7 +34,7 @@ from gem_jax.config import POOLINGS, Config, ConfigError, FeatureConfig, TableCo
 from gem_jax.dtypes import DTYPES
 from gem_jax.embeddings import routing
 from gem_jax.embeddings.hashing import hash_ids, segment_ids
-from gem_jax.embeddings.offload import OffloadedTable, host_device
+from gem_jax.embeddings.offload import OffloadedTable
 from gem_jax.embeddings.optimizers import RowWiseAdagrad, SparseOptimizer
 from gem_jax.embeddings.optimizers import from_config as optimizer_from_config
 from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
@@ -46,6 +46,29 @@ INIT_CHUNK_BYTES = 1 << 28  # float32 bytes an offloaded table's init draws on t
 
 def _init_block_rows(rows: int) -> int:
     return min(INIT_BLOCK_ROWS, rows)
+
+
+def _gather_rows(local: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, slice]]:
+    """Every process's rows of each table (`local`: this process's, the same lengths everywhere, as
+    every process's part of a batch has the same shapes), in process order, in one all-gather; and
+    where this process's lie among them."""
+    if jax.process_count() == 1 or not local:
+        return local, dict.fromkeys(local, slice(None))
+    from jax.experimental import multihost_utils
+
+    names = sorted(local)
+    sizes = [len(local[t]) for t in names]
+    flat = np.concatenate([local[t] for t in names]).astype(np.int32)  # `table_rows` gives int32 rows
+    gathered = np.asarray(multihost_utils.process_allgather(flat)).astype(np.int64)  # [processes, sum]
+    every, mine, at = {}, {}, 0
+    # Row p holds the processes of the p-th `local_device_count` devices of `jax.devices()` (process_allgather).
+    groups = np.array(jax.devices(), dtype=object).reshape(jax.process_count(), -1)[:, 0]
+    me = [d.process_index for d in groups].index(jax.process_index())
+    for t, n in zip(names, sizes, strict=True):
+        every[t] = gathered[:, at : at + n].reshape(-1)
+        mine[t] = slice(me * n, (me + 1) * n)
+        at += n
+    return every, mine
 
 
 class FeatureIds(NamedTuple):
@@ -147,11 +170,6 @@ class EmbeddingCollection:
             for name, p in self.plan.placements.items()
             if p.sharding == "offload"
         }  # fmt: skip
-        if self.offload and jax.process_count() > 1:
-            raise ConfigError(
-                f"embedding tables {sorted(self.offload)} are offloaded (sharding 'offload'), which runs "
-                "in one process only so far; give them an in-HBM sharding or raise the memory budget"
-            )
 
     @classmethod
     def from_config(
@@ -232,9 +250,8 @@ class EmbeddingCollection:
         out = {}
         for name, t in self.tables.items():
             entry = self._table_entry[name]
-            if entry.offload:  # restored into host memory, never into HBM
-                host = SingleDeviceSharding(host_device())
-                out[name] = {k: host for k in self._specs(entry)}
+            if entry.offload:  # restored into host memory (each process its own blocks), never into HBM
+                out[name] = dict(self.offload[name].logical_shardings)
                 continue
             if entry.key == name:
                 specs = self._specs(entry)
@@ -330,20 +347,23 @@ class EmbeddingCollection:
         return state
 
     def init_host(self, rng: jax.Array) -> None:
-        """The offloaded tables' initial values, drawn a chunk of rows at a time on the default
-        device (an accelerator draws a 60 GB table in seconds, a host CPU in many minutes) and
-        copied into host memory: no device ever holds more than one chunk."""
+        """The offloaded tables' initial values, drawn a chunk of rows at a time on this process's
+        default device (an accelerator draws a 60 GB table in seconds, a host CPU in many minutes) and
+        copied into host memory: no device ever holds more than one chunk, and each process draws
+        only the rows of its own blocks."""
         for name, table in self.offload.items():
             t = self.tables[name]
             block = _init_block_rows(t.rows)
             per_chunk = max(1, INIT_CHUNK_BYTES // (block * t.dim * 4))
             draw = jax.jit(self._init_values, static_argnums=(1, 3))
-            blocks = -(-t.rows // block)
-            for first in range(0, blocks, per_chunk):
-                n = min(per_chunk, blocks - first)
-                start = first * block
-                stop = min(t.rows, start + n * block)
-                table.table[start:stop] = np.asarray(draw(rng, name, first, n))[: stop - start]
+            for start, stop in table.own_ranges():  # table rows [start, stop): init blocks [lo, hi)
+                lo, hi = start // block, -(-stop // block)
+                for first in range(lo, hi, per_chunk):
+                    n = min(per_chunk, hi - first)
+                    a, b = max(start, first * block), min(stop, (first + n) * block)
+                    values = np.asarray(draw(rng, name, first, n))[a - first * block : b - first * block]
+                    at = int(table.local(np.array([a]))[0])  # a run of consecutive blocks lies in one piece
+                    table.table[at : at + b - a] = values
             if table.accumulator is not None:
                 table.accumulator[...] = table.initial_accumulator
             table.reset()
@@ -353,7 +373,8 @@ class EmbeddingCollection:
 
     def to_logical(self, state):
         """One `[rows, dim]` table and `[rows]` accumulator per table name (checkpoint form); an
-        offloaded table's rows are written back from its cache first and come as numpy arrays."""
+        offloaded table's rows are written back from its cache first and come as arrays in host
+        memory (`logical_shardings`: each process holds its own blocks)."""
         shardings = self._resident(self.logical_shardings())
         out = jax.jit(self._to_logical, out_shardings=shardings)(self._resident(state))
         for name, table in self.offload.items():
@@ -365,11 +386,7 @@ class EmbeddingCollection:
         resident = self._resident(logical)
         state = jax.jit(self._from_logical, out_shardings=self.state_shardings())(resident)
         for name, table in self.offload.items():
-            saved = logical[name]
-            accumulator = saved.get("accumulator")
-            state[name] = table.load(
-                np.asarray(saved["table"]), None if accumulator is None else np.asarray(accumulator)
-            )
+            state[name] = table.load(logical[name])
         return state
 
     # ------------------------------------------------------------------------- offloaded tables
@@ -393,20 +410,29 @@ class EmbeddingCollection:
     ) -> tuple[dict, dict[str, np.ndarray], dict[str, float]]:
         """Brings the rows of the next batch's offloaded features into their caches.
 
-        `rows`: feature -> `table_rows` (numpy) of the global batch. Returns the state (the caches
+        `rows`: feature -> `table_rows` (numpy) of this process's part of the batch (the same shapes
+        on every process: in a multi-process run, every process calls `stage` with its own part and
+        they gather the global batch's rows, one collective per call). Returns the state (the caches
         donated and replaced; with `commit=False`, for evaluation, changed copies and no bookkeeping),
-        feature -> slot ids to pass to `lookup` as that feature's `FeatureIds.values`, and per table
-        the cache hits, misses and bytes moved (`embeddings/<table>/...`).
+        feature -> slot ids of this process's positions, to pass to `lookup` as that feature's
+        `FeatureIds.values`, and per table the cache hits, misses and bytes moved of the global batch
+        (`embeddings/<table>/...`).
         """
         state, slots, stats = dict(state), {}, {}
         work = {}  # table -> the features reading it
         for n in rows:
             if self.features[n].table in self.offload:
                 work.setdefault(self.features[n].table, []).append(n)
+        local = {
+            t: np.concatenate([np.asarray(rows[n]).reshape(-1) for n in names]) for t, names in work.items()
+        }
+        every, mine = _gather_rows(local)  # table -> the global batch's rows, and this process's part
 
         def one(table_name: str):
-            flat = np.concatenate([np.asarray(rows[n]).reshape(-1) for n in work[table_name]])
-            return self.offload[table_name].stage(state[table_name], flat, commit=commit)
+            cache, flat_slots, counts = self.offload[table_name].stage(
+                state[table_name], every[table_name], commit=commit
+            )
+            return cache, flat_slots[mine[table_name]], counts
 
         # Tables are independent host work (numpy sorts and gathers release the GIL): one thread each.
         with concurrent.futures.ThreadPoolExecutor(max(1, min(len(work), os.cpu_count() or 1))) as pool:

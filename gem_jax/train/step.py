@@ -220,7 +220,7 @@ class Trainer:
             if not self.offloaded:
                 return run(state.params, state.fp8, state.embeddings, batch, None)
             # A copy of the caches holding the batch's rows; the train state's stay as they were.
-            emb_state, slots, _ = self.stage(state.embeddings, jax.device_get(batch), commit=False)
+            emb_state, slots, _ = self.stage(state.embeddings, _process_local(batch), commit=False)
             return run(state.params, state.fp8, emb_state, batch, slots)
 
         return call
@@ -327,3 +327,16 @@ class Trainer:
             step=state.step + 1, params=params, opt_state=opt_state, embeddings=emb_state, fp8=fp8_meta
         )
         return new_state, metrics
+
+
+def _process_local(batch: Any) -> Any:
+    """This process's part of a global batch (what `Trainer.to_device` was given) as numpy: its
+    devices' shards in order along the leading axis, a replicated shard once."""
+
+    def local(x):
+        shards = {}
+        for s in x.addressable_shards:
+            shards.setdefault(s.index[0].start or 0, s.data)
+        return np.concatenate([np.asarray(shards[k]) for k in sorted(shards)])
+
+    return jax.tree.map(local, batch)
