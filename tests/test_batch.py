@@ -119,11 +119,23 @@ def test_global_batch_does_not_depend_on_process_count():
         joined = jax.tree.map(lambda *xs: np.concatenate(xs), *got)
         jax.tree.map(np.testing.assert_array_equal, joined, expected)
         assert (expected.offsets[:, -1] > 0).all()
-    merged = {"shards": {**parts[0].get_state()["shards"], **parts[1].get_state()["shards"]}}
+    merged = {"shards": {**parts[0].get_state()["shards"], **parts[1].get_state()["shards"]}, "num_shards": 4}
     assert merged == whole.get_state()
+    # Each process's own position (its 2 of the 4 shards) resumes that process (the same count of
+    # processes: a checkpoint's own file); without `num_shards` (older checkpoints) too. It was once
+    # taken for a position of a 2-shard run and resharded, skipping examples.
+    own = [it.get_state() for it in parts]
+    legacy = [{"shards": o["shards"]} for o in own]
+    expected = next(whole)
+    for states in (own, legacy):
+        again = [iter(packed_dataset(endless, process_index=p, process_count=2, **kw)) for p in range(2)]
+        for it, state in zip(again, states, strict=True):
+            it.set_state(state)
+        joined = jax.tree.map(lambda *xs: np.concatenate(xs), *[next(it) for it in again])
+        jax.tree.map(np.testing.assert_array_equal, joined, expected)
     resumed = iter(packed_dataset(endless, process_index=0, process_count=1, **kw))
     resumed.set_state(merged)
-    np.testing.assert_array_equal(next(resumed).item_ids, next(whole).item_ids)
+    np.testing.assert_array_equal(next(resumed).item_ids, expected.item_ids)
 
 
 def test_position_saved_with_4_shards_resumes_with_8_without_rereading():

@@ -151,8 +151,12 @@ def test_ranking_two_processes_match_one_and_resume_in_one(tmp_path):
 
 
 def two_processes_match_one_and_resume_in_one(config, tmp_path: Path) -> None:
-    """A 6-step ranking run: one process, and two stopped after step 4 then resumed in one, log the same."""
+    """A 6-step ranking run: one process, and two stopped after step 2, resumed in two to step 4, then
+    resumed in one, log the same (each process restores its own data position: it was once taken for a
+    position of fewer batch shards and resharded, skipping examples)."""
     loop.train(make_task(config), tmp_path / "one")
+    _train_two_processes(tmp_path / "two", config, stop_after=2)
+    assert sorted(_losses(_records(tmp_path / "two"))) == [1, 2]
     _train_two_processes(tmp_path / "two", config, stop_after=4)
     assert sorted(_losses(_records(tmp_path / "two"))) == [1, 2, 3, 4]
     summary = loop.train(make_task(config), tmp_path / "two")  # resumes at step 4 in this one process

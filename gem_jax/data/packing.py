@@ -172,14 +172,27 @@ class _ShardStackIterator(grain.DatasetIterator):
         return stack_packs(packs)
 
     def get_state(self) -> dict[str, Any]:
-        return {"shards": {g: it.get_state() for g, it in zip(self._shards, self._parents, strict=True)}}
+        # `num_shards`: each process saves only its own shards, so their count alone cannot say
+        # whether the run that saved them had as many batch shards as this one.
+        shards = {g: it.get_state() for g, it in zip(self._shards, self._parents, strict=True)}
+        return {"shards": shards, "num_shards": self._ds.shards}
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Takes this process's shards from `state`, which may hold other processes' shards too
         (a checkpoint written by a different number of processes, see `train/checkpoint.py`); a
         state of another number of batch shards goes through the dataset's `reshard`."""
         saved = state["shards"]
-        if sorted(saved, key=int) != [str(g) for g in range(self._ds.shards)] and self._ds.reshard:
+        old = state.get("num_shards")
+        if old is None:  # written before `num_shards` was saved: one process's shards, or all of them
+            keys = {int(g) for g in saved}
+            same = {int(g) for g in self._shards} <= keys and max(keys) < self._ds.shards
+            old = self._ds.shards if same else len(saved)
+        if old != self._ds.shards and self._ds.reshard:
+            if len(saved) != old:
+                raise ValueError(
+                    f"the data state holds {len(saved)} of the {old} batch shards it was saved with: "
+                    "resume on the number of batch shards that saved it, or on as many processes"
+                )
             for g, it in zip(self._shards, self._parents, strict=True):
                 it.set_state(self._ds.reshard(saved, int(g)))
             return
