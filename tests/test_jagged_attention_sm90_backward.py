@@ -9,6 +9,8 @@ primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only r
 swapped for plain dots.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +20,7 @@ from pallas_kernels.jagged_attention import gpu, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
-from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
+from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 
 sd = jax.ShapeDtypeStruct
 
@@ -87,6 +89,12 @@ def test_gpu_backend_picks_the_backward(hopper_backward):
         assert ("mosaic_gpu" in text) == mosaic, (d, with_bias, hopper_backward)
         triton = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
         assert triton == (not mosaic), (d, with_bias, hopper_backward)
+    if hopper_backward:  # the bias when asked for; with both Mosaic directions no bias_rows array is built
+        options = KernelOptions(hopper_forward=True, hopper_backward=True, hopper_backward_bias=True)
+        args = (sd((t, h, 128), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + bias
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        assert "jagged_attention_bwd_dq" not in text and "red.shared.add.f32" in text
+        assert f"tensor<{h}x{t}x256xbf16>" not in text  # the [H, T, W] bias_rows array
 
 
 def test_supports():
@@ -100,7 +108,12 @@ def test_supports():
     assert not mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     assert not mosaic_bwd.supports(_static(256, "silu"), q, q[..., :64])  # Dqk != Dv
     bias = dict(has_pos=True, has_time=True, num_pos=5, num_time=3)
-    assert not mosaic_bwd.supports(_static(256, "silu", **bias), q, q)  # the bias: Triton for now
+    assert not mosaic_bwd.supports(_static(256, "silu", **bias), q, q)  # the bias: only when asked for
+    with_bias = KernelOptions(hopper_backward_bias=True)
+    assert mosaic_bwd.supports(_static(256, "silu", options=with_bias, **bias), q, q)
+    # bias tables (and their per-head gradient histograms) past the shared memory the tiles leave
+    wide = dict(has_pos=True, has_time=True, num_pos=4100, num_time=64)
+    assert not mosaic_bwd.supports(_static(8192, "silu", options=with_bias, **wide), q, q)
     for d, ok in ((64, True), (128, True), (256, False), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
         assert mosaic_bwd.supports(_static(256, "silu", d), qd, qd) == ok, d
@@ -112,9 +125,10 @@ def test_not_wanted_off_hopper():
     assert mosaic_bwd.wanted(True) and not mosaic_bwd.wanted(False)
 
 
-def _interpret_case(activation, d, window, targets, lengths, n, seed, **knobs):
-    """(kernel's (dq, dk, dv), reference's, offsets): the Mosaic backward in GPU interpret mode, fed the
-    reference's output and lse as the forward's residuals, on inputs whose rows past offsets[B] hold NaN."""
+def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, **knobs):
+    """(kernel's (dq, dk, dv[, dpos, dtime]), reference's, offsets): the Mosaic backward in GPU interpret mode,
+    fed the reference's output and lse as the forward's residuals, on inputs whose rows past offsets[B] hold
+    NaN; bias: (position buckets, time buckets), unsorted timestamps."""
     from jax._src.pallas.mosaic_gpu.interpret import params as gp
 
     h = 1  # the interpreter runs one head at a time
@@ -131,49 +145,68 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, **knobs):
     off = jnp.asarray(offsets)
     tg = jnp.asarray(rng.integers(0, 40, size=len(lengths)), jnp.int32) if targets else None
 
-    def ref(q, k, v):
+    ts = tables = None
+    fields = {}
+    if bias is not None:
+        ts = jnp.asarray(rng.integers(0, 10**7, size=t), jnp.int32)
+        tables = tuple(jnp.asarray(rng.standard_normal((h, nb)), jnp.float32) for nb in bias)
+        fields = dict(has_pos=True, has_time=True, num_pos=bias[0], num_time=bias[1])
+        fields["options"] = KernelOptions(hopper_backward_bias=True)
+
+    def ref(q, k, v, *tables):
+        extra = dict(timestamps=ts, pos_bias=tables[0], time_bias=tables[1]) if tables else {}
         return jagged_attention_reference(
-            q, k, v, off, max_seq_len=n, activation=activation, num_targets=tg, max_attn_len=window
+            q, k, v, off, max_seq_len=n, activation=activation, num_targets=tg, max_attn_len=window, **extra
         )
 
-    o, vjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)))
+    o, vjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)), *(tables or ()))
     live = (jnp.arange(t) < offsets[-1])[:, None, None]
     want = vjp(jnp.where(live, do.astype(jnp.float32), 0.0))
-    params = _static(n, activation, d, max_attn_len=window, has_targets=targets)
-    inputs = gpu.to_kernel_layout(q, k, v, off, tg, None, None, None, params)
+    params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **fields)
+    pos, tim = tables or (None, None)
+    inputs = gpu.to_kernel_layout(q, k, v, off, tg, ts, pos, tim, params)
     lse = jnp.zeros((h, t), jnp.float32)
-    if activation == "softmax":
-        zeros = jnp.zeros((len(lengths),), jnp.int32)
-        lse = jnp.asarray(
-            softmax_lse_reference(q, k, off, n, params.alpha, zeros if tg is None else tg, window)
-        )
-        lse = jnp.pad(lse, ((0, 0), (0, t - lse.shape[1])))
-    res = (*inputs, o.astype(jnp.bfloat16), lse, jnp.zeros((1, 16, 16), jnp.bfloat16))
+    if activation == "softmax":  # the Triton forward's lse (interpret mode), with the bias where there is one
+        lse = gpu.forward(inputs, dataclasses.replace(params, interpret=True))[1][-2]
+    # o in float32: softmax delta = rowsum(dO * O) from a bf16 O is off by O's rounding in every cell of a row,
+    # which the time-table gradient (a sum of dS whose rows sum to zero) amplifies past the bar; the kernels
+    # take the residual O as it comes (the Triton backward has the same sensitivity to a bf16 O)
+    res = (*inputs, o, lse, jnp.zeros((1, 16, 16), jnp.bfloat16))
     # TMA zero-fills boxes past the array: the interpreter's "uninitialized" reads with zero fill do the same
     interpret = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     with gp.force_gpu_interpret_mode(interpret):
-        got = mosaic_bwd.backward_mosaic_gpu(res, do, params, num_ctas=1, interpret=True, **knobs)
-    return got[:3], want, offsets
+        full = mosaic_bwd.backward_mosaic_gpu(res, do, params, num_ctas=1, interpret=True, **knobs)
+    got = list(full[:3])
+    if bias is not None:  # the kernel layout's tables are padded (and the time table has a thresholds row)
+        got += [full[6][:h, : bias[0]], full[7][:h, : bias[1]]]
+    return got, want, offsets
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "activation,d,window,targets,lengths,knobs",
+    "activation,d,window,targets,lengths,bias,knobs",
     [
         # both consumers of an item, an empty sequence, length 1, one ending mid-tile, unaligned starts
-        ("silu", 64, 0, True, [150, 0, 1, 37], {}),
-        ("softmax", 128, 40, True, [130, 0, 1, 70], {}),
-        ("silu", 64, 30, False, [200, 3, 61], dict(block_q=128, block_k=128, stages_dkv=3)),
+        ("silu", 64, 0, True, [150, 0, 1, 37], None, {}),
+        ("softmax", 128, 40, True, [130, 0, 1, 70], None, {}),
+        ("silu", 64, 30, False, [200, 3, 61], None, dict(block_q=128, block_k=128, stages_dkv=3)),
+        # the bias: 5 position buckets (tiles wholly past the last bucket, and straddling it), 8 time buckets
+        # of unsorted timestamps (buckets change anywhere along a row)
+        ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), {}),
+        ("softmax", 64, 0, True, [130, 0, 1, 70], (80, 8), {}),
     ],
 )
-def test_interpret_matches_reference(activation, d, window, targets, lengths, knobs):
+def test_interpret_matches_reference(activation, d, window, targets, lengths, bias, knobs):
     """One persistent CTA (num_ctas=1) walks every item of both kernels (the rings and barrier phases run on
-    across items); dq, dk, dv against the float32 reference's vjp; rows past offsets[B] are zero."""
-    got, want, offsets = _interpret_case(activation, d, window, targets, lengths, 256, 0, **knobs)
+    across items); dq, dk, dv (and the bias tables' gradients) against the float32 reference's vjp; rows past
+    offsets[B] are zero."""
+    got, want, offsets = _interpret_case(activation, d, window, targets, lengths, 256, 0, bias, **knobs)
     tail = offsets[-1]
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+    for name, g, w in zip(("dq", "dk", "dv", "dpos", "dtime"), got, want):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.isfinite(g).all(), name
-        err = np.linalg.norm(g[:tail] - w[:tail]) / np.linalg.norm(w[:tail])
+        if name in ("dq", "dk", "dv"):
+            assert not g[tail:].any(), name
+            g, w = g[:tail], w[:tail]
+        err = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert err < 1e-2, (name, err)
-        assert not g[tail:].any(), name

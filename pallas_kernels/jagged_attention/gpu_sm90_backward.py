@@ -49,16 +49,23 @@ from pallas_kernels.common import cdiv, cdiv_dyn
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.gpu_sm90 import (
     _COL,
+    _LOG2_TO_BUCKET,
     _ROW,
     ALIGN,
     NUM_SMS,
+    TMA_BOX,
     ZERO_TILES,
     _cast,
+    _copy_table,
+    _gather,
     _iota,
     _load_vector,
     _store_rows,
+    _table_rows,
     _zero_unused_rows,
     is_hopper,
+    table_chunks,
+    table_width,
 )
 from pallas_kernels.jagged_attention.params import KernelParams
 
@@ -84,18 +91,20 @@ def default_tiles(head_dim: int) -> dict:
     return dict(block_q=64, stages_dkv=2, block_k=64, stages_dq=2)
 
 
-def smem_bytes(dqk: int, dv: int, itemsize: int, softmax: bool, tiles: dict) -> int:
-    """Shared memory of the larger of the two kernels with these tiles."""
+def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: int, tiles: dict) -> int:
+    """Shared memory of the larger of the two kernels with these tiles (the layouts in backward_mosaic_gpu)."""
     bq, bk = tiles["block_q"], tiles["block_k"]
-    floats = 2 * softmax
+    vecs = 2 * (params.activation == "softmax") + params.has_time  # lse, delta, timestamps: 4 bytes a row
+    tables = params.has_pos * table_width(params.num_pos) + params.has_time * table_width(params.num_time)
     dkv = COMPUTE_WGS * RES * (dqk + dv + max(dqk, dv)) * itemsize + tiles["stages_dkv"] * bq * (
-        (dqk + dv) * itemsize + 4 * floats
+        (dqk + dv) * itemsize + 4 * vecs
     )
     dq = (
-        COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * floats)
-        + tiles["stages_dq"] * bk * (dqk + dv) * itemsize
+        COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * vecs)
+        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 4 * params.has_time)
+        + 4 * COMPUTE_WGS * heads * tables  # the bias-table gradients' histograms
     )
-    return max(dkv, dq)
+    return max(dkv, dq) + 4 * COMPUTE_WGS * tables
 
 
 def supports(params: KernelParams, q, v) -> bool:
@@ -108,13 +117,9 @@ def supports(params: KernelParams, q, v) -> bool:
         and q.shape[-1] in HEAD_DIMS
         and v.shape[-1] == q.shape[-1]
         and params.activation in ("silu", "softmax")
-        and not (params.has_pos or params.has_time)
+        and (params.options.hopper_backward_bias or not (params.has_pos or params.has_time))
         and smem_bytes(
-            q.shape[-1],
-            v.shape[-1],
-            q.dtype.itemsize,
-            params.activation == "softmax",
-            default_tiles(q.shape[-1]),
+            params, q.shape[-1], v.shape[-1], q.dtype.itemsize, q.shape[1], default_tiles(q.shape[-1])
         )
         <= SMEM_BYTES
     )
@@ -149,6 +154,61 @@ def _accumulate(interpret: bool, accs, lhs, rhs):
             plgpu.wgmma(r, a, b)
 
     return pl.run_state(scope)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, ts_k):
+    """(float32 bias, position bucket, time bucket) of a tile's cells (None where a table is absent): rel is
+    i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps broadcast to it. As the forward:
+    the tables' rows are in shared memory, gathered per cell; the time bucket is log2(max(dt, 1)) times a
+    constant (the reference's log(dt) / 0.301 up to float rounding at bucket edges)."""
+    bias = pb = tb = None
+    if params.has_pos:
+        pb = jnp.clip(rel, 0, params.num_pos - 1)
+        bias = _gather(interpret, pos_tab, pb)
+    if params.has_time:
+        x = jnp.maximum(ts_q - ts_k, 1).astype(jnp.float32)
+        tb = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
+        time_bias = _gather(interpret, time_tab, tb)
+        bias = time_bias if bias is None else bias + time_bias
+    return bias, pb, tb
+
+
+def _scatter_add(interpret: bool, hist_ref, idx, vals):
+    """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: one red.shared.add.f32
+    per element into a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no scatter;
+    the same instruction Mosaic GPU's own shared-memory atomic stores issue)."""
+    if interpret:  # (the GPU interpreter has no scatter: a one-hot sum)
+        onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
+        hist_ref[...] = hist_ref[...] + jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
+        return
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
+    def scatter(ctx, hist, cells, values):
+        del ctx
+        f32 = ir.F32Type.get()
+        base = mgpu_utils.memref_ptr(hist)
+
+        def elements(reg):
+            if not isinstance(reg.type, ir.VectorType):
+                return [reg]
+            [n] = ir.VectorType(reg.type).shape
+            at = lambda e: ir.DenseI64ArrayAttr.get([e])
+            return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
+
+        for ireg, vreg in zip(cells.registers.flat, values.registers.flat, strict=True):
+            for i, v in zip(elements(ireg), elements(vreg), strict=True):
+                llvm.inline_asm(
+                    ir.Type.parse("!llvm.void"),
+                    [mgpu_utils.getelementptr(base, [i], f32), v],
+                    "red.shared.add.f32 [$0], $1;",
+                    "r,f",
+                    has_side_effects=True,
+                )
+
+    scatter(hist_ref, idx, vals)
 
 
 class _Frame:
@@ -284,6 +344,29 @@ def _zero_tail(stage, outs, offsets_ref, z, *, num_seqs: int, total_rows: int, i
             )
 
 
+def _load_bias_res(ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier):
+    """Starts the TMAs of a consumer's resident rows' timestamps and its head's bias tables (each arriving once
+    on barrier.at[wg]: bias_arrivals of them)."""
+    if ts_res2 is not None:
+        plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
+    if time_tabs is not None:
+        _copy_table(time_ref.at[h], time_tabs.at[wg], barrier.at[wg])
+    if pos_tabs is not None:
+        _copy_table(pos_ref.at[h], pos_tabs.at[wg], barrier.at[wg])
+
+
+def _bias_arrivals(params: KernelParams) -> int:
+    """TMA copies _load_bias_res starts."""
+    return params.has_time * (1 + table_chunks(params.num_time)) + params.has_pos * table_chunks(
+        params.num_pos
+    )
+
+
+def _cta_index(heads: int):
+    """The CTA's linear index in the one-CTA-per-(head, item) grid."""
+    return lax.axis_index("heads") + heads * lax.axis_index("items")
+
+
 def _scoped_kernel(body, smem, barriers):
     """plgpu.kernel entry: runs body(*refs, scoped) inside the scoped shared memory and barriers."""
 
@@ -306,6 +389,9 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    ts_ref,
+    pos_ref,
+    time_ref,
     dk_ref,
     dv_ref,
     scoped,
@@ -321,7 +407,10 @@ def _dkv_kernel(
     num_ctas: int | None,
 ):
     wg = lax.axis_index("wg")
-    (k_res2, v_res2, stage_bufs, q_smem, do_smem, lse_smem, delta_smem), (res_bar, s_bar, s_free) = scoped
+    buffers, (res_bar, s_bar, s_free) = scoped
+    k_res2, v_res2, stage_bufs, q_smem, do_smem, lse_smem, delta_smem, bias_bufs = buffers
+    tsk_res2, tsq_smem, pos_tabs, time_tabs = bias_bufs  # (None where the call has no such bias)
+    has_bias = params.has_pos or params.has_time
     dqk, dv = k_res2.shape[-1], v_res2.shape[-1]
     bq = block_q
     dtype = q_ref.dtype
@@ -350,6 +439,7 @@ def _dkv_kernel(
             row = pl.multiple_of(f.base + f.tile_lo + wg * RES, ALIGN)
             plgpu.copy_gmem_to_smem(_rows_of(k_ref, row, RES, f.h, dqk), k_res2.at[wg], res_bar.at[wg])
             plgpu.copy_gmem_to_smem(_rows_of(v_ref, row, RES, f.h, dv), v_res2.at[wg], res_bar.at[wg])
+            _load_bias_res(ts_ref, pos_ref, time_ref, row, f.h, tsk_res2, pos_tabs, time_tabs, wg, res_bar)
 
     def consumer_item(i, f: _Frame, cta_lo, cta_hi, g0):
         k_res, v_res = k_res2.at[wg], v_res2.at[wg]
@@ -372,6 +462,7 @@ def _dkv_kernel(
             plgpu.barrier_arrive(s_free.at[slot])
 
         plgpu.barrier_wait(res_bar.at[wg])  # started by load_res(i) at the end of the previous item
+        ts_keys = _load_vector(interpret, tsk_res2.at[wg], _ROW) if params.has_time else None
         pl.loop(cta_lo, lo)(drain)
 
         def body(n, carry, masked: bool):
@@ -389,7 +480,18 @@ def _dkv_kernel(
                 keys = (k_lo - f.d) + _iota(interpret, (RES, bq), 0)
                 queries = (n * bq - f.d) + _iota(interpret, (RES, bq), 1)
                 mask = tiling.allowed_2d(queries, keys, f.length, f.first_target, params) & (keys >= 0)
-            pt, dst = _ds(st * params.alpha, dpt, mask, lse, delta, params, 1)
+            z = st * params.alpha
+            if has_bias:  # rows: keys, columns: queries
+                rel = (n * bq - k_lo) + _iota(interpret, (RES, bq), 1) - _iota(interpret, (RES, bq), 0)
+                ts_q = ts_k = None
+                if params.has_time:
+                    ts_cols = _load_vector(interpret, tsq_smem.at[slot], _COL)
+                    ts_q = lax.broadcast_in_dim(ts_cols, (RES, bq), [1])
+                    ts_k = lax.broadcast_in_dim(ts_keys, (RES, bq), [0])
+                pos_tab = pos_tabs.at[wg] if params.has_pos else None
+                time_tab = time_tabs.at[wg] if params.has_time else None
+                z = z + _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k)[0]
+            pt, dst = _ds(z, dpt, mask, lse, delta, params, 1)
             dv_acc, dk_acc = _accumulate(
                 interpret, (dv_acc, dk_acc), (pt.astype(dtype), dst.astype(dtype)), (do_tile, q_tile)
             )
@@ -472,6 +574,8 @@ def _dkv_kernel(
                     vec = pl.ds(row, bq)
                     plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_smem.at[slot], s_bar.at[slot])
                     plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_smem.at[slot], s_bar.at[slot])
+                if params.has_time:
+                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem.at[slot], s_bar.at[slot])
 
             return g + cta_hi - cta_lo
 
@@ -495,7 +599,13 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    ts_ref,
+    pos_ref,
+    time_ref,
+    zeros_ref,
     dq_ref,
+    dpos_ref,
+    dtime_ref,
     scoped,
     *,
     params: KernelParams,
@@ -509,7 +619,10 @@ def _dq_kernel(
     num_ctas: int | None,
 ):
     wg = lax.axis_index("wg")
-    (q_res2, do_res2, lse_res2, delta_res2, stage_bufs, k_smem, v_smem), (res_bar, s_bar, s_free) = scoped
+    buffers, (res_bar, s_bar, s_free, init_bar) = scoped
+    q_res2, do_res2, lse_res2, delta_res2, stage_bufs, k_smem, v_smem, bias_bufs = buffers
+    tsq_res2, tsk_smem, pos_tabs, time_tabs, pos_hist, time_hist = bias_bufs  # (None: no such bias)
+    has_bias = params.has_pos or params.has_time
     dqk, dv = q_res2.shape[-1], do_res2.shape[-1]
     bk = block_k
     dtype = q_ref.dtype
@@ -542,6 +655,7 @@ def _dq_kernel(
                 vec = pl.ds(row, RES)
                 plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_res2.at[wg], res_bar.at[wg])
                 plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_res2.at[wg], res_bar.at[wg])
+            _load_bias_res(ts_ref, pos_ref, time_ref, row, f.h, tsq_res2, pos_tabs, time_tabs, wg, res_bar)
 
     def consumer_item(i, f: _Frame, cta_lo, cta_hi, g0):
         q_res, do_res = q_res2.at[wg], do_res2.at[wg]
@@ -552,6 +666,10 @@ def _dq_kernel(
         empty = hi <= lo
         lo, hi = jnp.where(empty, cta_lo, lo), jnp.where(empty, cta_lo, hi)
         f_lo, f_hi = _k_free(f, q_lo, RES, bk, lo, hi, params)
+        if (
+            has_bias
+        ):  # the table gradients sum dS over the cells: rows outside the sequence must be masked too
+            f_hi = jnp.where((q_lo >= f.d) & (q_lo + RES <= f.end), f_hi, f_lo)
 
         def slot_at(n):
             return slot_of(g0 + n - cta_lo)
@@ -566,6 +684,7 @@ def _dq_kernel(
         if softmax:
             lse = _load_vector(interpret, lse_res2.at[wg], _ROW)
             delta = _load_vector(interpret, delta_res2.at[wg], _ROW)
+        ts_rows = _load_vector(interpret, tsq_res2.at[wg], _ROW) if params.has_time else None
         pl.loop(cta_lo, lo)(drain)
 
         def body(n, dq_acc, masked: bool):
@@ -578,7 +697,23 @@ def _dq_kernel(
                 rows = (q_lo - f.d) + _iota(interpret, (RES, bk), 0)
                 cols = (n * bk - f.d) + _iota(interpret, (RES, bk), 1)
                 mask = tiling.allowed_2d(rows, cols, f.length, f.first_target, params) & (cols >= 0)
-            _, ds = _ds(s * params.alpha, dp, mask, lse, delta, params, 0)
+            z = s * params.alpha
+            if has_bias:
+                rel = (q_lo - n * bk) + _iota(interpret, (RES, bk), 0) - _iota(interpret, (RES, bk), 1)
+                ts_q = ts_k = None
+                if params.has_time:
+                    ts_cols = _load_vector(interpret, tsk_smem.at[slot], _COL)
+                    ts_q = lax.broadcast_in_dim(ts_rows, (RES, bk), [0])
+                    ts_k = lax.broadcast_in_dim(ts_cols, (RES, bk), [1])
+                pos_tab = pos_tabs.at[wg] if params.has_pos else None
+                time_tab = time_tabs.at[wg] if params.has_time else None
+                bias, pb, tb = _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k)
+                z = z + bias
+            _, ds = _ds(z, dp, mask, lse, delta, params, 0)
+            if params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
+                _scatter_add(interpret, pos_hist.at[wg, f.h], pb, ds)
+            if params.has_time:
+                _scatter_add(interpret, time_hist.at[wg, f.h], tb, ds)
             (dq_acc,) = _accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
             plgpu.barrier_arrive(s_free.at[slot])
             return dq_acc
@@ -625,8 +760,31 @@ def _dq_kernel(
 
             return g + cta_hi - cta_lo
 
+        hists = [
+            (h_ref, out) for h_ref, out in ((pos_hist, dpos_ref), (time_hist, dtime_ref)) if h_ref is not None
+        ]
+        for h_ref, _ in hists:  # zero this consumer's histograms (every head's row), by TMA from a zero row
+            width = h_ref.shape[-1]
+            for hh in range(heads):
+                for start in range(0, width, TMA_BOX):
+                    size = min(TMA_BOX, width - start)
+                    src = zeros_ref.at[pl.ds(0, size)]
+                    plgpu.copy_gmem_to_smem(src, h_ref.at[wg, hh, pl.ds(start, size)], init_bar.at[wg])
         load_res(0)
+        if hists:
+            plgpu.barrier_wait(init_bar.at[wg])
         lax.fori_loop(0, num_iters, one, jnp.int32(0))
+        if hists:  # every thread's atomics are done and visible to the TMA unit
+            plgpu.commit_smem()
+            cta = lax.axis_index("sm") if num_ctas is not None else _cta_index(heads)
+            for h_ref, out in hists:
+                width = h_ref.shape[-1]
+                for hh in range(heads):
+                    row = ((cta * COMPUTE_WGS + wg) * heads + hh) * width
+                    for start in range(0, width, TMA_BOX):
+                        size = min(TMA_BOX, width - start)
+                        dst = out.at[pl.ds(pl.multiple_of(row + start, 32), size)]
+                        plgpu.copy_smem_to_gmem(h_ref.at[wg, hh, pl.ds(start, size)], dst)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -648,6 +806,8 @@ def _dq_kernel(
 
                 plgpu.copy_gmem_to_smem(_rows_of(k_ref, row, bk, f.h, dqk), k_smem.at[slot], s_bar.at[slot])
                 plgpu.copy_gmem_to_smem(_rows_of(v_ref, row, bk, f.h, dv), v_smem.at[slot], s_bar.at[slot])
+                if params.has_time:
+                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bk)], tsk_smem.at[slot], s_bar.at[slot])
 
             return g + cta_hi - cta_lo
 
@@ -674,9 +834,10 @@ def backward_mosaic_gpu(
     interpret: bool = False,
 ):
     """gpu.backward's cotangents (dq, dk, dv, None x 3, dpos, dtime) from gpu.forward's residuals, for the
-    calls supports() takes (no relative bias: the table cotangents are zeros of the dummy tables)."""
+    calls supports() takes. The bias tables are gpu.to_kernel_layout's (float32, padded; the time table's extra
+    threshold row gets no gradient); the bias is computed in the kernels (the residuals' bias_rows array is not
+    read)."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, _ = residuals
-    del ts
     t, heads, dqk = q.shape
     dv = v.shape[-1]
     if t % ALIGN:
@@ -714,6 +875,28 @@ def backward_mosaic_gpu(
     common = dict(
         params=params, num_zero=num_zero, total_rows=t, interpret=interpret, num_ctas=num_ctas, heads=heads
     )
+    pos_width, time_width = table_width(params.num_pos), table_width(params.num_time)
+    ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
+    dummy = jnp.zeros((1, 32), jnp.float32)
+    pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
+    time_rows = _table_rows(time_tab, heads, time_width) if params.has_time else dummy
+    bias_ins = (ts, pos_rows, time_rows)
+    bias_arrivals = _bias_arrivals(params)
+
+    def bias_smem(stages: int, block: int, hist: bool):
+        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, histograms])."""
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, RES), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((stages, block), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
+            plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
+        )
+        if hist:
+            smem += (
+                plgpu.SMEM((COMPUTE_WGS, heads, pos_width), jnp.float32) if params.has_pos else None,
+                plgpu.SMEM((COMPUTE_WGS, heads, time_width), jnp.float32) if params.has_time else None,
+            )
+        return smem
 
     # dK / dV over key tiles (items heaviest first by the query tiles that see them)
     wb, wm, wv, num_work = tiling.work_list(frame, TILE, static_n, static_t, "key")
@@ -726,10 +909,11 @@ def backward_mosaic_gpu(
         plgpu.SMEM((stages_dkv, bq, dv), v.dtype, transforms=swz),
         plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
         plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+        bias_smem(stages_dkv, bq, hist=False),
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS),
-        plgpu.Barrier(num_arrivals=res_arrivals, num_barriers=stages_dkv),
+        plgpu.Barrier(num_arrivals=2 + bias_arrivals, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=res_arrivals + params.has_time, num_barriers=stages_dkv),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
     )
     kernel = functools.partial(_dkv_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common)
@@ -744,7 +928,7 @@ def backward_mosaic_gpu(
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(work, offsets, targets.astype(jnp.int32), *ins)
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins)
 
     # dQ over query tiles (heaviest first by the key tiles they see)
     wb, wm, wv, num_work = tiling.work_list(frame, TILE, static_n, static_t, "query")
@@ -757,26 +941,48 @@ def backward_mosaic_gpu(
         per_consumer((RES, dqk), q.dtype),
         plgpu.SMEM((stages_dq, bk, dqk), k.dtype, transforms=swz),
         plgpu.SMEM((stages_dq, bk, dv), v.dtype, transforms=swz),
+        bias_smem(stages_dq, bk, hist=True),
+    )
+    hist_copies = heads * (
+        params.has_pos * table_chunks(params.num_pos) + params.has_time * table_chunks(params.num_time)
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=res_arrivals, num_barriers=COMPUTE_WGS),
-        plgpu.Barrier(num_arrivals=2, num_barriers=stages_dq),
+        plgpu.Barrier(num_arrivals=res_arrivals + bias_arrivals, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=2 + params.has_time, num_barriers=stages_dq),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dq),
+        plgpu.Barrier(num_arrivals=max(hist_copies, 1), num_barriers=COMPUTE_WGS),
     )
+    # the bias-table gradients: per CTA and consumer, one histogram row per head, summed here
+    ctas = num_ctas if num_ctas is not None else heads * (num_work + num_zero)
+    hist_shape = lambda has, width: (ctas * COMPUTE_WGS * heads * width if has else 32,)
     kernel = functools.partial(_dq_kernel, num_work=num_work, block_k=bk, stages=stages_dq, **common)
-    dq = plgpu.kernel(
+    dq, dpos_parts, dtime_parts = plgpu.kernel(
         _scoped_kernel(kernel, smem, barriers),
-        out_type=jax.ShapeDtypeStruct((t, heads * dqk), q.dtype),
+        out_type=(
+            jax.ShapeDtypeStruct((t, heads * dqk), q.dtype),
+            jax.ShapeDtypeStruct(hist_shape(params.has_pos, pos_width), jnp.float32),
+            jax.ShapeDtypeStruct(hist_shape(params.has_time, time_width), jnp.float32),
+        ),
         grid=grid(num_work),
         grid_names=grid_names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(work, offsets, targets.astype(jnp.int32), *ins)
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins, jnp.zeros((TMA_BOX,), jnp.float32))
 
     dq, dk, dvv = dq.reshape(t, heads, dqk), dk.reshape(t, heads, dqk), dvv.reshape(t, heads, dv)
+    scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
+
+    def table_grad(parts, table, width: int, num: int):
+        grad = parts.reshape(-1, heads, width).sum(axis=0)[:, :num] * scale
+        return jnp.zeros(table.shape, jnp.float32).at[:heads, :num].set(grad).astype(table.dtype)
+
     dpos = jnp.zeros(pos_tab.shape, pos_tab.dtype)
-    dtime = jnp.zeros(time_tab.shape, time_tab.dtype)
+    if params.has_pos:
+        dpos = table_grad(dpos_parts, pos_tab, pos_width, params.num_pos)
+    dtime = jnp.zeros(time_tab.shape, time_tab.dtype)  # [H + 1, W]: the threshold row gets no gradient
+    if params.has_time:
+        dtime = table_grad(dtime_parts, time_tab, time_width, params.num_time)
     return dq, dk, dvv, None, None, None, dpos, dtime
 
 

@@ -35,6 +35,9 @@ class KernelOptions:
       gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, T a multiple of 8, no relative bias yet);
       True: whenever it supports the call, whatever the device; False: never. api.py decides it once per call
       (KernelParams.hopper_backward). Independent of hopper_forward: both forwards leave the same residuals.
+    hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
+      from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False until
+      checked on a device (scripts/device/attention_bwd_sm90.sh): such calls run the Triton backward.
     """
 
     silu_bf16x2: bool = True
@@ -45,6 +48,7 @@ class KernelOptions:
     bias_rows_max_bytes: int = 8 << 30
     hopper_forward: bool | None = None
     hopper_backward: bool | None = None
+    hopper_backward_bias: bool = False
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""

@@ -4,14 +4,16 @@
 # activations, window, targets, D=64/128, unaligned starts, tail rows; scripts/device/attention_bwd_sm90.py
 # check), THEN per timed shape a check against the Triton backward on that shape's fresh inputs and the two
 # backwards timed side by side (TFLOP/s by the peer's count); a table at the end. Logs under $OUT.
+# Then (SWEEP, default n1024) the Mosaic backward's tile knobs on one shape.
 #   bash scripts/device/attention_bwd_sm90.sh                 (default cases, < 540 s)
-#   CASES="n1024 bias1024" REPS=20 bash scripts/device/attention_bwd_sm90.sh
+#   CASES="n1024 bias1024" SWEEP= REPS=20 bash scripts/device/attention_bwd_sm90.sh
 # Cases (scripts/device/attention_bwd_sm90.py CASES): n1024 n4096 d64 d256 bias1024 softmax; d256 is not taken by
-# the Mosaic backward yet (Triton runs in both columns), so it is not in the default list.
+# the Mosaic backward yet (Triton runs in both columns) and softmax is no target, so neither is in the default list.
 set -u
 [ -d .whl ] && python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1
 export PYTHONPATH=$PWD
-CASES=${CASES:-n1024 n4096 d64 bias1024 softmax}
+CASES=${CASES:-n1024 n4096 d64 bias1024}
+SWEEP=${SWEEP-n1024}
 REPS=${REPS:-10}
 declare -A LIMIT=([n1024]=70 [n4096]=85 [d64]=60 [d256]=60 [bias1024]=90 [softmax]=45)
 start=$(date +%s)
@@ -26,6 +28,13 @@ for case in $CASES; do
   timeout -k 10 "$limit" python3 scripts/device/attention_bwd_sm90.py time "$case" "$REPS" > "$OUT/$case.log" 2>&1
   echo "$case rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
   grep "check vs Triton\|Error\|error:" "$OUT/$case.log" | head -5
+done
+for case in $SWEEP; do
+  if [ $(( $(date +%s) - start + 60 )) -gt 530 ]; then echo "sweep $case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
+  t0=$(date +%s)
+  timeout -k 10 60 python3 scripts/device/attention_bwd_sm90.py sweep "$case" "$REPS" > "$OUT/sweep_$case.log" 2>&1
+  echo "sweep $case rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
+  grep -h "^SWEEP \|FAILED" "$OUT/sweep_$case.log"
 done
 {
   echo "| case | Triton bwd TFLOP/s | Mosaic bwd TFLOP/s | Mosaic / Triton | |"
