@@ -62,7 +62,6 @@ from pallas_kernels.jagged_attention.gpu_sm90 import (
     _load_vector,
     _store_rows,
     _table_rows,
-    _zero_unused_rows,
     is_hopper,
     table_chunks,
     table_width,
@@ -175,8 +174,9 @@ def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, t
 
 def _scatter_add(interpret: bool, hist_ref, idx, vals):
     """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: one red.shared.add.f32
-    per element into a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no scatter;
-    the same instruction Mosaic GPU's own shared-memory atomic stores issue)."""
+    per nonzero element into a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no
+    scatter; the instruction Mosaic GPU's own shared-memory atomic stores issue). Zeros (masked cells, _hist_add's
+    folded rows) issue no atomic; NaN does (setp.neu)."""
     if interpret:  # (the GPU interpreter has no scatter: a one-hot sum)
         onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
         hist_ref[...] = hist_ref[...] + jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
@@ -203,12 +203,24 @@ def _scatter_add(interpret: bool, hist_ref, idx, vals):
                 llvm.inline_asm(
                     ir.Type.parse("!llvm.void"),
                     [mgpu_utils.getelementptr(base, [i], f32), v],
-                    "red.shared.add.f32 [$0], $1;",
+                    "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }",
                     "r,f",
                     has_side_effects=True,
                 )
 
     scatter(hist_ref, idx, vals)
+
+
+def _hist_add(interpret: bool, hist_ref, idx, ds):
+    """hist_ref[idx] += ds (a tile's dS at its cells' buckets); a row whose cells all share one bucket (most rows
+    of most tiles: a row wholly past the last position bucket, a row of near timestamps) adds its row sum from
+    its first cell only, so that atomics on one address do not serialise a warp (_scatter_add skips zeros)."""
+    fidx = idx.astype(jnp.float32)
+    spread = fidx.max(axis=1) + (-fidx).max(axis=1)  # max - min of each row's buckets
+    uniform = lax.broadcast_in_dim(spread, ds.shape, [0]) == 0.0
+    row_sum = lax.broadcast_in_dim(ds.sum(axis=1), ds.shape, [0])
+    first = _iota(interpret, ds.shape, 1) == 0
+    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds))
 
 
 class _Frame:
@@ -711,9 +723,9 @@ def _dq_kernel(
                 z = z + bias
             _, ds = _ds(z, dp, mask, lse, delta, params, 0)
             if params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
-                _scatter_add(interpret, pos_hist.at[wg, f.h], pb, ds)
+                _hist_add(interpret, pos_hist.at[wg, f.h], pb, ds)
             if params.has_time:
-                _scatter_add(interpret, time_hist.at[wg, f.h], tb, ds)
+                _hist_add(interpret, time_hist.at[wg, f.h], tb, ds)
             (dq_acc,) = _accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
             plgpu.barrier_arrive(s_free.at[slot])
             return dq_acc
@@ -821,6 +833,18 @@ def _dq_kernel(
 # ------------------------------------------------------------------------------------------------ driver
 
 
+def _zero_past_end(x, offsets, rows: int):
+    """x with rows [offsets[B], offsets[B] + rows) set to zero (those past the array dropped).
+
+    A masked cell still enters the matmuls with P = dS = 0, and 0 x NaN is NaN. The rows a streamed tile of at
+    most `rows` rows can read past the last sequence are the only ones that may hold anything (the contract);
+    rows before offsets[B] are other sequences' (finite) and resident rows only reach their own, unstored,
+    output rows. Streamed are Q and dO (dK/dV kernel) and K (dQ kernel; V there only reaches masked dP
+    columns). A scatter of `rows` rows, not a pass over the array: in place when XLA can reuse the buffer.
+    """
+    return x.at[offsets[-1] + jnp.arange(rows, dtype=jnp.int32)].set(0, mode="drop")
+
+
 def backward_mosaic_gpu(
     residuals,
     d_out,
@@ -852,10 +876,8 @@ def backward_mosaic_gpu(
     softmax = params.activation == "softmax"
     if not params.has_targets:
         targets = jnp.zeros((1,), jnp.int32)
-    # a masked cell still enters the matmuls with P = dS = 0, and 0 x NaN is NaN: the rows past offsets[B]
-    # (anything, by the contract) are zeroed; rows before offsets[B] are other sequences' (finite)
     d_out = lax.optimization_barrier(d_out)  # delta below reads the dO the kernels read (gpu._delta)
-    q, k, v, do = (_zero_unused_rows(x, offsets) for x in (q, k, v, d_out))
+    q, k, do = (_zero_past_end(x, offsets, max(bq, bk)) for x in (q, k, d_out))
     if softmax:
         delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), o.astype(jnp.float32))
         lse = lse.astype(jnp.float32)
