@@ -5,8 +5,9 @@ elementwise work does not overlap its MMAs. This is the backward of the Mosaic G
 
 Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab,
 o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
-bf16/fp16, Dqk = Dv in (64, 128), SiLU or softmax, targets, window, no relative bias (the GPU backend runs the
-Triton backward for the others).
+bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
+KernelOptions.hopper_backward_bias, until checked on a device) the relative position and time bias; the GPU
+backend runs the Triton backward for the others.
 
 Design: two kernels, each one CTA = three warpgroups (two consumers of RES = 64 resident rows each, one TMA
 producer streaming tiles of the other side into a ring of shared-memory slots), on a persistent grid of NUM_SMS
@@ -23,11 +24,17 @@ reads the very bf16 dO the kernels read; see gpu._delta).
 * The two consumers of an item walk the union of their ranges of streamed tiles; each computes the tiles of its
   own range (masked ones only at the ends, gpu.py's split) and only waits on and releases the others ("drain",
   as the forward), so a tile's slot is freed by both consumers.
+* Relative bias: computed per cell in both kernels as the forward does (the tables and the resident rows'
+  timestamps come into shared memory with the resident rows, the streamed rows' timestamps with each streamed
+  tile; buckets gathered from shared memory), O(T) extra memory. The table gradients come from the dQ kernel
+  (it visits every cell once): dS into per-consumer, per-head float32 histograms in shared memory (zeroed by TMA
+  at the start, stored once per CTA at the end, summed by XLA), one red.shared.add.f32 per cell, or per row
+  where the row's cells share one bucket (_hist_add).
 * Jagged rows: aligned frames as in the forward (a TMA load's GMEM row start is a multiple of 8: each sequence
   is processed in its frame starting at offsets[b] - offsets[b] % 8, frame rows outside the sequence masked);
   stores are power-of-two row boxes of an unswizzled staging buffer (gpu_sm90._store_rows), never outside the
-  sequence. Rows past offsets[B] are zeroed by tail items, and q, k, v, dO are zeroed there on input (0 * NaN
-  = NaN in a masked cell's matmul).
+  sequence. Rows past offsets[B] are zeroed by tail items, and the rows a streamed tile can read past
+  offsets[B] are zeroed in Q, dO and K on input (0 * NaN = NaN in a masked cell's matmul; _zero_past_end).
 
 CPU checks (tests/test_jagged_attention_sm90_backward.py): the Pallas -> Mosaic GPU lowering for several configs,
 and Mosaic GPU interpret mode against the reference's gradients, with the wgmmas replaced by plain dots there
