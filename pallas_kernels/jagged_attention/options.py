@@ -32,9 +32,10 @@ class KernelOptions:
       call (KernelParams.hopper_forward).
     hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
       dQ over query tiles) instead of the Triton ones. None: on Hopper GPUs for every call
-      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, T a multiple of 8, no relative bias yet);
-      True: whenever it supports the call, whatever the device; False: never. api.py decides it once per call
-      (KernelParams.hopper_backward). Independent of hopper_forward: both forwards leave the same residuals.
+      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, T a multiple of 8; a relative bias only with
+      hopper_backward_bias); True: whenever it supports the call, whatever the device; False: never. api.py
+      decides it once per call (KernelParams.hopper_backward). Independent of hopper_forward: both forwards
+      leave the same residuals. With both on, no bias_rows array is built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
       from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False until
       checked on a device (scripts/device/attention_bwd_sm90.sh): such calls run the Triton backward.
