@@ -125,13 +125,13 @@ def test_not_wanted_off_hopper():
     assert mosaic_bwd.wanted(True) and not mosaic_bwd.wanted(False)
 
 
-def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, **knobs):
+def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, **knobs):
     """(kernel's (dq, dk, dv[, dpos, dtime]), reference's, offsets): the Mosaic backward in GPU interpret mode,
     fed the reference's output and lse as the forward's residuals, on inputs whose rows past offsets[B] hold
     NaN; bias: (position buckets, time buckets), unsorted timestamps."""
     from jax._src.pallas.mosaic_gpu.interpret import params as gp
 
-    h = 1  # the interpreter runs one head at a time
+    h = heads  # the interpreter runs one head at a time: one by default
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     t = (int(offsets[-1]) + 20 + 7) // 8 * 8  # capacity past offsets[B], a multiple of ALIGN
     rng = np.random.default_rng(seed)
@@ -175,7 +175,7 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     # TMA zero-fills boxes past the array: the interpreter's "uninitialized" reads with zero fill do the same
     interpret = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
     with gp.force_gpu_interpret_mode(interpret):
-        full = mosaic_bwd.backward_mosaic_gpu(res, do, params, num_ctas=1, interpret=True, **knobs)
+        full = mosaic_bwd.backward_mosaic_gpu(res, do, params, interpret=True, **{"num_ctas": 1, **knobs})
     got = list(full[:3])
     if bias is not None:  # the kernel layout's tables are padded (and the time table has a thresholds row)
         got += [full[6][:h, : bias[0]], full[7][:h, : bias[1]]]
@@ -192,14 +192,15 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
         ("silu", 64, 30, False, [200, 3, 61], None, dict(block_q=128, block_k=128, stages_dkv=3)),
         # the bias: 5 position buckets (tiles wholly past the last bucket, and straddling it), 8 time buckets
         # of unsorted timestamps (buckets change anywhere along a row)
-        ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), {}),
+        # (and two heads on three persistent CTAs: per-head tables and histograms, per-CTA histogram rows)
+        ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), dict(heads=2, num_ctas=3)),
         ("softmax", 64, 0, True, [130, 0, 1, 70], (80, 8), {}),
     ],
 )
 def test_interpret_matches_reference(activation, d, window, targets, lengths, bias, knobs):
-    """One persistent CTA (num_ctas=1) walks every item of both kernels (the rings and barrier phases run on
-    across items); dq, dk, dv (and the bias tables' gradients) against the float32 reference's vjp; rows past
-    offsets[B] are zero."""
+    """One persistent CTA (num_ctas=1, unless a case says otherwise) walks every item of both kernels (the rings
+    and barrier phases run on across items); dq, dk, dv (and the bias tables' gradients) against the float32
+    reference's vjp; rows past offsets[B] are zero."""
     got, want, offsets = _interpret_case(activation, d, window, targets, lengths, 256, 0, bias, **knobs)
     tail = offsets[-1]
     for name, g, w in zip(("dq", "dk", "dv", "dpos", "dtime"), got, want):
