@@ -174,6 +174,8 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     res = (*inputs, o, lse, jnp.zeros((1, 16, 16), jnp.bfloat16))
     # TMA zero-fills boxes past the array: the interpreter's "uninitialized" reads with zero fill do the same
     interpret = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+    # eagerly, not under jax.jit: inside an outer jit the interpreter's warpgroup threads were seen to starve the
+    # CPU client's threads on the 2-core dev box and hang (no kernel barrier involved)
     with gp.force_gpu_interpret_mode(interpret):
         full = mosaic_bwd.backward_mosaic_gpu(res, do, params, interpret=True, **{"num_ctas": 1, **knobs})
     got = list(full[:3])
