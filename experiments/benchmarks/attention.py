@@ -51,7 +51,8 @@ def _kernel_impl() -> str:
 
 def _forwards(options: KernelOptions | None) -> list[tuple[str, KernelOptions | None]]:
     """(label, options) of each GPU forward to time: on a Hopper GPU both the Triton and the Mosaic GPU forward
-    (KernelOptions.hopper_forward; the backward is the Triton one in both rows), elsewhere the default."""
+    (KernelOptions.hopper_forward; the backward is the default one in both rows: the Mosaic GPU backward on
+    Hopper where gpu_sm90_backward.supports the call, KernelOptions.hopper_backward), elsewhere the default."""
     if not gpu_sm90.is_hopper():
         return [("pallas (ours)", options)]
     base = options or KernelOptions()

@@ -188,9 +188,14 @@ def jagged_attention(
         bias_rows=bias_rows,
     )
     if kernel == "gpu":
-        from pallas_kernels.jagged_attention import gpu_sm90  # Mosaic GPU: imported only where it may run
+        # Mosaic GPU: imported only where it may run
+        from pallas_kernels.jagged_attention import gpu_sm90, gpu_sm90_backward
 
         if gpu_sm90.wanted(options.hopper_forward):
             params = dataclasses.replace(params, hopper_forward=gpu_sm90.supports(params, q, v))
+        if gpu_sm90_backward.wanted(options.hopper_backward):
+            params = dataclasses.replace(params, hopper_backward=gpu_sm90_backward.supports(params, q, v))
+        if params.hopper_forward and params.hopper_backward:  # both compute the bias: no bias_rows array
+            params = dataclasses.replace(params, bias_rows=False)
     extras = (num_targets, timestamps, pos_bias, time_bias)
     return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)

@@ -869,7 +869,13 @@ def _pos_grad(acc, far, head_of, width: int, params: KernelParams):
 
 
 def backward(residuals, d_out, params: KernelParams):
-    """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's, d_out."""
+    """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's, d_out;
+    the Mosaic GPU kernels of gpu_sm90_backward.py when KernelParams.hopper_backward, the Triton ones here
+    otherwise."""
+    if params.hopper_backward:
+        from pallas_kernels.jagged_attention import gpu_sm90_backward
+
+        return gpu_sm90_backward.backward(residuals, d_out, params)
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias = residuals
     t, heads, _ = q.shape
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)

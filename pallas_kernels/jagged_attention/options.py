@@ -28,8 +28,17 @@ class KernelOptions:
     hopper_forward: the GPU forward runs the Mosaic GPU kernel (gpu_sm90.py: wgmma, TMA, warp-specialised,
       the relative bias computed in the kernel) instead of the Triton one. None: on Hopper GPUs (H100, H200)
       for every call gpu_sm90.supports (bf16/fp16, head dims 64/128/256, T a multiple of 8); True: whenever it
-      supports the call, whatever the device (tests lower it on CPU); False: never. The backward is the Triton
-      one either way. api.py decides it once per call (KernelParams.hopper_forward).
+      supports the call, whatever the device (tests lower it on CPU); False: never. api.py decides it once per
+      call (KernelParams.hopper_forward).
+    hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
+      dQ over query tiles) instead of the Triton ones. None: on Hopper GPUs for every call
+      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, T a multiple of 8; a relative bias only with
+      hopper_backward_bias); True: whenever it supports the call, whatever the device; False: never. api.py
+      decides it once per call (KernelParams.hopper_backward). Independent of hopper_forward: both forwards
+      leave the same residuals. With both on, no bias_rows array is built (KernelParams.bias_rows False).
+    hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
+      from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False until
+      checked on a device (scripts/device/attention_bwd_sm90.sh): such calls run the Triton backward.
     """
 
     silu_bf16x2: bool = True
@@ -39,6 +48,8 @@ class KernelOptions:
     bias_rows: bool = True
     bias_rows_max_bytes: int = 8 << 30
     hopper_forward: bool | None = None
+    hopper_backward: bool | None = None
+    hopper_backward_bias: bool = False
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""

@@ -17,6 +17,8 @@ class KernelParams:
     default: whoever builds a KernelParams decides it.
     hopper_forward: the GPU backend's forward is the Mosaic GPU kernel (gpu_sm90.py), decided by api.py from
     KernelOptions.hopper_forward, the device and gpu_sm90.supports.
+    hopper_backward: the GPU backend's backward is the Mosaic GPU kernels (gpu_sm90_backward.py), decided by
+    api.py from KernelOptions.hopper_backward, the device and gpu_sm90_backward.supports.
     """
 
     max_seq_len: int
@@ -33,3 +35,4 @@ class KernelParams:
     bias_rows: bool
     options: KernelOptions = KernelOptions()
     hopper_forward: bool = False
+    hopper_backward: bool = False

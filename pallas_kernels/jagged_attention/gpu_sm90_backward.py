@@ -1,0 +1,1020 @@
+"""Pallas Mosaic GPU (Hopper: wgmma + TMA, warp-specialised) backward kernels for jagged attention.
+
+Why: the Triton backward (gpu.py: _dq_kernel, _dkv_kernel) is most of an hstu_nvidia train step; on Hopper its
+elementwise work does not overlap its MMAs. This is the backward of the Mosaic GPU forward's design (gpu_sm90.py):
+
+Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab,
+o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
+bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
+KernelOptions.hopper_backward_bias, until checked on a device) the relative position and time bias; the GPU
+backend runs the Triton backward for the others.
+
+Design: two kernels, each one CTA = three warpgroups (two consumers of RES = 64 resident rows each, one TMA
+producer streaming tiles of the other side into a ring of shared-memory slots), on a persistent grid of NUM_SMS
+CTAs walking a heaviest-first work list of 128-row items (heads fastest), as the forward:
+* dK/dV over key tiles: the consumers hold their 64 keys' K and V tiles in shared memory and dK, dV in
+  registers; the producer streams the query tiles that see them (Q, dO, and for softmax lse and delta), and per
+  query tile a consumer computes, transposed (rows = keys), S^T = K Q^T and dP^T = V dO^T (wgmma), P^T and dS^T
+  (float32), then dV += P^T dO and dK += dS^T Q (wgmma, the left operand from registers).
+* dQ over query tiles: the consumers hold Q, dO (and lse, delta) and dQ in registers; the producer streams the
+  key/value tiles they see; S = Q K^T, dP = dO V^T, dS, dQ += dS K.
+Both recompute the scores (7 tile matmuls per score tile where the FLOP count credits 5: the Triton backward's
+count too). Softmax delta = rowsum(dO * O) comes from XLA (through an optimization barrier on dO, so that it
+reads the very bf16 dO the kernels read; see gpu._delta).
+* The two consumers of an item walk the union of their ranges of streamed tiles; each computes the tiles of its
+  own range (masked ones only at the ends, gpu.py's split) and only waits on and releases the others ("drain",
+  as the forward), so a tile's slot is freed by both consumers.
+* Relative bias: computed per cell in both kernels as the forward does (the tables and the resident rows'
+  timestamps come into shared memory with the resident rows, the streamed rows' timestamps with each streamed
+  tile; buckets gathered from shared memory), O(T) extra memory. The table gradients come from the dQ kernel
+  (it visits every cell once): dS into per-consumer, per-head float32 histograms in shared memory (zeroed by TMA
+  at the start, stored once per CTA at the end, summed by XLA), one red.shared.add.f32 per cell, or per row
+  where the row's cells share one bucket (_hist_add).
+* Jagged rows: aligned frames as in the forward (a TMA load's GMEM row start is a multiple of 8: each sequence
+  is processed in its frame starting at offsets[b] - offsets[b] % 8, frame rows outside the sequence masked);
+  stores are power-of-two row boxes of an unswizzled staging buffer (gpu_sm90._store_rows), never outside the
+  sequence. Rows past offsets[B] are zeroed by tail items, and the rows a streamed tile can read past
+  offsets[B] are zeroed in Q, dO and K on input (0 * NaN = NaN in a masked cell's matmul; _zero_past_end).
+
+CPU checks (tests/test_jagged_attention_sm90_backward.py): the Pallas -> Mosaic GPU lowering for several configs,
+and Mosaic GPU interpret mode against the reference's gradients, with the wgmmas replaced by plain dots there
+(the interpreter has no transposed wgmma operands nor run_state). Numbers only come from the device
+(scripts/device/attention_bwd_sm90.sh).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import cdiv, cdiv_dyn
+from pallas_kernels.jagged_attention import tiling
+from pallas_kernels.jagged_attention.gpu_sm90 import (
+    _COL,
+    _LOG2_TO_BUCKET,
+    _ROW,
+    ALIGN,
+    NUM_SMS,
+    TMA_BOX,
+    ZERO_TILES,
+    _cast,
+    _copy_table,
+    _gather,
+    _iota,
+    _load_vector,
+    _store_rows,
+    _table_rows,
+    is_hopper,
+    table_chunks,
+    table_width,
+)
+from pallas_kernels.jagged_attention.params import KernelParams
+
+RES = 64  # resident rows per consumer warpgroup
+COMPUTE_WGS = 2
+TILE = COMPUTE_WGS * RES  # rows of one work item
+LOG2E = 1.4426950408889634
+HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread
+SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
+
+
+def wanted(hopper_backward: bool | None) -> bool:
+    """KernelOptions.hopper_backward resolved on this device: None means "on Hopper GPUs"."""
+    return is_hopper() if hopper_backward is None else hopper_backward
+
+
+def default_tiles(head_dim: int) -> dict:
+    """Streamed tile rows and ring slots of both kernels: 64 query rows x 2 slots (dK/dV), 64 keys x 2 (dQ).
+
+    Registers bound them: a dK/dV consumer holds dK and dV (64 x D float32 each) plus S^T and dP^T (64 x bq);
+    a dQ consumer dQ plus S and dP."""
+    del head_dim
+    return dict(block_q=64, stages_dkv=2, block_k=64, stages_dq=2)
+
+
+def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: int, tiles: dict) -> int:
+    """Shared memory of the larger of the two kernels with these tiles (the layouts in backward_mosaic_gpu)."""
+    bq, bk = tiles["block_q"], tiles["block_k"]
+    vecs = 2 * (params.activation == "softmax") + params.has_time  # lse, delta, timestamps: 4 bytes a row
+    tables = params.has_pos * table_width(params.num_pos) + params.has_time * table_width(params.num_time)
+    dkv = COMPUTE_WGS * RES * (dqk + dv + max(dqk, dv)) * itemsize + tiles["stages_dkv"] * bq * (
+        (dqk + dv) * itemsize + 4 * vecs
+    )
+    dq = (
+        COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * vecs)
+        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 4 * params.has_time)
+        + 4 * COMPUTE_WGS * heads * tables  # the bias-table gradients' histograms
+    )
+    return max(dkv, dq) + 4 * COMPUTE_WGS * tables
+
+
+def supports(params: KernelParams, q, v) -> bool:
+    """Whether backward() handles this call (otherwise the GPU backend runs the Triton backward)."""
+    return (
+        not params.interpret
+        and q.dtype in (jnp.bfloat16, jnp.float16)
+        and v.dtype == q.dtype
+        and q.shape[0] % ALIGN == 0
+        and q.shape[-1] in HEAD_DIMS
+        and v.shape[-1] == q.shape[-1]
+        and params.activation in ("silu", "softmax")
+        and (params.options.hopper_backward_bias or not (params.has_pos or params.has_time))
+        and smem_bytes(
+            params, q.shape[-1], v.shape[-1], q.dtype.itemsize, q.shape[1], default_tiles(q.shape[-1])
+        )
+        <= SMEM_BYTES
+    )
+
+
+def _mm(a, b, trans_b: bool):
+    """float32 a @ b (b^T with trans_b) of two arrays: the interpreter's wgmma."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _two_products(interpret: bool, a1, b1, a2, b2, shape):
+    """(a1 b1^T, a2 b2^T) in float32 [shape]: two wgmmas of shared-memory operands, one wait."""
+    if interpret:
+        return _mm(a1[...], b1[...], True), _mm(a2[...], b2[...], True)
+
+    def scope(r1, r2):
+        plgpu.wgmma(r1, a1, plgpu.transpose_ref(b1, (1, 0)))
+        plgpu.wgmma(r2, a2, plgpu.transpose_ref(b2, (1, 0)))
+        return r1[...], r2[...]
+
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+
+
+def _accumulate(interpret: bool, accs, lhs, rhs):
+    """accs[i] + lhs[i] @ rhs[i] (lhs: registers, rhs: shared-memory refs), wgmmas with one wait."""
+    if interpret:
+        return tuple(acc + _mm(a, b[...], False) for acc, a, b in zip(accs, lhs, rhs))
+
+    def scope(refs):
+        for r, a, b in zip(refs, lhs, rhs):
+            plgpu.wgmma(r, a, b)
+
+    return pl.run_state(scope)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, ts_k):
+    """(float32 bias, position bucket, time bucket) of a tile's cells (None where a table is absent): rel is
+    i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps broadcast to it. As the forward:
+    the tables' rows are in shared memory, gathered per cell; the time bucket is log2(max(dt, 1)) times a
+    constant (the reference's log(dt) / 0.301 up to float rounding at bucket edges)."""
+    bias = pb = tb = None
+    if params.has_pos:
+        pb = jnp.clip(rel, 0, params.num_pos - 1)
+        bias = _gather(interpret, pos_tab, pb)
+    if params.has_time:
+        x = jnp.maximum(ts_q - ts_k, 1).astype(jnp.float32)
+        tb = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
+        time_bias = _gather(interpret, time_tab, tb)
+        bias = time_bias if bias is None else bias + time_bias
+    return bias, pb, tb
+
+
+def _scatter_add(interpret: bool, hist_ref, idx, vals):
+    """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: one red.shared.add.f32
+    per nonzero element into a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no
+    scatter; the instruction Mosaic GPU's own shared-memory atomic stores issue). Zeros (masked cells, _hist_add's
+    folded rows) issue no atomic; NaN does (setp.neu)."""
+    if interpret:  # (the GPU interpreter has no scatter: a one-hot sum)
+        onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
+        hist_ref[...] = hist_ref[...] + jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
+        return
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
+    def scatter(ctx, hist, cells, values):
+        del ctx
+        f32 = ir.F32Type.get()
+        base = mgpu_utils.memref_ptr(hist)
+
+        def elements(reg):
+            if not isinstance(reg.type, ir.VectorType):
+                return [reg]
+            [n] = ir.VectorType(reg.type).shape
+            at = lambda e: ir.DenseI64ArrayAttr.get([e])
+            return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
+
+        for ireg, vreg in zip(cells.registers.flat, values.registers.flat, strict=True):
+            for i, v in zip(elements(ireg), elements(vreg), strict=True):
+                llvm.inline_asm(
+                    ir.Type.parse("!llvm.void"),
+                    [mgpu_utils.getelementptr(base, [i], f32), v],
+                    "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }",
+                    "r,f",
+                    has_side_effects=True,
+                )
+
+    scatter(hist_ref, idx, vals)
+
+
+def _hist_add(interpret: bool, hist_ref, idx, ds):
+    """hist_ref[idx] += ds (a tile's dS at its cells' buckets); a row whose cells all share one bucket (most rows
+    of most tiles: a row wholly past the last position bucket, a row of near timestamps) adds its row sum from
+    its first cell only, so that atomics on one address do not serialise a warp (_scatter_add skips zeros)."""
+    fidx = idx.astype(jnp.float32)
+    spread = fidx.max(axis=1) + (-fidx).max(axis=1)  # max - min of each row's buckets
+    uniform = lax.broadcast_in_dim(spread, ds.shape, [0]) == 0.0
+    row_sum = lax.broadcast_in_dim(ds.sum(axis=1), ds.shape, [0])
+    first = _iota(interpret, ds.shape, 1) == 0
+    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds))
+
+
+class _Frame:
+    """The work item's sequence in its aligned frame (scalars read from GMEM at run time)."""
+
+    def __init__(self, work_ref, offsets_ref, targets_ref, params: KernelParams, num_work: int, h, w):
+        def work(k, wc):
+            return work_ref[k * num_work + wc]
+
+        wc = jnp.minimum(w, num_work - 1)
+        self.h, self.w = h, w
+        self.valid = (w < num_work) & (work(2, wc) > 0)
+        b = work(0, wc)
+        start = offsets_ref[b]
+        self.d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its frame
+        self.base = start - self.d  # global row of frame row 0
+        self.length = jnp.minimum(offsets_ref[b + 1] - start, params.max_seq_len)
+        self.first_target = self.length
+        if params.has_targets:
+            self.first_target = self.length - jnp.clip(targets_ref[b], 0, self.length)
+        self.tile_lo = work(1, wc) * TILE  # frame row of the item's first resident row
+        self.end = self.d + self.length  # frame row past the sequence
+
+
+def _q_tiles(f: _Frame, k_lo, nk: int, bq: int, params: KernelParams):
+    """[lo, hi) query tiles (bq frame rows) that can see frame key rows [k_lo, k_lo + nk); lo = hi: none."""
+    has = (k_lo < f.end) & (k_lo + nk > f.d)
+    hi_row = f.end
+    if params.max_attn_len > 0 and not params.has_targets:
+        hi_row = jnp.minimum(hi_row, k_lo + nk + params.max_attn_len)
+    if params.has_targets:  # a key range wholly inside the targets is seen by its own rows only
+        hi_row = jnp.where(k_lo >= f.d + f.first_target, jnp.minimum(hi_row, k_lo + nk), hi_row)
+    lo = k_lo // bq
+    hi = jnp.maximum(cdiv_dyn(hi_row, bq), lo)
+    return jnp.where(has, lo, 0), jnp.where(has, hi, 0)
+
+
+def _q_free(f: _Frame, k_lo, nk: int, bq: int, lo, hi, params: KernelParams):
+    """[f_lo, f_hi) within [lo, hi): query tiles whose every row sees every key of [k_lo, k_lo + nk)."""
+    f_lo = cdiv_dyn(k_lo + nk - 1, bq)  # causal: the tile's first query row is at or past the last key
+    f_hi = f.end // bq  # the whole tile inside the sequence
+    if params.max_attn_len > 0:  # q_lo + bq - 1 - k_lo <= window (also for targets: conservative)
+        f_hi = jnp.minimum(f_hi, (k_lo + params.max_attn_len - bq + 1) // bq + 1)
+        f_hi = jnp.where(k_lo + params.max_attn_len - bq + 1 >= 0, f_hi, 0)
+    if params.has_targets:  # keys all in the history: history rows see them causally, targets see all
+        f_hi = jnp.where(k_lo + nk <= f.d + f.first_target, f_hi, 0)
+    f_hi = jnp.where(k_lo >= f.d, f_hi, 0)  # frame rows before the sequence are masked
+    f_lo = jnp.clip(f_lo, lo, hi)
+    return f_lo, jnp.clip(f_hi, f_lo, hi)
+
+
+def _k_tiles(f: _Frame, q_lo, nq: int, bk: int, params: KernelParams):
+    """[lo, hi) key tiles (bk frame rows) that frame query rows [q_lo, q_lo + nq) see (gpu_sm90 kv_range)."""
+    has = (q_lo < f.end) & (q_lo + nq > f.d)
+    hi = cdiv_dyn(jnp.minimum(q_lo + nq, f.end), bk)
+    lo = jnp.int32(0)
+    if params.max_attn_len > 0:
+        lo_col = jnp.maximum(jnp.maximum(q_lo, f.d) - params.max_attn_len, f.d)
+        if params.has_targets:  # a tile holding targets sees the whole history
+            lo_col = jnp.where(q_lo + nq > f.d + f.first_target, f.d, lo_col)
+        lo = lo_col // bk
+    hi = jnp.where(has, hi, 0)
+    return jnp.minimum(jnp.where(has, lo, 0), hi), hi
+
+
+def _k_free(f: _Frame, q_lo, nq: int, bk: int, lo, hi, params: KernelParams):
+    """[f_lo, f_hi) within [lo, hi): key tiles every row of [q_lo, q_lo + nq) sees whole (gpu_sm90 mask_free)."""
+    f_hi = jnp.minimum(q_lo + 1, f.d + f.first_target) // bk
+    f_lo = cdiv_dyn(f.d, bk)
+    if params.max_attn_len > 0:
+        f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + nq - 1 - params.max_attn_len, 0), bk))
+    f_lo = jnp.clip(f_lo, lo, hi)
+    return f_lo, jnp.clip(f_hi, f_lo, hi)
+
+
+def _ds(z, dp, mask, lse, delta, params: KernelParams, lse_dim: int):
+    """(p, dScore) in float32 from the scores z (alpha q.k), dP and the mask (None: all allowed); for softmax lse
+    and delta are vectors broadcast along dimension lse_dim of the tile. SiLU: without 1/max_seq_len."""
+    if params.activation == "silu":
+        half = z * 0.5
+        th = jnp.tanh(half)
+        sig = 0.5 + 0.5 * th
+        p = half + half * th  # z * sig
+        ds = dp * (sig + p * (1.0 - sig))  # silu'(z) = sig + z sig (1 - sig)
+    else:
+        lse2 = lax.broadcast_in_dim(lse * LOG2E, z.shape, [lse_dim])
+        p = jnp.exp2(z * LOG2E - lse2)
+        ds = p * (dp - lax.broadcast_in_dim(delta, z.shape, [lse_dim]))
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+        ds = jnp.where(mask, ds, 0.0)
+    return p, ds
+
+
+def _persistent(num_ctas, num_items: int, heads: int):
+    """(iterations of this CTA, item_of(i) -> (head, item)): one (head, item) per CTA, or (persistent) items
+    cta, cta + num_ctas, ... of the flat list with heads fastest."""
+    if num_ctas is None:
+        return 1, lambda i: (lax.axis_index("heads"), lax.axis_index("items"))
+    cta = lax.axis_index("sm")
+    num_iters = cdiv_dyn(jnp.maximum(num_items * heads - cta, 0), num_ctas)
+
+    def item_of(i):
+        idx = cta + i * num_ctas
+        return idx % heads, idx // heads
+
+    return num_iters, item_of
+
+
+def _rows_of(ref, row, size, h, d):
+    """[size, d] GMEM window of head h at `row` (ref is [T, H * d])."""
+    return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
+
+
+def _zero_tail(stage, outs, offsets_ref, z, *, num_seqs: int, total_rows: int, interpret: bool):
+    """Tail item z zeroes rows [z, z + 1) * ZERO_TILES * TILE past offsets[B] of each (ref, head, d) of outs."""
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = _cast(interpret, jnp.zeros(stage.shape, stage.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    tail = offsets_ref[num_seqs]
+    for i in range(ZERO_TILES * COMPUTE_WGS):
+        lo = (z * ZERO_TILES * COMPUTE_WGS + i) * RES
+        first = jnp.clip(tail - lo, 0, RES)  # rows [lo, lo + first) are real tokens
+        count = jnp.where(lo < total_rows, RES - first, 0)
+        for ref, h, d in outs:
+            _store_rows(
+                stage.at[:, pl.ds(0, d)] if d < stage.shape[1] else stage,
+                lambda off, size, lo=lo, first=first, ref=ref, h=h, d=d: _rows_of(
+                    ref, lo + first + off, size, h, d
+                ),
+                count,
+                RES,
+            )
+
+
+def _load_bias_res(ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier):
+    """Starts the TMAs of a consumer's resident rows' timestamps and its head's bias tables (each arriving once
+    on barrier.at[wg]: bias_arrivals of them)."""
+    if ts_res2 is not None:
+        plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
+    if time_tabs is not None:
+        _copy_table(time_ref.at[h], time_tabs.at[wg], barrier.at[wg])
+    if pos_tabs is not None:
+        _copy_table(pos_ref.at[h], pos_tabs.at[wg], barrier.at[wg])
+
+
+def _bias_arrivals(params: KernelParams) -> int:
+    """TMA copies _load_bias_res starts."""
+    return params.has_time * (1 + table_chunks(params.num_time)) + params.has_pos * table_chunks(
+        params.num_pos
+    )
+
+
+def _cta_index(heads: int):
+    """The CTA's linear index in the one-CTA-per-(head, item) grid."""
+    return lax.axis_index("heads") + heads * lax.axis_index("items")
+
+
+def _scoped_kernel(body, smem, barriers):
+    """plgpu.kernel entry: runs body(*refs, scoped) inside the scoped shared memory and barriers."""
+
+    def entry(*refs):
+        pl.run_scoped(lambda *sc: body(*refs, sc), smem, barriers, collective_axes="wg")
+
+    return entry
+
+
+# ------------------------------------------------------------------------------------------------ dK / dV
+
+
+def _dkv_kernel(
+    work_ref,
+    offsets_ref,
+    targets_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    ts_ref,
+    pos_ref,
+    time_ref,
+    dk_ref,
+    dv_ref,
+    scoped,
+    *,
+    params: KernelParams,
+    heads: int,
+    num_work: int,
+    num_zero: int,
+    block_q: int,
+    stages: int,
+    total_rows: int,
+    interpret: bool,
+    num_ctas: int | None,
+):
+    wg = lax.axis_index("wg")
+    buffers, (res_bar, s_bar, s_free) = scoped
+    k_res2, v_res2, stage_bufs, q_smem, do_smem, lse_smem, delta_smem, bias_bufs = buffers
+    tsk_res2, tsq_smem, pos_tabs, time_tabs = bias_bufs  # (None where the call has no such bias)
+    has_bias = params.has_pos or params.has_time
+    dqk, dv = k_res2.shape[-1], v_res2.shape[-1]
+    bq = block_q
+    dtype = q_ref.dtype
+    num_seqs = offsets_ref.shape[0] - 1
+    softmax = params.activation == "softmax"
+    num_iters, item_of = _persistent(num_ctas, num_work + num_zero, heads)
+
+    def info(i):
+        h, w = item_of(i)
+        f = _Frame(work_ref, offsets_ref, targets_ref, params, num_work, h, w)
+        lo0, hi0 = _q_tiles(f, f.tile_lo, RES, bq, params)
+        lo1, hi1 = _q_tiles(f, f.tile_lo + RES, RES, bq, params)
+        cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
+        cta_hi = jnp.where(f.valid, jnp.maximum(hi0, hi1), cta_lo)
+        return f, cta_lo, cta_hi
+
+    def slot_of(g):
+        return lax.rem(g, jnp.int32(stages))
+
+    def load_res(i):
+        """Starts the TMAs of this consumer's resident K and V rows of the CTA's i-th item (if it is real)."""
+        f, _, _ = info(i)
+
+        @pl.when(f.valid & (i < num_iters))
+        def _():
+            row = pl.multiple_of(f.base + f.tile_lo + wg * RES, ALIGN)
+            plgpu.copy_gmem_to_smem(_rows_of(k_ref, row, RES, f.h, dqk), k_res2.at[wg], res_bar.at[wg])
+            plgpu.copy_gmem_to_smem(_rows_of(v_ref, row, RES, f.h, dv), v_res2.at[wg], res_bar.at[wg])
+            _load_bias_res(ts_ref, pos_ref, time_ref, row, f.h, tsk_res2, pos_tabs, time_tabs, wg, res_bar)
+
+    def consumer_item(i, f: _Frame, cta_lo, cta_hi, g0):
+        k_res, v_res = k_res2.at[wg], v_res2.at[wg]
+        k_lo = f.tile_lo + wg * RES  # frame row of this consumer's first key
+        first_row = jnp.clip(
+            f.d - k_lo, 0, RES
+        )  # this consumer's keys of the sequence: [first_row, last_row)
+        last_row = jnp.clip(f.end - k_lo, 0, RES)
+        lo, hi = _q_tiles(f, k_lo, RES, bq, params)
+        empty = hi <= lo  # (the second consumer past the sequence's end)
+        lo, hi = jnp.where(empty, cta_lo, lo), jnp.where(empty, cta_lo, hi)
+        f_lo, f_hi = _q_free(f, k_lo, RES, bq, lo, hi, params)
+
+        def slot_at(n):
+            return slot_of(g0 + n - cta_lo)
+
+        def drain(n):  # a tile only the other consumer needs: release it once it is in its slot
+            slot = slot_at(n)
+            plgpu.barrier_wait(s_bar.at[slot])
+            plgpu.barrier_arrive(s_free.at[slot])
+
+        plgpu.barrier_wait(res_bar.at[wg])  # started by load_res(i) at the end of the previous item
+        ts_keys = _load_vector(interpret, tsk_res2.at[wg], _ROW) if params.has_time else None
+        pl.loop(cta_lo, lo)(drain)
+
+        def body(n, carry, masked: bool):
+            dk_acc, dv_acc = carry
+            slot = slot_at(n)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            plgpu.barrier_wait(s_bar.at[slot])
+            st, dpt = _two_products(interpret, k_res, q_tile, v_res, do_tile, (RES, bq))
+            lse = delta = None
+            if softmax:
+                lse = _load_vector(interpret, lse_smem.at[slot], _COL)
+                delta = _load_vector(interpret, delta_smem.at[slot], _COL)
+            mask = None
+            if masked:  # rows: keys, columns: queries (sequence positions)
+                keys = (k_lo - f.d) + _iota(interpret, (RES, bq), 0)
+                queries = (n * bq - f.d) + _iota(interpret, (RES, bq), 1)
+                mask = tiling.allowed_2d(queries, keys, f.length, f.first_target, params) & (keys >= 0)
+            z = st * params.alpha
+            if has_bias:  # rows: keys, columns: queries
+                rel = (n * bq - k_lo) + _iota(interpret, (RES, bq), 1) - _iota(interpret, (RES, bq), 0)
+                ts_q = ts_k = None
+                if params.has_time:
+                    ts_cols = _load_vector(interpret, tsq_smem.at[slot], _COL)
+                    ts_q = lax.broadcast_in_dim(ts_cols, (RES, bq), [1])
+                    ts_k = lax.broadcast_in_dim(ts_keys, (RES, bq), [0])
+                pos_tab = pos_tabs.at[wg] if params.has_pos else None
+                time_tab = time_tabs.at[wg] if params.has_time else None
+                z = z + _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k)[0]
+            pt, dst = _ds(z, dpt, mask, lse, delta, params, 1)
+            dv_acc, dk_acc = _accumulate(
+                interpret, (dv_acc, dk_acc), (pt.astype(dtype), dst.astype(dtype)), (do_tile, q_tile)
+            )
+            plgpu.barrier_arrive(s_free.at[slot])
+            return dk_acc, dv_acc
+
+        zeros = lambda d: _cast(interpret, jnp.zeros((RES, d), jnp.float32), plgpu.Layout.WGMMA)
+        carry = (zeros(dqk), zeros(dv))
+        carry = lax.fori_loop(lo, f_lo, functools.partial(body, masked=True), carry)
+        carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), carry)
+        pl.loop(hi, cta_hi)(drain)
+        load_res(i + 1)  # the last wgmmas have read K and V: fetch the next item's rows during the epilogue
+        scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
+        dk = (carry[0] * (params.alpha * scale)).astype(dtype)
+        dvv = (carry[1] * scale).astype(dtype)
+
+        def epilogue(c):
+            stage = stage_bufs[c]
+            for val, ref, d in ((dk, dk_ref, dqk), (dvv, dv_ref, dv)):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores have read the buffer
+                buf = stage if d == stage.shape[1] else stage.at[:, pl.ds(0, d)]
+                buf[...] = val
+                plgpu.commit_smem()
+                _store_rows(
+                    buf,
+                    lambda off, size, ref=ref, d=d: _rows_of(
+                        ref, f.base + k_lo + first_row + off, size, f.h, d
+                    ),
+                    jnp.maximum(last_row - first_row, 0),
+                    RES,
+                    first=first_row,
+                )
+
+        for c in range(COMPUTE_WGS):  # static buffers: one branch per consumer
+            pl.when(wg == c)(functools.partial(epilogue, c))
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+
+        def one(i, g):
+            f, cta_lo, cta_hi = info(i)
+            pl.when(f.valid)(lambda: consumer_item(i, f, cta_lo, cta_hi, g))
+
+            @pl.when((f.w >= num_work) & (wg == 0))
+            def _():
+                outs = ((dk_ref, f.h, dqk), (dv_ref, f.h, dv))
+                _zero_tail(
+                    stage_bufs[0], outs, offsets_ref, f.w - num_work,
+                    num_seqs=num_seqs, total_rows=total_rows, interpret=interpret,
+                )  # fmt: skip
+
+            return g + cta_hi - cta_lo
+
+        load_res(0)
+        lax.fori_loop(0, num_iters, one, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def one(i, g):
+            f, cta_lo, cta_hi = info(i)
+
+            @pl.loop(cta_lo, cta_hi)
+            def _(n):
+                j = g + n - cta_lo  # the CTA's running streamed-tile count
+                slot = slot_of(j)
+                row = pl.multiple_of(f.base + n * bq, ALIGN)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(s_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(_rows_of(q_ref, row, bq, f.h, dqk), q_smem.at[slot], s_bar.at[slot])
+                plgpu.copy_gmem_to_smem(_rows_of(do_ref, row, bq, f.h, dv), do_smem.at[slot], s_bar.at[slot])
+                if softmax:
+                    vec = pl.ds(row, bq)
+                    plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_smem.at[slot], s_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_smem.at[slot], s_bar.at[slot])
+                if params.has_time:
+                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem.at[slot], s_bar.at[slot])
+
+            return g + cta_hi - cta_lo
+
+        g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+
+        @pl.loop(jnp.maximum(g - stages, 0), g)
+        def _(step):  # observe the last releases too: the barriers then end in a consistent phase
+            plgpu.barrier_wait(s_free.at[slot_of(step)])
+
+
+# ---------------------------------------------------------------------------------------------------- dQ
+
+
+def _dq_kernel(
+    work_ref,
+    offsets_ref,
+    targets_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    ts_ref,
+    pos_ref,
+    time_ref,
+    zeros_ref,
+    dq_ref,
+    dpos_ref,
+    dtime_ref,
+    scoped,
+    *,
+    params: KernelParams,
+    heads: int,
+    num_work: int,
+    num_zero: int,
+    block_k: int,
+    stages: int,
+    total_rows: int,
+    interpret: bool,
+    num_ctas: int | None,
+):
+    wg = lax.axis_index("wg")
+    buffers, (res_bar, s_bar, s_free, init_bar) = scoped
+    q_res2, do_res2, lse_res2, delta_res2, stage_bufs, k_smem, v_smem, bias_bufs = buffers
+    tsq_res2, tsk_smem, pos_tabs, time_tabs, pos_hist, time_hist = bias_bufs  # (None: no such bias)
+    has_bias = params.has_pos or params.has_time
+    dqk, dv = q_res2.shape[-1], do_res2.shape[-1]
+    bk = block_k
+    dtype = q_ref.dtype
+    num_seqs = offsets_ref.shape[0] - 1
+    softmax = params.activation == "softmax"
+    num_iters, item_of = _persistent(num_ctas, num_work + num_zero, heads)
+
+    def info(i):
+        h, w = item_of(i)
+        f = _Frame(work_ref, offsets_ref, targets_ref, params, num_work, h, w)
+        lo0, hi0 = _k_tiles(f, f.tile_lo, RES, bk, params)
+        lo1, hi1 = _k_tiles(f, f.tile_lo + RES, RES, bk, params)
+        cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
+        cta_hi = jnp.where(f.valid, jnp.maximum(hi0, hi1), cta_lo)
+        return f, cta_lo, cta_hi
+
+    def slot_of(g):
+        return lax.rem(g, jnp.int32(stages))
+
+    def load_res(i):
+        """Starts the TMAs of this consumer's resident Q and dO rows (and lse, delta) of the CTA's i-th item."""
+        f, _, _ = info(i)
+
+        @pl.when(f.valid & (i < num_iters))
+        def _():
+            row = pl.multiple_of(f.base + f.tile_lo + wg * RES, ALIGN)
+            plgpu.copy_gmem_to_smem(_rows_of(q_ref, row, RES, f.h, dqk), q_res2.at[wg], res_bar.at[wg])
+            plgpu.copy_gmem_to_smem(_rows_of(do_ref, row, RES, f.h, dv), do_res2.at[wg], res_bar.at[wg])
+            if softmax:
+                vec = pl.ds(row, RES)
+                plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_res2.at[wg], res_bar.at[wg])
+                plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_res2.at[wg], res_bar.at[wg])
+            _load_bias_res(ts_ref, pos_ref, time_ref, row, f.h, tsq_res2, pos_tabs, time_tabs, wg, res_bar)
+
+    def consumer_item(i, f: _Frame, cta_lo, cta_hi, g0):
+        q_res, do_res = q_res2.at[wg], do_res2.at[wg]
+        q_lo = f.tile_lo + wg * RES
+        first_row = jnp.clip(f.d - q_lo, 0, RES)
+        last_row = jnp.clip(f.end - q_lo, 0, RES)
+        lo, hi = _k_tiles(f, q_lo, RES, bk, params)
+        empty = hi <= lo
+        lo, hi = jnp.where(empty, cta_lo, lo), jnp.where(empty, cta_lo, hi)
+        f_lo, f_hi = _k_free(f, q_lo, RES, bk, lo, hi, params)
+        if (
+            has_bias
+        ):  # the table gradients sum dS over the cells: rows outside the sequence must be masked too
+            f_hi = jnp.where((q_lo >= f.d) & (q_lo + RES <= f.end), f_hi, f_lo)
+
+        def slot_at(n):
+            return slot_of(g0 + n - cta_lo)
+
+        def drain(n):
+            slot = slot_at(n)
+            plgpu.barrier_wait(s_bar.at[slot])
+            plgpu.barrier_arrive(s_free.at[slot])
+
+        plgpu.barrier_wait(res_bar.at[wg])
+        lse = delta = None
+        if softmax:
+            lse = _load_vector(interpret, lse_res2.at[wg], _ROW)
+            delta = _load_vector(interpret, delta_res2.at[wg], _ROW)
+        ts_rows = _load_vector(interpret, tsq_res2.at[wg], _ROW) if params.has_time else None
+        pl.loop(cta_lo, lo)(drain)
+
+        def body(n, dq_acc, masked: bool):
+            slot = slot_at(n)
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            plgpu.barrier_wait(s_bar.at[slot])
+            s, dp = _two_products(interpret, q_res, k_tile, do_res, v_tile, (RES, bk))
+            mask = None
+            if masked:
+                rows = (q_lo - f.d) + _iota(interpret, (RES, bk), 0)
+                cols = (n * bk - f.d) + _iota(interpret, (RES, bk), 1)
+                mask = tiling.allowed_2d(rows, cols, f.length, f.first_target, params) & (cols >= 0)
+            z = s * params.alpha
+            if has_bias:
+                rel = (q_lo - n * bk) + _iota(interpret, (RES, bk), 0) - _iota(interpret, (RES, bk), 1)
+                ts_q = ts_k = None
+                if params.has_time:
+                    ts_cols = _load_vector(interpret, tsk_smem.at[slot], _COL)
+                    ts_q = lax.broadcast_in_dim(ts_rows, (RES, bk), [0])
+                    ts_k = lax.broadcast_in_dim(ts_cols, (RES, bk), [1])
+                pos_tab = pos_tabs.at[wg] if params.has_pos else None
+                time_tab = time_tabs.at[wg] if params.has_time else None
+                bias, pb, tb = _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k)
+                z = z + bias
+            _, ds = _ds(z, dp, mask, lse, delta, params, 0)
+            if params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
+                _hist_add(interpret, pos_hist.at[wg, f.h], pb, ds)
+            if params.has_time:
+                _hist_add(interpret, time_hist.at[wg, f.h], tb, ds)
+            (dq_acc,) = _accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
+            plgpu.barrier_arrive(s_free.at[slot])
+            return dq_acc
+
+        dq = _cast(interpret, jnp.zeros((RES, dqk), jnp.float32), plgpu.Layout.WGMMA)
+        dq = lax.fori_loop(lo, f_lo, functools.partial(body, masked=True), dq)
+        dq = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), dq)
+        dq = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), dq)
+        pl.loop(hi, cta_hi)(drain)
+        load_res(i + 1)  # the last wgmmas have read Q and dO (and lse, delta are in registers)
+        scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
+        dq = (dq * (params.alpha * scale)).astype(dtype)
+
+        def epilogue(c):
+            stage = stage_bufs[c]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            stage[...] = dq
+            plgpu.commit_smem()
+            _store_rows(
+                stage,
+                lambda off, size: _rows_of(dq_ref, f.base + q_lo + first_row + off, size, f.h, dqk),
+                jnp.maximum(last_row - first_row, 0),
+                RES,
+                first=first_row,
+            )
+
+        for c in range(COMPUTE_WGS):
+            pl.when(wg == c)(functools.partial(epilogue, c))
+
+    @pl.when(wg < COMPUTE_WGS)
+    def _consumer():
+        plgpu.set_max_registers(232, action="increase")
+
+        def one(i, g):
+            f, cta_lo, cta_hi = info(i)
+            pl.when(f.valid)(lambda: consumer_item(i, f, cta_lo, cta_hi, g))
+
+            @pl.when((f.w >= num_work) & (wg == 0))
+            def _():
+                _zero_tail(
+                    stage_bufs[0], ((dq_ref, f.h, dqk),), offsets_ref, f.w - num_work,
+                    num_seqs=num_seqs, total_rows=total_rows, interpret=interpret,
+                )  # fmt: skip
+
+            return g + cta_hi - cta_lo
+
+        hists = [
+            (h_ref, out) for h_ref, out in ((pos_hist, dpos_ref), (time_hist, dtime_ref)) if h_ref is not None
+        ]
+        for h_ref, _ in hists:  # zero this consumer's histograms (every head's row), by TMA from a zero row
+            width = h_ref.shape[-1]
+            for hh in range(heads):
+                for start in range(0, width, TMA_BOX):
+                    size = min(TMA_BOX, width - start)
+                    src = zeros_ref.at[pl.ds(0, size)]
+                    plgpu.copy_gmem_to_smem(src, h_ref.at[wg, hh, pl.ds(start, size)], init_bar.at[wg])
+        load_res(0)
+        if hists:
+            plgpu.barrier_wait(init_bar.at[wg])
+        lax.fori_loop(0, num_iters, one, jnp.int32(0))
+        if hists:  # every thread's atomics are done and visible to the TMA unit
+            plgpu.commit_smem()
+            cta = lax.axis_index("sm") if num_ctas is not None else _cta_index(heads)
+            for h_ref, out in hists:
+                width = h_ref.shape[-1]
+                for hh in range(heads):
+                    row = ((cta * COMPUTE_WGS + wg) * heads + hh) * width
+                    for start in range(0, width, TMA_BOX):
+                        size = min(TMA_BOX, width - start)
+                        dst = out.at[pl.ds(pl.multiple_of(row + start, 32), size)]
+                        plgpu.copy_smem_to_gmem(h_ref.at[wg, hh, pl.ds(start, size)], dst)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+
+        def one(i, g):
+            f, cta_lo, cta_hi = info(i)
+
+            @pl.loop(cta_lo, cta_hi)
+            def _(n):
+                j = g + n - cta_lo
+                slot = slot_of(j)
+                row = pl.multiple_of(f.base + n * bk, ALIGN)
+
+                @pl.when(j >= stages)
+                def _():
+                    plgpu.barrier_wait(s_free.at[slot])
+
+                plgpu.copy_gmem_to_smem(_rows_of(k_ref, row, bk, f.h, dqk), k_smem.at[slot], s_bar.at[slot])
+                plgpu.copy_gmem_to_smem(_rows_of(v_ref, row, bk, f.h, dv), v_smem.at[slot], s_bar.at[slot])
+                if params.has_time:
+                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bk)], tsk_smem.at[slot], s_bar.at[slot])
+
+            return g + cta_hi - cta_lo
+
+        g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+
+        @pl.loop(jnp.maximum(g - stages, 0), g)
+        def _(step):
+            plgpu.barrier_wait(s_free.at[slot_of(step)])
+
+
+# ------------------------------------------------------------------------------------------------ driver
+
+
+def _zero_past_end(x, offsets, rows: int):
+    """x with rows [offsets[B], offsets[B] + rows) set to zero (those past the array dropped).
+
+    A masked cell still enters the matmuls with P = dS = 0, and 0 x NaN is NaN. The rows a streamed tile of at
+    most `rows` rows can read past the last sequence are the only ones that may hold anything (the contract);
+    rows before offsets[B] are other sequences' (finite) and resident rows only reach their own, unstored,
+    output rows. Streamed are Q and dO (dK/dV kernel) and K (dQ kernel; V there only reaches masked dP
+    columns). A scatter of `rows` rows, not a pass over the array: in place when XLA can reuse the buffer.
+    """
+    return x.at[offsets[-1] + jnp.arange(rows, dtype=jnp.int32)].set(0, mode="drop")
+
+
+def backward_mosaic_gpu(
+    residuals,
+    d_out,
+    params: KernelParams,
+    *,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    stages_dkv: int | None = None,
+    stages_dq: int | None = None,
+    num_ctas: int | None = NUM_SMS,
+    interpret: bool = False,
+):
+    """gpu.backward's cotangents (dq, dk, dv, None x 3, dpos, dtime) from gpu.forward's residuals, for the
+    calls supports() takes. The bias tables are gpu.to_kernel_layout's (float32, padded; the time table's extra
+    threshold row gets no gradient); the bias is computed in the kernels (the residuals' bias_rows array is not
+    read)."""
+    q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, _ = residuals
+    t, heads, dqk = q.shape
+    dv = v.shape[-1]
+    if t % ALIGN:
+        raise ValueError(
+            f"the Mosaic GPU backward needs a token capacity T that is a multiple of {ALIGN}, got {t}"
+        )
+    tiles = default_tiles(max(dqk, dv))
+    bq = block_q or tiles["block_q"]
+    bk = block_k or tiles["block_k"]
+    stages_dkv = stages_dkv or tiles["stages_dkv"]
+    stages_dq = stages_dq or tiles["stages_dq"]
+    softmax = params.activation == "softmax"
+    if not params.has_targets:
+        targets = jnp.zeros((1,), jnp.int32)
+    d_out = lax.optimization_barrier(d_out)  # delta below reads the dO the kernels read (gpu._delta)
+    q, k, do = (_zero_past_end(x, offsets, max(bq, bk)) for x in (q, k, d_out))
+    if softmax:
+        delta = jnp.einsum("thd,thd->ht", do.astype(jnp.float32), o.astype(jnp.float32))
+        lse = lse.astype(jnp.float32)
+    else:
+        delta = lse = jnp.zeros((1, ALIGN), jnp.float32)
+    lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
+    frame = jnp.where(lengths > 0, lengths + offsets[:-1] % ALIGN, 0)
+    static_n = params.max_seq_len + ALIGN - 1
+    static_t = t + (ALIGN - 1) * frame.shape[0]
+    num_zero = cdiv(t, ZERO_TILES * TILE)
+    ins = (q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1), do.reshape(t, -1), lse, delta)
+    swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    per_consumer = lambda shape, dtype: tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
+    res_arrivals = 2 + 2 * softmax
+    grid = lambda num_work: (heads, num_work + num_zero) if num_ctas is None else (num_ctas,)
+    grid_names = ("heads", "items") if num_ctas is None else ("sm",)
+    common = dict(
+        params=params, num_zero=num_zero, total_rows=t, interpret=interpret, num_ctas=num_ctas, heads=heads
+    )
+    pos_width, time_width = table_width(params.num_pos), table_width(params.num_time)
+    ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
+    dummy = jnp.zeros((1, 32), jnp.float32)
+    pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
+    time_rows = _table_rows(time_tab, heads, time_width) if params.has_time else dummy
+    bias_ins = (ts, pos_rows, time_rows)
+    bias_arrivals = _bias_arrivals(params)
+
+    def bias_smem(stages: int, block: int, hist: bool):
+        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, histograms])."""
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, RES), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((stages, block), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
+            plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
+        )
+        if hist:
+            smem += (
+                plgpu.SMEM((COMPUTE_WGS, heads, pos_width), jnp.float32) if params.has_pos else None,
+                plgpu.SMEM((COMPUTE_WGS, heads, time_width), jnp.float32) if params.has_time else None,
+            )
+        return smem
+
+    # dK / dV over key tiles (items heaviest first by the query tiles that see them)
+    wb, wm, wv, num_work = tiling.work_list(frame, TILE, static_n, static_t, "key")
+    work = jnp.stack([wb, wm, wv]).reshape(-1)
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, RES, dqk), q.dtype, transforms=swz),
+        plgpu.SMEM((COMPUTE_WGS, RES, dv), v.dtype, transforms=swz),
+        per_consumer((RES, max(dqk, dv)), q.dtype),
+        plgpu.SMEM((stages_dkv, bq, dqk), q.dtype, transforms=swz),
+        plgpu.SMEM((stages_dkv, bq, dv), v.dtype, transforms=swz),
+        plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+        plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+        bias_smem(stages_dkv, bq, hist=False),
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=2 + bias_arrivals, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=res_arrivals + params.has_time, num_barriers=stages_dkv),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
+    )
+    kernel = functools.partial(_dkv_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common)
+    dk, dvv = plgpu.kernel(
+        _scoped_kernel(kernel, smem, barriers),
+        out_type=(
+            jax.ShapeDtypeStruct((t, heads * dqk), k.dtype),
+            jax.ShapeDtypeStruct((t, heads * dv), v.dtype),
+        ),
+        grid=grid(num_work),
+        grid_names=grid_names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins)
+
+    # dQ over query tiles (heaviest first by the key tiles they see)
+    wb, wm, wv, num_work = tiling.work_list(frame, TILE, static_n, static_t, "query")
+    work = jnp.stack([wb, wm, wv]).reshape(-1)
+    smem = (
+        plgpu.SMEM((COMPUTE_WGS, RES, dqk), q.dtype, transforms=swz),
+        plgpu.SMEM((COMPUTE_WGS, RES, dv), v.dtype, transforms=swz),
+        plgpu.SMEM((COMPUTE_WGS, RES), jnp.float32) if softmax else None,
+        plgpu.SMEM((COMPUTE_WGS, RES), jnp.float32) if softmax else None,
+        per_consumer((RES, dqk), q.dtype),
+        plgpu.SMEM((stages_dq, bk, dqk), k.dtype, transforms=swz),
+        plgpu.SMEM((stages_dq, bk, dv), v.dtype, transforms=swz),
+        bias_smem(stages_dq, bk, hist=True),
+    )
+    hist_copies = heads * (
+        params.has_pos * table_chunks(params.num_pos) + params.has_time * table_chunks(params.num_time)
+    )
+    barriers = (
+        plgpu.Barrier(num_arrivals=res_arrivals + bias_arrivals, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=2 + params.has_time, num_barriers=stages_dq),
+        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dq),
+        plgpu.Barrier(num_arrivals=max(hist_copies, 1), num_barriers=COMPUTE_WGS),
+    )
+    # the bias-table gradients: per CTA and consumer, one histogram row per head, summed here
+    ctas = num_ctas if num_ctas is not None else heads * (num_work + num_zero)
+    hist_shape = lambda has, width: (ctas * COMPUTE_WGS * heads * width if has else 32,)
+    kernel = functools.partial(_dq_kernel, num_work=num_work, block_k=bk, stages=stages_dq, **common)
+    dq, dpos_parts, dtime_parts = plgpu.kernel(
+        _scoped_kernel(kernel, smem, barriers),
+        out_type=(
+            jax.ShapeDtypeStruct((t, heads * dqk), q.dtype),
+            jax.ShapeDtypeStruct(hist_shape(params.has_pos, pos_width), jnp.float32),
+            jax.ShapeDtypeStruct(hist_shape(params.has_time, time_width), jnp.float32),
+        ),
+        grid=grid(num_work),
+        grid_names=grid_names,
+        num_threads=COMPUTE_WGS + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins, jnp.zeros((TMA_BOX,), jnp.float32))
+
+    dq, dk, dvv = dq.reshape(t, heads, dqk), dk.reshape(t, heads, dqk), dvv.reshape(t, heads, dv)
+    scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
+
+    def table_grad(parts, table, width: int, num: int):
+        grad = parts.reshape(-1, heads, width).sum(axis=0)[:, :num] * scale
+        return jnp.zeros(table.shape, jnp.float32).at[:heads, :num].set(grad).astype(table.dtype)
+
+    dpos = jnp.zeros(pos_tab.shape, pos_tab.dtype)
+    if params.has_pos:
+        dpos = table_grad(dpos_parts, pos_tab, pos_width, params.num_pos)
+    dtime = jnp.zeros(time_tab.shape, time_tab.dtype)  # [H + 1, W]: the threshold row gets no gradient
+    if params.has_time:
+        dtime = table_grad(dtime_parts, time_tab, time_width, params.num_time)
+    return dq, dk, dvv, None, None, None, dpos, dtime
+
+
+def backward(residuals, d_out, params: KernelParams):
+    """gpu.backward's contract with the default tiles (see supports())."""
+    return backward_mosaic_gpu(residuals, d_out, params)

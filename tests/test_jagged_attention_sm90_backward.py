@@ -1,0 +1,215 @@
+"""The Hopper (Mosaic GPU) jagged attention backward (pallas_kernels/jagged_attention/gpu_sm90_backward.py): the
+GPU backend's choice of backward, lowering for several configs, and GPU interpret mode vs the reference's
+gradients.
+
+Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
+primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
+(scripts/device/attention_bwd_sm90.sh checks numbers there). The interpret-mode tests run the same kernels
+(producer/consumer warpgroups, barriers, TMA copies, jagged stores, tail zeroing) on CPU with the wgmma calls
+swapped for plain dots.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
+from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
+from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+
+sd = jax.ShapeDtypeStruct
+
+
+def _static(n, activation, d=128, **kw):
+    return mosaic_gpu.static(n, activation, d, **kw)
+
+
+def _residual_specs(t, h, b, d, dtype=jnp.bfloat16, num_pos=16, num_time=8):
+    """Shapes of gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias)."""
+    return (
+        (sd((t, h, d), dtype),) * 3
+        + (sd((b + 1,), jnp.int32), sd((b,), jnp.int32), sd((t,), jnp.int32))
+        + (sd((h, num_pos), jnp.float32), sd((h + 1, num_time), jnp.float32))
+        + (sd((t, h, d), dtype), sd((h, t), jnp.float32), sd((1, 16, 16), dtype))
+    )
+
+
+def _lowered(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize(
+    "activation,d,n,num_ctas,window,targets,block_q,block_k,stages",
+    [
+        ("silu", 128, 1024, 132, 0, False, None, None, None),
+        ("silu", 128, 4096, None, 100, True, 64, 64, 3),
+        ("softmax", 128, 4096, 132, 0, False, None, None, None),
+        ("softmax", 64, 200, None, 40, True, None, None, None),
+        ("silu", 64, 16384, 132, 300, True, 128, 128, 2),
+    ],
+)
+def test_lowers_to_mosaic_gpu(activation, d, n, num_ctas, window, targets, block_q, block_k, stages):
+    """The whole Pallas -> Mosaic GPU lowering of both kernels (layouts, shared-memory plan) succeeds."""
+    t, h, b = 3000, 4, 7
+    params = _static(n, activation, d, max_attn_len=window, has_targets=targets)
+
+    def f(res, do):
+        return mosaic_bwd.backward_mosaic_gpu(
+            res, do, params, block_q=block_q, block_k=block_k, stages_dkv=stages, stages_dq=stages,
+            num_ctas=num_ctas,
+        )[:3]  # fmt: skip
+
+    text = _lowered(f, _residual_specs(t, h, b, d), sd((t, h, d), jnp.bfloat16))
+    assert text.count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernel
+
+
+@pytest.mark.parametrize("hopper_backward", [True, False])
+def test_gpu_backend_picks_the_backward(hopper_backward):
+    """KernelOptions.hopper_backward decides which backward the GPU backend lowers; an unsupported call (head dim
+    32; a relative bias) keeps the Triton backward."""
+    t, h = 1024, 2
+    options = KernelOptions(hopper_forward=False, hopper_backward=hopper_backward)
+
+    def loss(q, k, v, offsets, *bias):
+        extra = dict(zip(("timestamps", "pos_bias", "time_bias"), bias))
+        out = jagged_attention(
+            q, k, v, offsets, max_seq_len=256, implementation="gpu", options=options, **extra
+        )
+        return out.astype(jnp.float32).sum()
+
+    bias = (sd((t,), jnp.int32), sd((h, 16), jnp.float32), sd((h, 8), jnp.float32))
+    for d, with_bias, mosaic in ((128, False, hopper_backward), (32, False, False), (128, True, False)):
+        args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + (bias if with_bias else ())
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
+        assert ("mosaic_gpu" in text) == mosaic, (d, with_bias, hopper_backward)
+        triton = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
+        assert triton == (not mosaic), (d, with_bias, hopper_backward)
+    if hopper_backward:  # the bias when asked for; with both Mosaic directions no bias_rows array is built
+        options = KernelOptions(hopper_forward=True, hopper_backward=True, hopper_backward_bias=True)
+        args = (sd((t, h, 128), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + bias
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        assert "jagged_attention_bwd_dq" not in text and "red.shared.add.f32" in text
+        assert f"tensor<{h}x{t}x256xbf16>" not in text  # the [H, T, W] bias_rows array
+
+
+def test_supports():
+    q = jnp.zeros((8, 2, 128), jnp.bfloat16)
+    assert mosaic_bwd.supports(_static(256, "silu"), q, q)
+    assert mosaic_bwd.supports(_static(256, "softmax"), q, q)
+    assert mosaic_bwd.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
+    assert mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float16), q.astype(jnp.float16))
+    assert not mosaic_bwd.supports(_static(256, "silu", interpret=True), q, q)
+    assert not mosaic_bwd.supports(_static(256, "silu"), q[:7], q[:7])  # T % 8 != 0
+    assert not mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
+    assert not mosaic_bwd.supports(_static(256, "silu"), q, q[..., :64])  # Dqk != Dv
+    bias = dict(has_pos=True, has_time=True, num_pos=5, num_time=3)
+    assert not mosaic_bwd.supports(_static(256, "silu", **bias), q, q)  # the bias: only when asked for
+    with_bias = KernelOptions(hopper_backward_bias=True)
+    assert mosaic_bwd.supports(_static(256, "silu", options=with_bias, **bias), q, q)
+    # bias tables (and their per-head gradient histograms) past the shared memory the tiles leave
+    wide = dict(has_pos=True, has_time=True, num_pos=4100, num_time=64)
+    assert not mosaic_bwd.supports(_static(8192, "silu", options=with_bias, **wide), q, q)
+    for d, ok in ((64, True), (128, True), (256, False), (32, False), (96, False)):
+        qd = jnp.zeros((8, 2, d), jnp.bfloat16)
+        assert mosaic_bwd.supports(_static(256, "silu", d), qd, qd) == ok, d
+
+
+def test_not_wanted_off_hopper():
+    """On this CPU the default (None) does not pick the Mosaic backward; True and False are obeyed."""
+    assert not mosaic_bwd.wanted(None)
+    assert mosaic_bwd.wanted(True) and not mosaic_bwd.wanted(False)
+
+
+def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, **knobs):
+    """(kernel's (dq, dk, dv[, dpos, dtime]), reference's, offsets): the Mosaic backward in GPU interpret mode,
+    fed the reference's output and lse as the forward's residuals, on inputs whose rows past offsets[B] hold
+    NaN; bias: (position buckets, time buckets), unsorted timestamps."""
+    from jax._src.pallas.mosaic_gpu.interpret import params as gp
+
+    h = heads  # the interpreter runs one head at a time: one by default
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    t = (int(offsets[-1]) + 20 + 7) // 8 * 8  # capacity past offsets[B], a multiple of ALIGN
+    rng = np.random.default_rng(seed)
+
+    def poisoned():  # rows past offsets[B] are unused and hold NaN: nothing of them may reach a result
+        x = rng.standard_normal((t, h, d)).astype(np.float32)
+        x[offsets[-1] :] = np.nan
+        return jnp.asarray(x, jnp.bfloat16)
+
+    q, k, v, do = poisoned(), poisoned(), poisoned(), poisoned()
+    off = jnp.asarray(offsets)
+    tg = jnp.asarray(rng.integers(0, 40, size=len(lengths)), jnp.int32) if targets else None
+
+    ts = tables = None
+    fields = {}
+    if bias is not None:
+        ts = jnp.asarray(rng.integers(0, 10**7, size=t), jnp.int32)
+        tables = tuple(jnp.asarray(rng.standard_normal((h, nb)), jnp.float32) for nb in bias)
+        fields = dict(has_pos=True, has_time=True, num_pos=bias[0], num_time=bias[1])
+        fields["options"] = KernelOptions(hopper_backward_bias=True)
+
+    def ref(q, k, v, *tables):
+        extra = dict(timestamps=ts, pos_bias=tables[0], time_bias=tables[1]) if tables else {}
+        return jagged_attention_reference(
+            q, k, v, off, max_seq_len=n, activation=activation, num_targets=tg, max_attn_len=window, **extra
+        )
+
+    o, vjp = jax.vjp(ref, *(x.astype(jnp.float32) for x in (q, k, v)), *(tables or ()))
+    live = (jnp.arange(t) < offsets[-1])[:, None, None]
+    want = vjp(jnp.where(live, do.astype(jnp.float32), 0.0))
+    params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **fields)
+    pos, tim = tables or (None, None)
+    inputs = gpu.to_kernel_layout(q, k, v, off, tg, ts, pos, tim, params)
+    lse = jnp.zeros((h, t), jnp.float32)
+    if activation == "softmax":  # the Triton forward's lse (interpret mode), with the bias where there is one
+        lse = gpu.forward(inputs, dataclasses.replace(params, interpret=True))[1][-2]
+    # o in float32: softmax delta = rowsum(dO * O) from a bf16 O is off by O's rounding in every cell of a row,
+    # which the time-table gradient (a sum of dS whose rows sum to zero) amplifies past the bar; the kernels
+    # take the residual O as it comes (the Triton backward has the same sensitivity to a bf16 O)
+    res = (*inputs, o, lse, jnp.zeros((1, 16, 16), jnp.bfloat16))
+    # TMA zero-fills boxes past the array: the interpreter's "uninitialized" reads with zero fill do the same
+    interpret = gp.InterpretGPUParams(out_of_bounds_reads="uninitialized", uninitialized_memory="zero")
+    # eagerly, not under jax.jit: inside an outer jit the interpreter's warpgroup threads were seen to starve the
+    # CPU client's threads on the 2-core dev box and hang (no kernel barrier involved)
+    with gp.force_gpu_interpret_mode(interpret):
+        full = mosaic_bwd.backward_mosaic_gpu(res, do, params, interpret=True, **{"num_ctas": 1, **knobs})
+    got = list(full[:3])
+    if bias is not None:  # the kernel layout's tables are padded (and the time table has a thresholds row)
+        got += [full[6][:h, : bias[0]], full[7][:h, : bias[1]]]
+    return got, want, offsets
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "activation,d,window,targets,lengths,bias,knobs",
+    [
+        # both consumers of an item, an empty sequence, length 1, one ending mid-tile, unaligned starts
+        ("silu", 64, 0, True, [150, 0, 1, 37], None, {}),
+        ("softmax", 128, 40, True, [130, 0, 1, 70], None, {}),
+        ("silu", 64, 30, False, [200, 3, 61], None, dict(block_q=128, block_k=128, stages_dkv=3)),
+        # the bias: 5 position buckets (tiles wholly past the last bucket, and straddling it), 8 time buckets
+        # of unsorted timestamps (buckets change anywhere along a row)
+        # (and two heads on three persistent CTAs: per-head tables and histograms, per-CTA histogram rows)
+        ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), dict(heads=2, num_ctas=3)),
+        ("softmax", 64, 0, True, [130, 0, 1, 70], (80, 8), {}),
+    ],
+)
+def test_interpret_matches_reference(activation, d, window, targets, lengths, bias, knobs):
+    """One persistent CTA (num_ctas=1, unless a case says otherwise) walks every item of both kernels (the rings
+    and barrier phases run on across items); dq, dk, dv (and the bias tables' gradients) against the float32
+    reference's vjp; rows past offsets[B] are zero."""
+    got, want, offsets = _interpret_case(activation, d, window, targets, lengths, 256, 0, bias, **knobs)
+    tail = offsets[-1]
+    for name, g, w in zip(("dq", "dk", "dv", "dpos", "dtime"), got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.isfinite(g).all(), name
+        if name in ("dq", "dk", "dv"):
+            assert not g[tail:].any(), name
+            g, w = g[:tail], w[:tail]
+        err = np.linalg.norm(g - w) / np.linalg.norm(w)
+        assert err < 1e-2, (name, err)
