@@ -51,8 +51,9 @@ def _kernel_impl() -> str:
 
 def _forwards(options: KernelOptions | None) -> list[tuple[str, KernelOptions | None]]:
     """(label, options) of each GPU forward to time: on a Hopper GPU both the Triton and the Mosaic GPU forward
-    (KernelOptions.hopper_forward; the backward is the default one in both rows: the Mosaic GPU backward on
-    Hopper where gpu_sm90_backward.supports the call, KernelOptions.hopper_backward), elsewhere the default."""
+    (KernelOptions.hopper_forward; the backward is the default one in both rows: the Triton backward while
+    KernelOptions.hopper_backward defaults to False; scripts/device/attention_bwd_sm90.sh times the Mosaic GPU
+    backward beside it), elsewhere the default."""
     if not gpu_sm90.is_hopper():
         return [("pallas (ours)", options)]
     base = options or KernelOptions()
