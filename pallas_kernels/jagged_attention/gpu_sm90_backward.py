@@ -252,6 +252,15 @@ class _Frame:
         self.end = self.d + self.length  # frame row past the sequence
 
 
+def _cta_range(f, tiles, block: int, params: KernelParams):
+    """[lo, hi) of the streamed tiles an item's two consumers see between them: the union of their
+    ranges (`tiles(f, first row, rows, block, params)`), empty for a padding item."""
+    lo0, hi0 = tiles(f, f.tile_lo, RES, block, params)
+    lo1, hi1 = tiles(f, f.tile_lo + RES, RES, block, params)
+    lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
+    return lo, jnp.where(f.valid, jnp.maximum(hi0, hi1), lo)
+
+
 def _q_tiles(f: _Frame, k_lo, nk: int, bq: int, params: KernelParams):
     """[lo, hi) query tiles (bq frame rows) that can see frame key rows [k_lo, k_lo + nk); lo = hi: none."""
     has = (k_lo < f.end) & (k_lo + nk > f.d)
@@ -440,11 +449,7 @@ def _dkv_kernel(
     def info(i):
         h, w = item_of(i)
         f = _Frame(work_ref, offsets_ref, targets_ref, params, num_work, h, w)
-        lo0, hi0 = _q_tiles(f, f.tile_lo, RES, bq, params)
-        lo1, hi1 = _q_tiles(f, f.tile_lo + RES, RES, bq, params)
-        cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
-        cta_hi = jnp.where(f.valid, jnp.maximum(hi0, hi1), cta_lo)
-        return f, cta_lo, cta_hi
+        return (f, *_cta_range(f, _q_tiles, bq, params))
 
     def slot_of(g):
         return lax.rem(g, jnp.int32(stages))
@@ -652,11 +657,7 @@ def _dq_kernel(
     def info(i):
         h, w = item_of(i)
         f = _Frame(work_ref, offsets_ref, targets_ref, params, num_work, h, w)
-        lo0, hi0 = _k_tiles(f, f.tile_lo, RES, bk, params)
-        lo1, hi1 = _k_tiles(f, f.tile_lo + RES, RES, bk, params)
-        cta_lo = jnp.where(hi1 > lo1, jnp.minimum(lo0, lo1), lo0)
-        cta_hi = jnp.where(f.valid, jnp.maximum(hi0, hi1), cta_lo)
-        return f, cta_lo, cta_hi
+        return (f, *_cta_range(f, _k_tiles, bk, params))
 
     def slot_of(g):
         return lax.rem(g, jnp.int32(stages))
