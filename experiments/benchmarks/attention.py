@@ -50,16 +50,16 @@ def _kernel_impl() -> str:
 
 
 def _forwards(options: KernelOptions | None) -> list[tuple[str, KernelOptions | None]]:
-    """(label, options) of each GPU forward to time: on a Hopper GPU both the Triton and the Mosaic GPU forward
-    (KernelOptions.hopper_forward; the backward is the default one in both rows: the Triton backward while
-    KernelOptions.hopper_backward defaults to False; scripts/device/attention_bwd_sm90.sh times the Mosaic GPU
-    backward beside it), elsewhere the default."""
+    """(label, options) of each GPU backend to time: on a Hopper GPU the Triton kernels (forward and backward)
+    and the Mosaic GPU ones (KernelOptions.hopper_forward and hopper_backward; a call the Mosaic backward does
+    not take, such as one with a relative bias, runs the Triton backward in both rows), elsewhere the
+    default."""
     if not gpu_sm90.is_hopper():
         return [("pallas (ours)", options)]
     base = options or KernelOptions()
     return [
-        ("ours, Triton fwd", dataclasses.replace(base, hopper_forward=False)),
-        ("ours, Mosaic GPU fwd", dataclasses.replace(base, hopper_forward=True)),
+        ("ours, Triton", dataclasses.replace(base, hopper_forward=False, hopper_backward=False)),
+        ("ours, Mosaic GPU", dataclasses.replace(base, hopper_forward=True, hopper_backward=None)),
     ]
 
 

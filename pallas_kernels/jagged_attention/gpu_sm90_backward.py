@@ -6,8 +6,8 @@ elementwise work does not overlap its MMAs. This is the backward of the Mosaic G
 Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab,
 o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
 bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
-KernelOptions.hopper_backward_bias, until checked on a device) the relative position and time bias; the GPU
-backend runs the Triton backward for the others.
+KernelOptions.hopper_backward_bias: correct on the H200, but slower than the Triton backward there) the
+relative position and time bias; the GPU backend runs the Triton backward for the others.
 
 Design: two kernels, each one CTA = three warpgroups (two consumers of RES = 64 resident rows each, one TMA
 producer streaming tiles of the other side into a ring of shared-memory slots), on a persistent grid of NUM_SMS

@@ -31,15 +31,15 @@ class KernelOptions:
       supports the call, whatever the device (tests lower it on CPU); False: never. api.py decides it once per
       call (KernelParams.hopper_forward).
     hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
-      dQ over query tiles) instead of the Triton ones. False (the default until the kernels have been checked
-      on a GPU: scripts/device/attention_bwd_sm90.sh): never. None: on Hopper GPUs for every call
+      dQ over query tiles) instead of the Triton ones. None (the default): on Hopper GPUs for every call
       gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, T a multiple of 8; a relative bias only with
-      hopper_backward_bias); True: whenever it supports the call, whatever the device. api.py
+      hopper_backward_bias); True: whenever it supports the call, whatever the device; False: never. api.py
       decides it once per call (KernelParams.hopper_backward). Independent of hopper_forward: both forwards
       leave the same residuals. With both on, no bias_rows array is built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
-      from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False until
-      checked on a device (scripts/device/attention_bwd_sm90.sh): such calls run the Triton backward.
+      from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False: it is
+      correct on the H200 but 6.5x slower than the Triton backward there (docs/benchmarks.md, 2026-12-02 fifth
+      session), so such calls run the Triton backward.
     """
 
     silu_bf16x2: bool = True
@@ -49,7 +49,7 @@ class KernelOptions:
     bias_rows: bool = True
     bias_rows_max_bytes: int = 8 << 30
     hopper_forward: bool | None = None
-    hopper_backward: bool | None = False
+    hopper_backward: bool | None = None
     hopper_backward_bias: bool = False
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:

@@ -1,6 +1,6 @@
 """The Hopper (Mosaic GPU) jagged attention backward against the Triton one, on the device (H100/H200).
 
-  python3 scripts/device/attention_bwd_sm90.py check            (small shapes vs the float32 reference)
+  python3 scripts/device/attention_bwd_sm90.py check [I ...]    (small shapes vs the float32 reference; I: case indices)
   python3 scripts/device/attention_bwd_sm90.py time CASE [REPS]  (CASE: one of CASES)
   python3 scripts/device/attention_bwd_sm90.py sweep CASE [REPS]  (the Mosaic backward's tile knobs, KNOBS)
 
@@ -72,7 +72,8 @@ def _grads(q, k, v, off, do, n, activation, impl, options, kw):
     tables = [kw.get("pos_bias"), kw.get("time_bias")] if "pos_bias" in kw else []
     rest = {key: val for key, val in kw.items() if key not in ("pos_bias", "time_bias")}
 
-    def loss(q, k, v, *tables):
+    # do, off and the extras are arguments, not closed over: captured as constants they cost minutes of compile
+    def loss(q, k, v, tables, do, off, rest):
         extra = dict(zip(("pos_bias", "time_bias"), tables))
         o = jagged_attention(
             q, k, v, off, max_seq_len=n, activation=activation, implementation=impl, options=options,
@@ -80,11 +81,16 @@ def _grads(q, k, v, off, do, n, activation, impl, options, kw):
         )  # fmt: skip
         return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
 
-    f = jax.jit(jax.grad(loss, argnums=tuple(range(3 + len(tables)))))
-    args = (q, k, v, *tables)
-    text = f.lower(*args).as_text() if impl != "reference" else ""
+    statics = {key: val for key, val in rest.items() if not isinstance(val, jax.Array)}
+    arrays = {key: val for key, val in rest.items() if isinstance(val, jax.Array)}
+    grad = jax.grad(lambda q, k, v, tables, do, off, arrays: loss(q, k, v, tables, do, off, arrays | statics),
+                    argnums=(0, 1, 2, 3))  # fmt: skip
+    args = (q, k, v, tables, do, off, arrays)
+    lowered = jax.jit(grad).lower(*args)  # lowered and compiled once: its text says which backward ran
+    text = lowered.as_text() if impl != "reference" else ""
     mosaic = "mosaic_gpu" in text and "jagged_attention_bwd_dq" not in text
-    return [g.astype(jnp.float32) for g in f(*args)], mosaic
+    dq, dk, dv, dtables = lowered.compile()(*args)
+    return [g.astype(jnp.float32) for g in (dq, dk, dv, *dtables)], mosaic
 
 
 def _rel(a, r) -> float:
@@ -108,7 +114,8 @@ def _compare(got, want, tail, triton=None) -> tuple[bool, str]:
     return ok, " ".join(parts)
 
 
-def check() -> bool:
+def check(only: list[int] | None = None) -> bool:
+    """The cases below (or those of the given indices) against the float32 reference."""
     rng = np.random.default_rng(int(time.time()))
     bias = shapes.RelativeBias(num_pos=40, num_time=16)
     short = [200, 5, 130, 1, 0, 256, 64, 77]
@@ -126,7 +133,9 @@ def check() -> bool:
         ("silu", list(rng.integers(900, 1024, size=8)), 1024, 128, 0, False, shapes.GEM_H200_BIAS),
     ]
     ok_all = True
-    for activation, lengths, n, d, window, targets, b in cases:
+    for activation, lengths, n, d, window, targets, b in [
+        c for i, c in enumerate(cases) if only in (None, []) or i in only
+    ]:
         t0 = time.perf_counter()
         q, k, v, do, off = _inputs(np.asarray(lengths), 2, d, rng)
         extra_rows = 24  # capacity past offsets[B]: those rows must come out zero
@@ -235,7 +244,7 @@ def sweep(case: str, reps: int) -> bool:
 def main(argv: list[str]) -> int:
     print(f"jax {jax.__version__} {jax.devices()[0].device_kind}", flush=True)
     if argv[0] == "check":
-        return 0 if check() else 1
+        return 0 if check([int(i) for i in argv[1:]]) else 1
     if argv[0] == "time":
         return 0 if time_case(argv[1], int(argv[2]) if len(argv) > 2 else 10) else 1
     if argv[0] == "sweep":

@@ -15,22 +15,25 @@ export PYTHONPATH=$PWD
 CASES=${CASES:-n1024 n4096 d64 bias1024}
 SWEEP=${SWEEP-n1024}
 REPS=${REPS:-10}
-declare -A LIMIT=([n1024]=70 [n4096]=100 [d64]=60 [d256]=60 [bias1024]=90 [softmax]=45)
+CHECK=${CHECK-}  # check case indices (empty: all); CHECK_LIMIT seconds for them
+CHECK_LIMIT=${CHECK_LIMIT:-240}
+declare -A LIMIT=([n1024]=110 [n4096]=150 [d64]=90 [d256]=90 [bias1024]=150 [softmax]=80)
+for case in $CASES; do v=LIMIT_$case; [ -n "${!v:-}" ] && LIMIT[$case]=${!v}; done  # e.g. LIMIT_n4096=200
 start=$(date +%s)
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$OUT/smi.txt" 2>&1
-timeout -k 10 140 python3 scripts/device/attention_bwd_sm90.py check > "$OUT/check.log" 2>&1
+timeout -k 10 "$CHECK_LIMIT" python3 scripts/device/attention_bwd_sm90.py check $CHECK > "$OUT/check.log" 2>&1
 echo "check rc=$? $(( $(date +%s) - start )) s" | tee -a "$OUT/times.txt"
 grep -c " -> OK" "$OUT/check.log" | sed 's/^/checks OK: /'; grep " -> FAIL\|Error\|error:" "$OUT/check.log" | head -20
 for case in $CASES; do
   limit=${LIMIT[$case]:-60}
-  if [ $(( $(date +%s) - start + limit )) -gt 530 ]; then echo "$case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
+  if [ $(( $(date +%s) - start + limit )) -gt ${BUDGET:-530} ]; then echo "$case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
   t0=$(date +%s)
   timeout -k 10 "$limit" python3 scripts/device/attention_bwd_sm90.py time "$case" "$REPS" > "$OUT/$case.log" 2>&1
   echo "$case rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
   grep "check vs Triton\|Error\|error:" "$OUT/$case.log" | head -5
 done
 for case in $SWEEP; do
-  if [ $(( $(date +%s) - start + 60 )) -gt 530 ]; then echo "sweep $case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
+  if [ $(( $(date +%s) - start + 60 )) -gt ${BUDGET:-530} ]; then echo "sweep $case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
   t0=$(date +%s)
   timeout -k 10 60 python3 scripts/device/attention_bwd_sm90.py sweep "$case" "$REPS" > "$OUT/sweep_$case.log" 2>&1
   echo "sweep $case rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
