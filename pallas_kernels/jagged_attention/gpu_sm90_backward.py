@@ -28,8 +28,8 @@ reads the very bf16 dO the kernels read; see gpu._delta).
   timestamps come into shared memory with the resident rows, the streamed rows' timestamps with each streamed
   tile; buckets gathered from shared memory), O(T) extra memory. The table gradients come from the dQ kernel
   (it visits every cell once): dS into per-consumer, per-head float32 histograms in shared memory (zeroed by TMA
-  at the start, stored once per CTA at the end, summed by XLA), one red.shared.add.f32 per cell, or per row
-  where the row's cells share one bucket (_hist_add).
+  at the start, stored once per CTA at the end, summed by XLA) by red.shared.add.f32, one per run of a
+  thread's consecutive cells of one bucket (_hist_add, TABLE_GRADS).
 * Jagged rows: aligned frames as in the forward (a TMA load's GMEM row start is a multiple of 8: each sequence
   is processed in its frame starting at offsets[b] - offsets[b] % 8, frame rows outside the sequence masked);
   stores are power-of-two row boxes of an unswizzled staging buffer (gpu_sm90._store_rows), never outside the
@@ -179,17 +179,26 @@ def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, t
     return bias, pb, tb
 
 
-def _scatter_add(interpret: bool, hist_ref, idx, vals):
-    """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: one red.shared.add.f32
-    per nonzero element into a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no
-    scatter; the instruction Mosaic GPU's own shared-memory atomic stores issue). Zeros (masked cells, _hist_add's
-    folded rows) issue no atomic; NaN does (setp.neu)."""
+# How the dQ kernel sums dS into the bias tables' histograms: "runs" (each thread adds its consecutive cells of
+# one bucket in registers and issues one atomic per run), "rows" (a row whose cells share one bucket adds its
+# row sum once, the others one atomic per cell), "none" (no table gradients: only to time the rest; wrong dpos,
+# dtime). The device script A/Bs them (scripts/device/attention_bwd_sm90.py bias).
+TABLE_GRADS = "runs"  # 2.85x "rows" on the H200 (docs/benchmarks.md, fifth session)
+
+
+def _scatter_add(interpret: bool, hist_ref, idx, vals, runs: bool):
+    """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: red.shared.add.f32 into
+    a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no scatter; the instruction
+    Mosaic GPU's own shared-memory atomic stores issue). With `runs`, a thread's consecutive register elements
+    of one bucket are summed first and added with one atomic (a warp's atomics on one address serialise, and a
+    thread's cells are neighbours in a row or the row 8 below: mostly one bucket away from the diagonal).
+    Zeros (masked cells, a run's inner elements) issue no atomic; NaN does (setp.neu)."""
     if interpret:  # (the GPU interpreter has no scatter: a one-hot sum)
         onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
         hist_ref[...] = hist_ref[...] + jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
         return
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm, vector
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
@@ -205,29 +214,52 @@ def _scatter_add(interpret: bool, hist_ref, idx, vals):
             at = lambda e: ir.DenseI64ArrayAttr.get([e])
             return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
 
-        for ireg, vreg in zip(cells.registers.flat, values.registers.flat, strict=True):
-            for i, v in zip(elements(ireg), elements(vreg), strict=True):
-                llvm.inline_asm(
-                    ir.Type.parse("!llvm.void"),
-                    [mgpu_utils.getelementptr(base, [i], f32), v],
-                    "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }",
-                    "r,f",
-                    has_side_effects=True,
-                )
+        def red(i, v):
+            llvm.inline_asm(
+                ir.Type.parse("!llvm.void"),
+                [mgpu_utils.getelementptr(base, [i], f32), v],
+                "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }",
+                "r,f",
+                has_side_effects=True,
+            )
+
+        pairs = [
+            (i, v)
+            for ireg, vreg in zip(cells.registers.flat, values.registers.flat, strict=True)
+            for i, v in zip(elements(ireg), elements(vreg), strict=True)
+        ]
+        if not runs:
+            for i, v in pairs:
+                red(i, v)
+            return
+        zero = arith.constant(f32, 0.0)
+        run_i, run_v = pairs[0]
+        for i, v in pairs[1:]:  # a run ends where the bucket changes: its sum goes out (0: no atomic)
+            same = arith.cmpi(arith.CmpIPredicate.eq, i, run_i)
+            red(run_i, arith.select(same, zero, run_v))
+            run_v = arith.select(same, arith.addf(run_v, v), v)
+            run_i = i
+        red(run_i, run_v)
 
     scatter(hist_ref, idx, vals)
 
 
 def _hist_add(interpret: bool, hist_ref, idx, ds):
-    """hist_ref[idx] += ds (a tile's dS at its cells' buckets); a row whose cells all share one bucket (most rows
-    of most tiles: a row wholly past the last position bucket, a row of near timestamps) adds its row sum from
-    its first cell only, so that atomics on one address do not serialise a warp (_scatter_add skips zeros)."""
+    """hist_ref[idx] += ds (a tile's dS at its cells' buckets), as TABLE_GRADS says. "rows": a row whose cells
+    all share one bucket (most rows of most tiles: a row wholly past the last position bucket, a row of near
+    timestamps) adds its row sum from its first cell only, so that atomics on one address do not serialise a
+    warp (_scatter_add skips zeros)."""
+    if TABLE_GRADS == "none":
+        return
+    if TABLE_GRADS == "runs":
+        _scatter_add(interpret, hist_ref, idx, ds, runs=True)
+        return
     fidx = idx.astype(jnp.float32)
     spread = fidx.max(axis=1) + (-fidx).max(axis=1)  # max - min of each row's buckets
     uniform = lax.broadcast_in_dim(spread, ds.shape, [0]) == 0.0
     row_sum = lax.broadcast_in_dim(ds.sum(axis=1), ds.shape, [0])
     first = _iota(interpret, ds.shape, 1) == 0
-    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds))
+    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds), runs=False)
 
 
 class _Frame:

@@ -38,8 +38,8 @@ class KernelOptions:
       leave the same residuals. With both on, no bias_rows array is built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
       from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False: it is
-      correct on the H200 but 6.5x slower than the Triton backward there (docs/benchmarks.md, 2026-12-02 fifth
-      session), so such calls run the Triton backward.
+      correct on the H200 but 2.3x slower than the Triton backward there (its table gradients' atomics;
+      docs/benchmarks.md, 2026-12-02 fifth session), so such calls run the Triton backward.
     """
 
     silu_bf16x2: bool = True

@@ -3,6 +3,7 @@
   python3 scripts/device/attention_bwd_sm90.py check [I ...]    (small shapes vs the float32 reference; I: case indices)
   python3 scripts/device/attention_bwd_sm90.py time CASE [REPS]  (CASE: one of CASES)
   python3 scripts/device/attention_bwd_sm90.py sweep CASE [REPS]  (the Mosaic backward's tile knobs, KNOBS)
+  python3 scripts/device/attention_bwd_sm90.py bias CASE REPS MODE...  (gpu_sm90_backward.TABLE_GRADS modes)
 
 `check` runs jagged_attention's gradients (dq, dk, dv; dpos, dtime with the bias) with
 KernelOptions(hopper_backward=True) against the float32 reference on fresh random inputs: SiLU and softmax, window
@@ -241,6 +242,50 @@ def sweep(case: str, reps: int) -> bool:
     return ok_all
 
 
+def bias_modes(case: str, reps: int, modes: list[str]) -> bool:
+    """Times backward_mosaic_gpu on one bias shape's residuals with each gpu_sm90_backward.TABLE_GRADS mode
+    (how the dQ kernel sums dS into the tables' histograms; "none" skips that, to time the rest), each checked
+    first against the first mode's gradients ("rows" passed against the Triton backward on the H200)."""
+    name, shape, activation, bias = CASES[case]
+    rng = np.random.default_rng(int(time.time()))
+    lengths = shape.sample_lengths(rng)
+    h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
+    q, k, v, do, off = _inputs(lengths, h, d, rng)
+    kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
+    fields = dict(has_pos=True, has_time=True, num_pos=bias.num_pos, num_time=bias.num_time)
+    params = mosaic_fwd.static(n, activation, d, options=MOSAIC, **fields)
+    inputs = gpu.to_kernel_layout(
+        q, k, v, off, None, kw.get("timestamps"), kw.get("pos_bias"), kw.get("time_bias"), params
+    )
+    residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
+    flops = 2.5 * fwd_flops(lengths, h, d, d)
+    ok_all, want = True, None
+    for mode in modes:
+        mosaic_bwd.TABLE_GRADS = mode  # read while tracing: a new jit per mode
+        f = jax.jit(
+            lambda res, do: [
+                g for g in mosaic_bwd.backward_mosaic_gpu(res, do, params, **SWEEP_KW) if g is not None
+            ]
+        )
+        t0 = time.perf_counter()
+        got = [g.astype(jnp.float32) for g in f(residuals, do)]
+        compile_s = time.perf_counter() - t0
+        if mode == "none":
+            ok, errs = True, "(no table gradients: not checked)"
+        elif want is None:
+            ok, errs, want = True, "(the reference mode)", got
+        else:
+            ok, errs = _compare(got, want, int(off[-1]))
+        ok_all = ok_all and ok
+        sec = _time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
+        print(
+            f"BIAS | {name} | {mode} | {flops / sec / 1e12:.1f} TFLOP/s | {sec * 1e3:.3f} ms | {errs} |"
+            f" compile+run {compile_s:.1f} s",
+            flush=True,
+        )
+    return ok_all
+
+
 def main(argv: list[str]) -> int:
     print(f"jax {jax.__version__} {jax.devices()[0].device_kind}", flush=True)
     if argv[0] == "check":
@@ -249,7 +294,11 @@ def main(argv: list[str]) -> int:
         return 0 if time_case(argv[1], int(argv[2]) if len(argv) > 2 else 10) else 1
     if argv[0] == "sweep":
         return 0 if sweep(argv[1], int(argv[2]) if len(argv) > 2 else 10) else 1
-    raise ValueError(f"usage: check | time CASE [REPS] | sweep CASE [REPS], CASE one of {sorted(CASES)}")
+    if argv[0] == "bias":  # bias CASE REPS MODE...
+        return 0 if bias_modes(argv[1], int(argv[2]), argv[3:] or ["runs", "rows"]) else 1
+    raise ValueError(
+        f"usage: check | time CASE [REPS] | sweep CASE [REPS] | bias CASE REPS MODE..., CASE one of {sorted(CASES)}"
+    )
 
 
 if __name__ == "__main__":
