@@ -162,41 +162,78 @@ def _accumulate(interpret: bool, accs, lhs, rhs):
     return pl.run_state(scope)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
 
-def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, ts_k):
+def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, ts_k, clipped: bool = False):
     """(float32 bias, position bucket, time bucket) of a tile's cells (None where a table is absent): rel is
     i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps broadcast to it. As the forward:
     the tables' rows are in shared memory, gathered per cell; the time bucket is log2(max(dt, 1)) times a
-    constant (the reference's log(dt) / 0.301 up to float rounding at bucket edges)."""
+    constant (the reference's log(dt) / 0.301 up to float rounding at bucket edges). A `clipped` tile lies
+    wholly past the last position bucket (i - j >= num_pos - 1 in every cell): its position bias is that
+    bucket's scalar, and no position bucket comes back."""
     bias = pb = tb = None
-    if params.has_pos:
+    if params.has_pos and clipped:
+        bias = pos_tab[params.num_pos - 1]
+    elif params.has_pos:
         pb = jnp.clip(rel, 0, params.num_pos - 1)
         bias = _gather(interpret, pos_tab, pb)
     if params.has_time:
         x = jnp.maximum(ts_q - ts_k, 1).astype(jnp.float32)
         tb = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
         time_bias = _gather(interpret, time_tab, tb)
-        bias = time_bias if bias is None else bias + time_bias
+        bias = time_bias if bias is None else time_bias + bias
     return bias, pb, tb
 
 
 # How the dQ kernel sums dS into the bias tables' histograms: "runs" (each thread adds its consecutive cells of
-# one bucket in registers and issues one atomic per run), "rows" (a row whose cells share one bucket adds its
-# row sum once, the others one atomic per cell), "none" (no table gradients: only to time the rest; wrong dpos,
-# dtime). The device script A/Bs them (scripts/device/attention_bwd_sm90.py bias).
-TABLE_GRADS = "runs"  # 2.85x "rows" on the H200 (docs/benchmarks.md, fifth session)
+# one bucket in registers and issues one atomic per run), "warp" (runs along each of a thread's rows; a warp
+# whose lanes' last runs share one bucket adds their sum with one atomic), "rows" (a row whose cells share one
+# bucket adds its row sum once, the others one atomic per cell), "none" (no table gradients: only to time the
+# rest; wrong dpos, dtime). The device script A/Bs them (scripts/device/attention_bwd_sm90.py bias).
+TABLE_GRADS = "runs"  # 2.85x "rows" on the H200 (docs/benchmarks.md, fifth session); "warp" not yet run there
+
+# red.shared.add.f32 of $1 at [$0], skipped for 0 (NaN adds)
+_RED = "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }"
+# the same for a value $2 of bucket $1 ([$0] its address): when every lane of the warp has the same bucket,
+# the 32 values are summed by shuffles and the lowest lane adds the sum (one atomic, not 32 on one address)
+_RED_WARP = """{
+  .reg .pred full, go, nz;
+  .reg .b32 m;
+  .reg .f32 s, t;
+  match.any.sync.b32 m, $1, 0xffffffff;
+  setp.eq.b32 full, m, 0xffffffff;
+  mov.f32 s, $2;
+  @full shfl.sync.bfly.b32 t, s, 16, 0x1f, 0xffffffff;
+  @full add.f32 s, s, t;
+  @full shfl.sync.bfly.b32 t, s, 8, 0x1f, 0xffffffff;
+  @full add.f32 s, s, t;
+  @full shfl.sync.bfly.b32 t, s, 4, 0x1f, 0xffffffff;
+  @full add.f32 s, s, t;
+  @full shfl.sync.bfly.b32 t, s, 2, 0x1f, 0xffffffff;
+  @full add.f32 s, s, t;
+  @full shfl.sync.bfly.b32 t, s, 1, 0x1f, 0xffffffff;
+  @full add.f32 s, s, t;
+  mov.b32 m, %lanemask_lt;
+  setp.eq.b32 go, m, 0;
+  not.pred full, full;
+  or.pred go, go, full;
+  setp.neu.f32 nz, s, 0f00000000;
+  and.pred go, go, nz;
+  @go red.shared.add.f32 [$0], s;
+}"""
 
 
-def _scatter_add(interpret: bool, hist_ref, idx, vals, runs: bool):
+def _scatter_add(interpret: bool, hist_ref, idx, vals, mode: str):
     """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: red.shared.add.f32 into
     a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no scatter; the instruction
-    Mosaic GPU's own shared-memory atomic stores issue). With `runs`, a thread's consecutive register elements
-    of one bucket are summed first and added with one atomic (a warp's atomics on one address serialise, and a
-    thread's cells are neighbours in a row or the row 8 below: mostly one bucket away from the diagonal).
-    Zeros (masked cells, a run's inner elements) issue no atomic; NaN does (setp.neu)."""
+    Mosaic GPU's own shared-memory atomic stores issue). mode "cells": one atomic per nonzero cell; "runs": a
+    thread's consecutive register elements of one bucket are summed first and added with one atomic (a warp's
+    atomics on one address serialise, and a thread's cells are neighbours in a row or the row 8 below: mostly
+    one bucket away from the diagonal); "warp": runs along each row of the thread in turn, and the last run
+    through _RED_WARP. Zeros (masked cells, a run's inner elements) issue no atomic; NaN does (setp.neu)."""
     if interpret:  # (the GPU interpreter has no scatter: a one-hot sum)
         onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
         hist_ref[...] = hist_ref[...] + jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
         return
+    import numpy as np
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -214,21 +251,23 @@ def _scatter_add(interpret: bool, hist_ref, idx, vals, runs: bool):
             at = lambda e: ir.DenseI64ArrayAttr.get([e])
             return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
 
-        def red(i, v):
-            llvm.inline_asm(
-                ir.Type.parse("!llvm.void"),
-                [mgpu_utils.getelementptr(base, [i], f32), v],
-                "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }",
-                "r,f",
-                has_side_effects=True,
+        def red(i, v, warp=False):
+            address = mgpu_utils.getelementptr(base, [i], f32)
+            args, asm, constraints = (
+                ([address, i, v], _RED_WARP, "r,r,f") if warp else ([address, v], _RED, "r,f")
             )
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), args, asm, constraints, has_side_effects=True)
 
+        regs_i, regs_v = cells.registers, values.registers
+        if mode == "warp":  # a thread's rows one after the other: the register axes that remain at 8 columns
+            rows = [a for a, n in enumerate(cells.layout.registers_shape((RES, 8))) if n > 1]
+            regs_i, regs_v = (np.moveaxis(r, rows, list(range(len(rows)))) for r in (regs_i, regs_v))
         pairs = [
             (i, v)
-            for ireg, vreg in zip(cells.registers.flat, values.registers.flat, strict=True)
+            for ireg, vreg in zip(regs_i.flat, regs_v.flat, strict=True)
             for i, v in zip(elements(ireg), elements(vreg), strict=True)
         ]
-        if not runs:
+        if mode == "cells":
             for i, v in pairs:
                 red(i, v)
             return
@@ -239,7 +278,7 @@ def _scatter_add(interpret: bool, hist_ref, idx, vals, runs: bool):
             red(run_i, arith.select(same, zero, run_v))
             run_v = arith.select(same, arith.addf(run_v, v), v)
             run_i = i
-        red(run_i, run_v)
+        red(run_i, run_v, warp=mode == "warp")
 
     scatter(hist_ref, idx, vals)
 
@@ -251,15 +290,15 @@ def _hist_add(interpret: bool, hist_ref, idx, ds):
     warp (_scatter_add skips zeros)."""
     if TABLE_GRADS == "none":
         return
-    if TABLE_GRADS == "runs":
-        _scatter_add(interpret, hist_ref, idx, ds, runs=True)
+    if TABLE_GRADS in ("runs", "warp"):
+        _scatter_add(interpret, hist_ref, idx, ds, TABLE_GRADS)
         return
     fidx = idx.astype(jnp.float32)
     spread = fidx.max(axis=1) + (-fidx).max(axis=1)  # max - min of each row's buckets
     uniform = lax.broadcast_in_dim(spread, ds.shape, [0]) == 0.0
     row_sum = lax.broadcast_in_dim(ds.sum(axis=1), ds.shape, [0])
     first = _iota(interpret, ds.shape, 1) == 0
-    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds), runs=False)
+    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds), "cells")
 
 
 class _Frame:
@@ -342,6 +381,22 @@ def _k_free(f: _Frame, q_lo, nq: int, bk: int, lo, hi, params: KernelParams):
         f_lo = jnp.maximum(f_lo, cdiv_dyn(jnp.maximum(q_lo + nq - 1 - params.max_attn_len, 0), bk))
     f_lo = jnp.clip(f_lo, lo, hi)
     return f_lo, jnp.clip(f_hi, f_lo, hi)
+
+
+def _k_clipped_end(q_lo, bk: int, f_lo, f_hi, params: KernelParams):
+    """Key tiles [f_lo, end) of the mask-free range [f_lo, f_hi) wholly past the last position bucket for the
+    query rows from q_lo (min(i - j) = q_lo - (n + 1) bk + 1 >= num_pos - 1; gpu_sm90's pos_far_end)."""
+    if not params.has_pos:
+        return f_lo
+    return jnp.clip((q_lo - params.num_pos + 2) // bk, f_lo, f_hi)  # floor division: < 0 when none is
+
+
+def _q_clipped_start(k_lo, nk: int, bq: int, f_lo, f_hi, params: KernelParams):
+    """Query tiles [start, f_hi) of the mask-free range [f_lo, f_hi) wholly past the last position bucket for
+    the key rows [k_lo, k_lo + nk) (min(i - j) = n bq - k_lo - nk + 1 >= num_pos - 1)."""
+    if not params.has_pos:
+        return f_hi
+    return jnp.clip(cdiv_dyn(k_lo + nk + params.num_pos - 2, bq), f_lo, f_hi)
 
 
 def _ds(z, dp, mask, lse, delta, params: KernelParams, lse_dim: int):
@@ -521,7 +576,7 @@ def _dkv_kernel(
         ts_keys = _load_vector(interpret, tsk_res2.at[wg], _ROW) if params.has_time else None
         pl.loop(cta_lo, lo)(drain)
 
-        def body(n, carry, masked: bool):
+        def body(n, carry, masked: bool, clipped: bool = False):
             dk_acc, dv_acc = carry
             slot = slot_at(n)
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -546,7 +601,7 @@ def _dkv_kernel(
                     ts_k = lax.broadcast_in_dim(ts_keys, (RES, bq), [0])
                 pos_tab = pos_tabs.at[wg] if params.has_pos else None
                 time_tab = time_tabs.at[wg] if params.has_time else None
-                z = z + _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k)[0]
+                z = z + _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)[0]
             pt, dst = _ds(z, dpt, mask, lse, delta, params, 1)
             dv_acc, dk_acc = _accumulate(
                 interpret, (dv_acc, dk_acc), (pt.astype(dtype), dst.astype(dtype)), (do_tile, q_tile)
@@ -556,8 +611,13 @@ def _dkv_kernel(
 
         zeros = lambda d: _cast(interpret, jnp.zeros((RES, d), jnp.float32), plgpu.Layout.WGMMA)
         carry = (zeros(dqk), zeros(dv))
+        c_lo = _q_clipped_start(
+            k_lo, RES, bq, f_lo, f_hi, params
+        )  # far below the diagonal: a scalar pos bias
         carry = lax.fori_loop(lo, f_lo, functools.partial(body, masked=True), carry)
-        carry = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(f_lo, c_lo, functools.partial(body, masked=False), carry)
+        if params.has_pos:
+            carry = lax.fori_loop(c_lo, f_hi, functools.partial(body, masked=False, clipped=True), carry)
         carry = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), carry)
         pl.loop(hi, cta_hi)(drain)
         load_res(i + 1)  # the last wgmmas have read K and V: fetch the next item's rows during the epilogue
@@ -739,7 +799,8 @@ def _dq_kernel(
         ts_rows = _load_vector(interpret, tsq_res2.at[wg], _ROW) if params.has_time else None
         pl.loop(cta_lo, lo)(drain)
 
-        def body(n, dq_acc, masked: bool):
+        def body(n, carry, masked: bool, clipped: bool = False):
+            dq_acc, far = carry
             slot = slot_at(n)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(s_bar.at[slot])
@@ -759,21 +820,35 @@ def _dq_kernel(
                     ts_k = lax.broadcast_in_dim(ts_cols, (RES, bk), [1])
                 pos_tab = pos_tabs.at[wg] if params.has_pos else None
                 time_tab = time_tabs.at[wg] if params.has_time else None
-                bias, pb, tb = _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k)
+                bias, pb, tb = _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)
                 z = z + bias
             _, ds = _ds(z, dp, mask, lse, delta, params, 0)
-            if params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
+            if params.has_pos and clipped:  # every cell in the last bucket: row sums, added once per item
+                far = far + ds.sum(axis=1)
+            elif params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
                 _hist_add(interpret, pos_hist.at[wg, f.h], pb, ds)
             if params.has_time:
                 _hist_add(interpret, time_hist.at[wg, f.h], tb, ds)
             (dq_acc,) = _accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
             plgpu.barrier_arrive(s_free.at[slot])
-            return dq_acc
+            return dq_acc, far
 
         dq = _cast(interpret, jnp.zeros((RES, dqk), jnp.float32), plgpu.Layout.WGMMA)
-        dq = lax.fori_loop(lo, f_lo, functools.partial(body, masked=True), dq)
-        dq = lax.fori_loop(f_lo, f_hi, functools.partial(body, masked=False), dq)
-        dq = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), dq)
+        far = _cast(interpret, jnp.zeros((RES,), jnp.float32), _ROW) if params.has_pos else None
+        c_hi = _k_clipped_end(q_lo, bk, f_lo, f_hi, params)  # far below the diagonal: a scalar pos bias
+        carry = lax.fori_loop(lo, f_lo, functools.partial(body, masked=True), (dq, far))
+        if params.has_pos:
+            carry = lax.fori_loop(f_lo, c_hi, functools.partial(body, masked=False, clipped=True), carry)
+        carry = lax.fori_loop(c_hi, f_hi, functools.partial(body, masked=False), carry)
+        dq, far = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), carry)
+        if params.has_pos and TABLE_GRADS != "none":  # the clipped tiles' dS, into the last position bucket
+            col0 = _iota(interpret, (RES, bk), 1) == 0
+            sums = jnp.where(col0, lax.broadcast_in_dim(far, (RES, bk), [0]), 0.0)
+            last = jnp.full((RES, bk), params.num_pos - 1, jnp.int32)
+            last = _cast(interpret, last, plgpu.Layout.WGMMA)
+            _scatter_add(
+                interpret, pos_hist.at[wg, f.h], last, sums, "warp" if TABLE_GRADS == "warp" else "runs"
+            )
         pl.loop(hi, cta_hi)(drain)
         load_res(i + 1)  # the last wgmmas have read Q and dO (and lse, delta are in registers)
         scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0

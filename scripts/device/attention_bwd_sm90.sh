@@ -7,6 +7,7 @@
 # Then (SWEEP, default n1024) the Mosaic backward's tile knobs on one shape.
 #   bash scripts/device/attention_bwd_sm90.sh                 (default cases, < 540 s)
 #   CASES="n1024 bias1024" SWEEP= REPS=20 bash scripts/device/attention_bwd_sm90.sh
+#   CHECK="5 6" CASES=bias1024 SWEEP= BIAS_MODES="runs warp none" bash scripts/device/attention_bwd_sm90.sh
 # Cases (scripts/device/attention_bwd_sm90.py CASES): n1024 n4096 d64 d256 bias1024 softmax; d256 is not taken by
 # the Mosaic backward yet (Triton runs in both columns) and softmax is no target, so neither is in the default list.
 set -u
@@ -32,6 +33,12 @@ for case in $CASES; do
   echo "$case rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
   grep "check vs Triton\|Error\|error:" "$OUT/$case.log" | head -5
 done
+if [ -n "${BIAS_MODES:-}" ]; then  # e.g. BIAS_MODES="runs warp none": gpu_sm90_backward.TABLE_GRADS on bias1024
+  t0=$(date +%s)
+  timeout -k 10 "${BIAS_LIMIT:-150}" python3 scripts/device/attention_bwd_sm90.py bias bias1024 "$REPS" $BIAS_MODES > "$OUT/bias_modes.log" 2>&1
+  echo "bias modes rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
+  grep -h "^BIAS \|Error\|error:" "$OUT/bias_modes.log" | head -8
+fi
 for case in $SWEEP; do
   if [ $(( $(date +%s) - start + 60 )) -gt ${BUDGET:-530} ]; then echo "sweep $case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
   t0=$(date +%s)
