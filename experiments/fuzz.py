@@ -105,6 +105,10 @@ class Family:
     # KernelOptions.hopper_forward: None runs the Mosaic GPU forward on Hopper where it supports the call
     # (bf16, T a multiple of 8), False the Triton forward; so bf16 families cover both GPU forwards.
     hopper_forward: bool | None = None
+    # KernelOptions.hopper_backward (None: the Mosaic GPU backward on Hopper where it supports the call) and
+    # hopper_backward_bias (it also takes the relative bias, off by default: slower than Triton there)
+    hopper_backward: bool | None = None
+    hopper_backward_bias: bool = False
 
     def __str__(self) -> str:
         bias = [f"pos {self.num_pos}"] * bool(self.num_pos) + [f"time {self.num_time}"] * bool(self.num_time)
@@ -113,6 +117,8 @@ class Family:
             f"D={self.dqk}/{self.dv} N={self.max_seq_len} targets={'yes' if self.targets else 'no'} "
             f"window={self.window} bias={'+'.join(bias) or 'none'}"
             + ("" if self.hopper_forward is None else f" hopper_forward={self.hopper_forward}")
+            + ("" if self.hopper_backward is None else f" hopper_backward={self.hopper_backward}")
+            + (" hopper_backward_bias=True" if self.hopper_backward_bias else "")
         )
 
 
@@ -139,6 +145,11 @@ def make_family(seed: int, index: int, platform: str) -> Family:
     cover = index < len(COVER)
     num_pos = int(tables.choice([n // 2, n + 17] if cover else [1, 5, n // 2, n + 17]))
     num_time = int(tables.choice([12, 64] if cover else [1, 12, 64]))
+    # the backward's switches from a third stream (the families' other draws stay as they were): the covering
+    # bf16 families 0 and 2 run the Mosaic backward with their bias (after either forward)
+    backward = np.random.default_rng([seed, index, 2])
+    hopper_backward = None if cover or backward.random() < 0.5 else False
+    backward_bias = cover or bool(backward.random() < 0.5)
     return Family(
         capacity=max(pick("capacity"), n),
         batch=pick("batch"),
@@ -154,6 +165,8 @@ def make_family(seed: int, index: int, platform: str) -> Family:
         num_time=num_time if switches["time"] else 0,
         # Covering families 0 and 2 (bf16) take one forward each; the others draw it.
         hopper_forward=(None, None, False, None)[index] if cover else (None if rng.random() < 0.5 else False),
+        hopper_backward=hopper_backward,
+        hopper_backward_bias=backward_bias,
     )
 
 
@@ -230,7 +243,11 @@ def _gradient_fn(family: Family, implementation: str) -> Callable:
             pos_bias=pos,
             time_bias=tim,
             implementation=implementation,
-            options=KernelOptions(hopper_forward=family.hopper_forward),
+            options=KernelOptions(
+                hopper_forward=family.hopper_forward,
+                hopper_backward=family.hopper_backward,
+                hopper_backward_bias=family.hopper_backward_bias,
+            ),
         )
         return jnp.sum(out.astype(jnp.float32) * do), out
 
