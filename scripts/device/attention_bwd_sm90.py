@@ -44,6 +44,7 @@ SWEEP_KW = {}  # further backward_mosaic_gpu arguments (a CPU smoke run: interpr
 CASES = {
     "n1024": ("silu N=1024 B=512 D=128", shapes.PEER_N1024, "silu", None),
     "n4096": ("silu N=4096 B=512 D=128", shapes.PEER_N4096, "silu", None),
+    "heavy": ("silu heavy-tailed N=4096 B=2048 D=128", shapes.HEAVY_TAIL, "silu", None),
     "d64": ("silu full N=16384 B=16 D=64", shapes.NVIDIA_D64, "silu", None),
     "d256": ("silu full N=4096 B=64 D=256", shapes.NVIDIA_D256, "silu", None),
     "bias1024": ("silu N=1024 B=512 + pos 128 + time 64", shapes.PEER_N1024, "silu", shapes.GEM_H200_BIAS),

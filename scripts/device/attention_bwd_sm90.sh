@@ -8,7 +8,7 @@
 #   bash scripts/device/attention_bwd_sm90.sh                 (default cases, < 540 s)
 #   CASES="n1024 bias1024" SWEEP= REPS=20 bash scripts/device/attention_bwd_sm90.sh
 #   CHECK="5 6" CASES=bias1024 SWEEP= BIAS_MODES="runs warp none" bash scripts/device/attention_bwd_sm90.sh
-# Cases (scripts/device/attention_bwd_sm90.py CASES): n1024 n4096 d64 d256 bias1024 softmax; d256 is not taken by
+# Cases (scripts/device/attention_bwd_sm90.py CASES): n1024 n4096 heavy d64 d256 bias1024 softmax; d256 is not taken by
 # the Mosaic backward yet (Triton runs in both columns) and softmax is no target, so neither is in the default list.
 set -u
 [ -d .whl ] && python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1
@@ -18,7 +18,7 @@ SWEEP=${SWEEP-n1024}
 REPS=${REPS:-10}
 CHECK=${CHECK-}  # check case indices (empty: all); CHECK_LIMIT seconds for them
 CHECK_LIMIT=${CHECK_LIMIT:-240}
-declare -A LIMIT=([n1024]=110 [n4096]=150 [d64]=90 [d256]=90 [bias1024]=150 [softmax]=80)
+declare -A LIMIT=([n1024]=110 [n4096]=150 [heavy]=150 [d64]=90 [d256]=90 [bias1024]=150 [softmax]=80)
 for case in $CASES; do v=LIMIT_$case; [ -n "${!v:-}" ] && LIMIT[$case]=${!v}; done  # e.g. LIMIT_n4096=200
 start=$(date +%s)
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$OUT/smi.txt" 2>&1
