@@ -2,13 +2,22 @@
 describes (each bound below was met by the per-example generator it replaced, and fails when a user's
 history or actions are drawn with another user's taste), deterministically and thread-safely."""
 
+import pickle
 import threading
 
 import numpy as np
 import pytest
 
 from gem_jax.config import load_config
-from gem_jax.data.synthetic import BLOCK, SyntheticAds
+from gem_jax.data.synthetic import (
+    BLOCK,
+    HASHED_STREAM_VERSION,
+    HEAD_ITEMS,
+    STREAM_VERSION,
+    TABLE_ITEMS,
+    SyntheticAds,
+    stream_version,
+)
 from gem_jax.train.metrics import auc
 
 
@@ -91,3 +100,78 @@ def test_examples_depend_only_on_seed_and_index():
     other_seed = SyntheticAds(load_config("configs/tiny.toml", ["data.seed=1"]).data, 2)
     assert not np.array_equal(other_seed.example(5)["dense"], forward[0]["dense"])
     assert not np.array_equal(a.example(BLOCK + 5)["dense"], forward[0]["dense"])  # blocks differ
+
+
+# ----------------------------------------------------------------------------- past TABLE_ITEMS items
+
+HUGE = 125_829_119  # the 60 GiB offloaded item table's id space (scripts/device/offload_curve.sh)
+
+
+def _data(num_items: int, *more: str):
+    return load_config("configs/gem_h200.toml", [f"data.num_items={num_items}", *more]).data
+
+
+def test_a_large_item_space_costs_no_memory_per_item():
+    """Each grain worker gets the generator pickled: with tables over every item that was 40 bytes per item
+    (5 GB a worker at 126 M items: 12 workers ran the H200 host out of memory before the first batch)."""
+    sizes = {}
+    for n in (TABLE_ITEMS + 1, HUGE):  # the first already failed the bound with tables (160 MB)
+        gen = SyntheticAds(_data(n), 2)
+        sizes[n] = len(pickle.dumps(gen))
+        assert sizes[n] < 16 * 2**20, f"{n} items: the generator pickles to {sizes[n] / 2**20:.0f} MiB"
+    assert sizes[HUGE] == sizes[TABLE_ITEMS + 1]
+    # What a worker draws from its copy is what the trainer's would: every id of the space can come out.
+    copy = pickle.loads(pickle.dumps(gen))
+    a, b = gen.block(3), copy.block(3)
+    for x, y in zip(a, b):
+        for key in ("item_ids", "action_ids", "timestamps", "dense", "labels", "click_logit"):
+            np.testing.assert_array_equal(x[key], y[key])
+    ids = np.concatenate([e["item_ids"] for e in a])
+    assert ids.min() >= 1 and ids.max() <= HUGE and (ids > HEAD_ITEMS).mean() > 0.05
+
+
+@pytest.mark.parametrize("zipf", [1.1, 1.0, 0.8])
+def test_past_the_tables_ids_follow_the_exact_zipf_law(zipf):
+    """The sampler past TABLE_ITEMS (head table + the tail's integral inverted) gives the id that the
+    exact inverse CDF of Zipf(s) over every item gives, for uniforms anywhere and in the tail."""
+    n = TABLE_ITEMS + 12_345
+    gen = SyntheticAds(_data(n, f"data.zipf_exponent={zipf}"), 2)
+    p = np.arange(1, n + 1, dtype=np.float64) ** -zipf
+    cdf = np.cumsum(p / p.sum())
+    rng = np.random.default_rng(0)
+    head = cdf[HEAD_ITEMS - 1]
+    u = np.concatenate([rng.random(200_000), head + (1 - head) * rng.random(200_000)])
+    exact = np.minimum(np.searchsorted(cdf, u) + 1, n)
+    got = gen.zipf_ids(u)
+    assert got.dtype == np.int32 and got.min() >= 1 and got.max() <= n
+    assert (got > HEAD_ITEMS).sum() > 200_000  # the tail is exercised
+    assert np.sum(got != exact) <= 2, np.flatnonzero(got != exact)[:10]  # floating point at a boundary
+
+
+def test_past_the_tables_item_factors_keep_the_construction():
+    """Hashed factors: unit norm, the same per id however they are asked for (the head table or the
+    hash), seeded, and the category structure of the tables (items of a category share most of it)."""
+    gen = SyntheticAds(_data(HUGE), 2)
+    ids = np.array([1, 2, 17, HEAD_ITEMS, HEAD_ITEMS + 1, HUGE - 1, HUGE, 7 * HEAD_ITEMS])
+    f = gen.factors(ids)
+    np.testing.assert_allclose(np.linalg.norm(f, axis=1), 1.0, rtol=1e-5)
+    np.testing.assert_allclose(f, gen._hashed_factors(ids), rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(gen.factors(ids[::-1]), f[::-1])
+    np.testing.assert_array_equal(SyntheticAds(_data(HUGE), 2).factors(ids), f)
+    assert not np.allclose(SyntheticAds(_data(HUGE, "data.seed=1"), 2).factors(ids), f)
+
+    def cosines(g, ids):  # same-category pairs (ids 16c, 16c + 1), other-category pairs (16c, 16c + 16)
+        a, same, other = g.factors(ids), g.factors(ids + 1), g.factors(ids + 16)
+        return np.mean(np.sum(a * same, axis=1)), np.mean(np.abs(np.sum(a * other, axis=1)))
+
+    table = SyntheticAds(_data(20_000), 2)  # tables: the reference
+    rng = np.random.default_rng(0)
+    want = cosines(table, 16 * rng.integers(1, 20_000 // 16 - 2, 1000))
+    got = cosines(gen, 16 * rng.integers(HEAD_ITEMS // 16, HUGE // 16 - 2, 1000))
+    np.testing.assert_allclose(got, want, atol=0.03)
+
+
+def test_the_stream_version_says_which_world():
+    assert stream_version(load_config("configs/tiny.toml").data) == STREAM_VERSION
+    assert stream_version(_data(TABLE_ITEMS)) == STREAM_VERSION
+    assert stream_version(_data(TABLE_ITEMS + 1)) == HASHED_STREAM_VERSION != STREAM_VERSION

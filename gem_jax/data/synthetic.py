@@ -7,6 +7,16 @@ user's taste, so the history reveals the taste; one sparse feature carries a coa
 Bernoulli(sigmoid(taste . item factor + dense signal)); a conversion needs a click and a second,
 related draw. A model that learns shows it in AUC; one that does not stays near 0.5.
 History lengths are log-normal or Zipf (heavy-tailed), with a fraction of empty histories.
+
+Memory does not grow with the item space past `TABLE_ITEMS` items. Up to it the items' factors and the
+Zipf CDF are tables over every item (`data.num_items` + 1 rows; stream 2, what every run so far drew). Past
+it they would cost ~40 bytes per item in the trainer and in each data worker (grain pickles the generator
+to every worker: 5 GB each at 126 M items, and ~220 bytes per item while building), so the world is drawn
+per item instead (stream 3): an item's factor comes from a counter-based hash of (seed, item), the same
+construction (its category's factor plus its own) with the HEAD_ITEMS most popular items' factors kept in
+a table, and a Zipf id is the head's exact CDF or, past it, the inverse of the law's integral (each rank k
+gets the integral of x^-s over [k - 1/2, k + 1/2): k^-s within a relative ~0.1 / k^2, 1e-12 past the
+head). About 10 MB per process at any item count.
 """
 
 from __future__ import annotations
@@ -22,14 +32,40 @@ from gem_jax.config import DataConfig
 _NUM_SEGMENTS = 16
 _CATEGORY_SIZE = 16  # items per category for the candidate-category feature
 BLOCK = 64  # examples drawn together
-# Which random stream the settings draw: a run's fingerprint records it, so a resume refuses data that the
-# same settings would now draw differently. Change it with any change to what a seed yields.
+# Which random stream the settings draw: a run's fingerprint records it (`stream_version`), so a resume
+# refuses data that the same settings would now draw differently. Change them with any change to what a seed
+# yields: STREAM_VERSION for item spaces up to TABLE_ITEMS (the tables), HASHED_STREAM_VERSION past it.
 STREAM_VERSION = 2
+HASHED_STREAM_VERSION = 3
+TABLE_ITEMS = 2**22  # item spaces up to this draw the world as tables over every item (module docstring)
+HEAD_ITEMS = 2**18  # past it: the most drawn items, whose factors and CDF are kept (85% of draws at 126 M)
 _CACHED_BLOCKS = 16  # per generator: every shard's stream reads from the few newest blocks
 # No reader threads: a block costs ~3 ms of numpy, and grain's 16 default threads cost more than that in
 # switching (one pack of the tiny config: 14 ms with them, 5 ms without). The training loop draws the
 # next pack while the device runs the step it dispatched.
 READ_OPTIONS = grain.ReadOptions(num_threads=0)
+
+
+def stream_version(config: DataConfig) -> int:
+    """The version of the random stream these settings draw (a run's data fingerprint)."""
+    return STREAM_VERSION if config.num_items <= TABLE_ITEMS else HASHED_STREAM_VERSION
+
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _hash_normals(key: np.uint64, index: np.ndarray, r: int) -> np.ndarray:
+    """[len(index), r] standard normals (float64), each a function of (key, index, column) alone: the
+    SplitMix64 output for its counter, Box-Muller on its two 32-bit halves."""
+    counter = index.astype(np.uint64)[:, None] * np.uint64(r) + np.arange(1, r + 1, dtype=np.uint64)
+    z = counter * _GOLDEN + key
+    z = (z ^ (z >> np.uint64(30))) * _MIX[0]
+    z = (z ^ (z >> np.uint64(27))) * _MIX[1]
+    z ^= z >> np.uint64(31)
+    u1 = ((z >> np.uint64(32)).astype(np.float64) + 0.5) * 2.0**-32  # (0, 1)
+    u2 = (z & np.uint64(0xFFFFFFFF)).astype(np.float64) * 2.0**-32
+    return np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u2)
 
 
 def _grouped_order(group: np.ndarray, key: np.ndarray) -> np.ndarray:
@@ -51,15 +87,28 @@ class SyntheticAds:
         self.config = config
         self.num_tasks = num_tasks
         world = np.random.default_rng([config.seed, 0x5EED])
-        r = config.latent_dim
-        # Items of one category share most of their factor, so what is learnt about one transfers.
-        categories = world.normal(0, 1, (config.num_items // _CATEGORY_SIZE + 2, r))
-        own = world.normal(0, 0.4, (config.num_items + 1, r))
-        factors = categories[np.arange(config.num_items + 1) // _CATEGORY_SIZE] + own
-        self.item_factors = (factors / np.linalg.norm(factors, axis=1, keepdims=True)).astype(np.float32)
-        ranks = np.arange(1, config.num_items + 1, dtype=np.float64)
-        p = ranks**-config.zipf_exponent
-        self.item_cdf = np.cumsum(p / p.sum())
+        r, n, zipf = config.latent_dim, config.num_items, config.zipf_exponent
+        self._keys: np.ndarray | None = None  # the hash keys of the factors (category, own) past TABLE_ITEMS
+        if n <= TABLE_ITEMS:  # every item's factor and CDF as tables (stream 2)
+            # Items of one category share most of their factor, so what is learnt about one transfers.
+            categories = world.normal(0, 1, (n // _CATEGORY_SIZE + 2, r))
+            own = world.normal(0, 0.4, (n + 1, r))
+            factors = categories[np.arange(n + 1) // _CATEGORY_SIZE] + own
+            self.item_factors = (factors / np.linalg.norm(factors, axis=1, keepdims=True)).astype(np.float32)
+            ranks = np.arange(1, n + 1, dtype=np.float64)
+            p = ranks**-zipf
+            self.item_cdf = np.cumsum(p / p.sum())
+        else:  # per item (stream 3): the same construction from a hash, the head's factors and CDF kept
+            self._keys = world.integers(0, 2**64, 2, dtype=np.uint64, endpoint=False)
+            # The table of the most drawn items, 0..HEAD_ITEMS (`factors` hashes the others as they come).
+            self.item_factors = self._hashed_factors(np.arange(HEAD_ITEMS + 1))
+            p = np.arange(1, HEAD_ITEMS + 1, dtype=np.float64) ** -zipf
+            # The tail's mass: the integral of x^-s over [HEAD_ITEMS + 1/2, n + 1/2).
+            self._a = 1.0 - zipf  # the integral's exponent (0: logarithm)
+            self._c = self._power(HEAD_ITEMS + 0.5)
+            self._head_mass = float(p.sum())
+            self._total_mass = self._head_mass + (self._power(n + 0.5) - self._c)
+            self.item_cdf = np.cumsum(p) / self._total_mass  # the head's: its last entry is below 1
         self.segment_directions = world.normal(0, 1, (_NUM_SEGMENTS, r)).astype(np.float32)
         self.dense_weights = world.normal(0, 1, config.num_dense_features).astype(np.float32)
         self.dense_weights /= max(1.0, np.linalg.norm(self.dense_weights))
@@ -72,9 +121,43 @@ class SyntheticAds:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _lock=threading.Lock(), _blocks={})
 
+    def _power(self, x: float | np.ndarray) -> float | np.ndarray:
+        """The integral of t^-s up to x (up to a constant): x^(1-s) / (1-s), or log x when s = 1."""
+        return np.log(x) if self._a == 0 else np.power(x, self._a) / self._a
+
+    def _hashed_factors(self, ids: np.ndarray) -> np.ndarray:
+        """Items' unit factors from the hash (past TABLE_ITEMS): their category's, plus their own (std 0.4)."""
+        r = self.config.latent_dim
+        factors = _hash_normals(self._keys[0], ids // _CATEGORY_SIZE, r) + 0.4 * _hash_normals(
+            self._keys[1], ids, r
+        )
+        return (factors / np.linalg.norm(factors, axis=1, keepdims=True)).astype(np.float32)
+
+    def factors(self, ids: np.ndarray) -> np.ndarray:
+        """[..., latent_dim] unit factors of the items `ids` (from the table, or for ids past its rows,
+        which only a world past TABLE_ITEMS has, from the hash)."""
+        if self._keys is None:
+            return self.item_factors[ids]
+        out = np.empty((*ids.shape, self.config.latent_dim), np.float32)
+        head = ids < len(self.item_factors)
+        out[head] = self.item_factors[ids[head]]
+        out[~head] = self._hashed_factors(ids[~head])
+        return out
+
+    def zipf_ids(self, u: np.ndarray) -> np.ndarray:
+        """Item ids (int32, 1..num_items, Zipf(zipf_exponent) by rank) of uniforms `u` in [0, 1): the
+        inverse of the CDF."""
+        n = self.config.num_items
+        ids = np.searchsorted(self.item_cdf, u) + 1
+        if self._keys is not None:  # past the head: invert the integral of the tail (module docstring)
+            tail = u > self.item_cdf[-1]
+            w = u[tail] * self._total_mass - self._head_mass  # the tail's mass below each draw
+            x = np.exp(self._c + w) if self._a == 0 else np.power(self._a * (self._c + w), 1.0 / self._a)
+            ids[tail] = np.clip(np.floor(x + 0.5), HEAD_ITEMS + 1, n)
+        return np.minimum(ids, n).astype(np.int32)
+
     def _zipf_items(self, rng: np.random.Generator, shape: int | tuple[int, ...]) -> np.ndarray:
-        ids = np.searchsorted(self.item_cdf, rng.random(shape)) + 1
-        return np.minimum(ids, self.config.num_items).astype(np.int32)
+        return self.zipf_ids(rng.random(shape))
 
     def example(self, index: int) -> dict[str, Any]:
         """Example `index`, from its block (drawn once, then cached)."""
@@ -106,7 +189,8 @@ class SyntheticAds:
         pool_sizes = np.maximum(4 * lengths, 1)
         pool_owner = np.repeat(np.arange(n), pool_sizes)
         pool = self._zipf_items(rng, len(pool_owner))
-        affinity = np.einsum("pr,pr->p", self.item_factors[pool], taste[pool_owner])
+        pool_factors = self.factors(pool)
+        affinity = np.einsum("pr,pr->p", pool_factors, taste[pool_owner])
         keys = affinity + rng.gumbel(size=len(pool))
         by_key = _grouped_order(pool_owner, -keys)  # each user's pool, best key first
         rank = _rank_in_group(pool_sizes)
@@ -114,7 +198,7 @@ class SyntheticAds:
         owner = pool_owner[chosen]  # sorted: each user's chosen items together
         chosen = chosen[_grouped_order(owner, rng.random(len(chosen)))]  # each user's in random order
         history = pool[chosen]
-        hist_affinity = np.einsum("tr,tr->t", self.item_factors[history], taste[owner])
+        hist_affinity = np.einsum("tr,tr->t", pool_factors[chosen], taste[owner])
         # Stronger affinity -> deeper action (view < click < cart < purchase).
         noise = rng.normal(0, 0.5, len(history))
         actions = 1 + np.clip((hist_affinity + noise + 1.0).astype(np.int32), 0, c.num_actions - 1)
@@ -125,7 +209,7 @@ class SyntheticAds:
         times -= np.repeat(np.concatenate([[0], times[time_ends[:-1] - 1]]), lengths + 1)
         candidates = self._zipf_items(rng, (n, k))
         dense = rng.normal(0, 1, (n, c.num_dense_features)).astype(np.float32)
-        cand_affinity = np.einsum("ncr,nr->nc", self.item_factors[candidates], taste)
+        cand_affinity = np.einsum("ncr,nr->nc", self.factors(candidates), taste)
         click_logit = 1.6 * cand_affinity + 0.8 * (dense @ self.dense_weights)[:, None] - 0.5
         clicks = rng.random((n, k)) < 1 / (1 + np.exp(-click_logit))
         labels = np.zeros((n, k, self.num_tasks), np.float32)

@@ -87,10 +87,10 @@ def _fingerprint(config: Config) -> dict[str, Any]:
         from gem_jax.data.records.dataset import records_fingerprint
 
         return {"kind": d.kind, **records_fingerprint(d)}
-    from gem_jax.data.synthetic import STREAM_VERSION
+    from gem_jax.data.synthetic import stream_version
 
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_DATA_IDENTITY}
-    return {"kind": d.kind, "generator": settings, "stream": STREAM_VERSION}
+    return {"kind": d.kind, "generator": settings, "stream": stream_version(d)}
 
 
 def code_version() -> dict[str, Any]:
