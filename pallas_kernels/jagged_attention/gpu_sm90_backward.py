@@ -7,7 +7,8 @@ Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, t
 o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
 bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
 KernelOptions.hopper_backward_bias: correct on the H200, but slower than the Triton backward there) the
-relative position and time bias; the GPU backend runs the Triton backward for the others.
+relative position and time bias; Dqk = Dv = 256 without a bias only with KernelOptions.hopper_backward_d256
+(below, "Head dim 256": not yet run on a GPU); the GPU backend runs the Triton backward for the others.
 
 Design: two kernels, each one CTA = three warpgroups (two consumers of RES = 64 resident rows each, one TMA
 producer streaming tiles of the other side into a ring of shared-memory slots), on a persistent grid of NUM_SMS
@@ -40,6 +41,50 @@ CPU checks (tests/test_jagged_attention_sm90_backward.py): the Pallas -> Mosaic 
 and Mosaic GPU interpret mode against the reference's gradients, with the wgmmas replaced by plain dots there
 (the interpreter has no transposed wgmma operands nor run_state). Numbers only come from the device
 (scripts/device/attention_bwd_sm90.sh).
+
+Head dim 256 (D_SPLIT; KernelOptions.hopper_backward_d256, off until checked on a device). The D <= 128 dK/dV
+consumer would hold dK and dV of its 64 keys: 2 x 64 x 256 float32 = 256 registers a thread, past the 232 a
+consumer gets (setmaxnreg 232/232/40 for the three warpgroups: 64.5K of the SM's 64K registers), and two
+consumers' resident K and V (128 KB) leave no room for a ring of 64-row Q and dO slots (64 KB each). So:
+* dK/dV, split by role (_dkv_split_kernel): one item = 64 keys (work list in 64-key tiles), K and V resident once
+  (consumer 0 loads K, consumer 1 V), both consumers walk all of the item's query tiles (same range, same masks,
+  no drain). Consumer 0 holds dV: S^T = K Q^T (wgmma, both operands in shared memory, N = 64), P^T and the dS
+  factor g (SiLU: g = silu'(z), dS = dP g; softmax: g = P, dS = g (dP - delta); zero in masked cells) in float32,
+  g into a 64 x 64 float16 exchange tile (float16: 4x bf16's precision, and g is in [-0.1, 1.1] (SiLU) or [0, 1]),
+  then dV += P^T dO (A from registers, N = 256). Consumer 1 holds dK: dP^T = V dO^T, g from the exchange tile,
+  dS^T (no mask: g is zero there), dK += dS^T Q. ex_full / ex_free (one arrival each way per tile) hand the tile
+  over and back; every tile-matmul runs once (4 per score tile, as at D <= 128).
+  Why not the alternatives: each consumer holding half of D of dK and dV needs S^T and dP^T twice (+50% MMA) or
+  split along the queries (N = 32 wgmmas that re-read the resident K and V per half, both halves of P^T and dS^T
+  through shared memory, a two-way barrier per tile: by the model below 368 KiB = 2944 clocks of shared-memory
+  traffic per tile against 2048 of MMA); two passes (dV, then dK) cost 25% more MMA and two copies of K and V (128 KB);
+  FA3's fused dQ would need a 64 x 256 float32 dQ partial per tile (128 registers no consumer has) and push
+  64 KB of float32 reduce-adds to L2 per 64 x 64 tile (~25 B/clock/SM, twice FA3's rate at D = 128).
+  Schedule (SPLIT_MEET): the consumers meet once per query tile, consumer 0 after its S^T wgmma and consumer 1
+  before its dP^T one, so that the tensor cores run S^T alone (512 clocks: a 64 x 64 x 256 wgmma at 4096 bf16
+  FLOP/clock/SM), then dP^T while consumer 0 computes P^T and g (~350 clocks of ALU/MUFU), then dV and, after
+  consumer 1's ~100-clock dS^T, dK, then the next S^T: 4 x 512 clocks a tile with no idle tensor core while the
+  activation is shorter than one wgmma. Without the meeting both products are issued at once and both consumers
+  then wait for consumer 0's activation (~15% of a tile idle); the device script A/Bs it (`meet`).
+* dQ: the D <= 128 kernel with 32-key streamed tiles (dQ 64 x 256 float32 = 128 registers, S and dP 64 x 32 = 16
+  each); a 32-row K tile as a wgmma's K needs the 64-byte swizzle, so the dQ kernel's tiles all take it (the
+  128-byte one elsewhere). 64-key tiles would need 128 KB of ring beside the 128 KB of resident Q and dO.
+* Outputs are staged and stored in 64-column slices (STAGE_COLS: 8 KB a consumer), as the forward at D = 256.
+* Registers a consumer thread (estimates; ptxas decides): dK/dV consumer 0 dV 128 + S^T 32 + P^T (bf16) 16 +
+  activation temporaries ~32 = ~210; consumer 1 dK 128 + dP^T 32 + g 32 + dS^T (bf16) 16 = ~208; dQ consumer
+  dQ 128 + S 16 + dP 16 + dS 8 = ~170 (D <= 128 dK/dV today: dK 64 + dV 64 + S^T 32 + dP^T 32 + temporaries).
+* Shared memory (bf16; smem_bytes, SMEM_BYTES = 227 KiB less 8 KiB for barriers and alignment = 224,256):
+  dK/dV 222,208 = resident K, V 65,536 + 2 slots of Q and dO 131,072 + lse, delta 1,024 + exchange 8,192 +
+  staging 16,384 (a second exchange slot or a third ring slot does not fit); dQ 214,016 = resident Q, dO of two
+  consumers 131,072 + lse, delta 1,024 + 2 slots of 32-row K and V 65,536 + staging 16,384.
+* Throughput model (tensor core 4096 bf16 FLOP/clock/SM, shared memory 128 B/clock/SM, per 64 x 64 score tile
+  of the dK/dV kernel): MMA 2048 clocks; shared-memory traffic S^T 64 KB + dP^T 64 KB + dV, dK (B only) 64 KB +
+  exchange 16 KB + TMA writes of Q, dO 64 KB = 272 KiB = 2176 clocks: balanced. dQ per 32-key tile (both
+  consumers): MMA 1536 clocks, shared memory 256 KiB = 2048 clocks: bound there (75%). The peer's 350 TFLOP/s credits 5
+  tile-matmuls where both kernels run 7: 490 executed, 50% of the H200's 989. The Mosaic forward at D = 256 (the
+  same 64 x 64 x 256 score tiles, a register-A wgmma of N = 256) runs 441-455 TFLOP/s in the bench and 550 in
+  the hstu_nvidia profile (45-56%): 350 is in reach if the backward kernels match the forward's efficiency,
+  not certain. Not run on a GPU yet: the first device run checks and times it (scripts/device/attention_bwd_sm90.sh).
 """
 
 from __future__ import annotations
@@ -82,6 +127,11 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
 STAGE_COLS = 64  # D_SPLIT: outputs staged and stored 64 columns at a time (shared memory)
+# D_SPLIT dK/dV: the consumers meet once per query tile, consumer 0 after its S^T wgmma, consumer 1 before its dP^T
+# one, so that the tensor cores run S^T alone, then dP^T while consumer 0 computes P^T and the dS factor, then dV
+# and dK (the docstring's timeline: no idle tensor core for the activation). False: no meeting (both products
+# are issued at once and both consumers then wait for consumer 0's activation): for the device A/B.
+SPLIT_MEET = True
 SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
 
 
@@ -820,7 +870,7 @@ def _dkv_split_kernel(
     exchange tile, dV += P^T dO. Consumer 1 holds dK: dP^T = V dO^T, g from the exchange tile, dS^T, dK +=
     dS^T Q. ex_full / ex_free hand the exchange tile over and back once per query tile."""
     wg = lax.axis_index("wg")
-    buffers, (res_bar, s_bar, s_free, ex_full, ex_free) = scoped
+    buffers, (res_bar, s_bar, s_free, ex_full, ex_free, meet) = scoped
     k_res, v_res, stage_bufs, q_smem, do_smem, lse_smem, delta_smem, ex_smem = buffers
     d = k_res.shape[-1]
     bq = block_q
@@ -862,6 +912,9 @@ def _dkv_split_kernel(
             slot = slot_of(j)
             plgpu.barrier_wait(s_bar.at[slot])
             st = _one_product(interpret, k_res, q_smem.at[slot], (RES, bq))
+            if SPLIT_MEET:  # S^T is done: consumer 1 may issue dP^T (SPLIT_MEET)
+                plgpu.barrier_arrive(meet)
+                plgpu.barrier_wait(meet)
             lse = _load_vector(interpret, lse_smem.at[slot], _COL) if softmax else None
             mask = None
             if masked:  # rows: keys, columns: queries (sequence positions)
@@ -882,6 +935,9 @@ def _dkv_split_kernel(
 
         def grads(n, dk_acc):
             slot = slot_of(g0 + n - lo)
+            if SPLIT_MEET:  # after consumer 0's S^T wgmma
+                plgpu.barrier_arrive(meet)
+                plgpu.barrier_wait(meet)
             plgpu.barrier_wait(s_bar.at[slot])
             dpt = _one_product(interpret, v_res, do_smem.at[slot], (RES, bq))
             plgpu.barrier_wait(ex_full)
@@ -1323,6 +1379,7 @@ def backward_mosaic_gpu(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
             plgpu.Barrier(num_arrivals=1),  # the exchange tile is written (consumer 0 arrives)
             plgpu.Barrier(num_arrivals=1),  # ... and read (consumer 1 arrives)
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the consumers' meeting per query tile (SPLIT_MEET)
         )
         kernel = functools.partial(
             _dkv_split_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common
