@@ -943,10 +943,12 @@ def _dkv_split_kernel(
             plgpu.barrier_wait(ex_full)
             factor = _load_vector(interpret, ex_smem, plgpu.Layout.WGMMA).astype(jnp.float32)
             plgpu.barrier_arrive(ex_free)
-            if softmax:  # masked cells: g = 0 (their dP^T is finite: dO is zero past offsets[B])
+            # No mask: g is zero in masked cells, and their dP^T is finite (dO is zero past offsets[B]) except in
+            # the rows of keys past offsets[B] (V may hold NaN there), which reach only their own, unstored, dK rows
+            if softmax:
                 delta = _load_vector(interpret, delta_smem.at[slot], _COL)
                 dst = factor * (dpt - lax.broadcast_in_dim(delta, (RES, bq), [1]))
-            else:  # (rows of keys past offsets[B] may hold NaN: only their own, unstored, dK rows see it)
+            else:
                 dst = dpt * factor
             (dk_acc,) = _accumulate(interpret, (dk_acc,), (dst.astype(dtype),), (q_smem.at[slot],))
             plgpu.barrier_arrive(s_free.at[slot])
