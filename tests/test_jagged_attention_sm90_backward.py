@@ -51,6 +51,12 @@ def _lowered(f, *args) -> str:
         ("softmax", 128, 4096, 132, 0, False, None, None, None),
         ("softmax", 64, 200, None, 40, True, None, None, None),
         ("silu", 64, 16384, 132, 300, True, 128, 128, 2),
+        # head dim 256 (KernelOptions.hopper_backward_d256): the role-split dK/dV kernel, 32-key dQ tiles with
+        # the 64-byte swizzle, outputs in 64-column slices; the lowering also checks that their shared memory
+        # fits (Mosaic GPU refuses a kernel past the H100/H200's 227 KB)
+        ("silu", 256, 4096, 132, 0, False, None, None, None),
+        ("softmax", 256, 1024, None, 100, True, None, None, None),
+        ("silu", 256, 300, 132, 40, True, None, None, None),
     ],
 )
 def test_lowers_to_mosaic_gpu(activation, d, n, num_ctas, window, targets, block_q, block_k, stages):
@@ -66,6 +72,23 @@ def test_lowers_to_mosaic_gpu(activation, d, n, num_ctas, window, targets, block
 
     text = _lowered(f, _residual_specs(t, h, b, d), sd((t, h, d), jnp.bfloat16))
     assert text.count("mosaic_gpu") >= 2  # the dK/dV and the dQ kernel
+    if d == 256:  # shared memory by the docstring's budget (the lowering's own check is against 227 KB)
+        tiles = mosaic_bwd.default_tiles(d)
+        assert mosaic_bwd.smem_bytes(params, d, d, 2, h, tiles) <= mosaic_bwd.SMEM_BYTES
+
+
+def test_d256_shared_memory_budget():
+    """The docstring's D = 256 budget: dK/dV 222,208 bytes (resident K, V 64 KB, two slots of Q and dO 128 KB,
+    lse and delta 1 KB, the exchange tile 8 KB, two 64-column staging buffers 16 KB), dQ 214,016 bytes; both under
+    SMEM_BYTES, and one more ring slot would not be."""
+    params = _static(4096, "softmax", 256)
+    tiles = mosaic_bwd.default_tiles(256)
+    assert tiles == dict(block_q=64, stages_dkv=2, block_k=32, stages_dq=2)
+    assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, tiles) == 222208
+    assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, {**tiles, "stages_dq": 1}) == 222208  # the dK/dV one
+    assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, {**tiles, "stages_dkv": 1}) == 214016  # the dQ one
+    for more in ({"stages_dkv": 3}, {"stages_dq": 3}, {"block_k": 64}):
+        assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, {**tiles, **more}) > mosaic_bwd.SMEM_BYTES, more
 
 
 @pytest.mark.parametrize("hopper_backward", [True, False])
@@ -97,6 +120,22 @@ def test_gpu_backend_picks_the_backward(hopper_backward):
         assert f"tensor<{h}x{t}x256xbf16>" not in text  # the [H, T, W] bias_rows array
 
 
+@pytest.mark.parametrize("d256", [True, False])
+def test_gpu_backend_picks_the_d256_backward(d256):
+    """At head dim 256 the GPU backend lowers the Mosaic backward only with KernelOptions.hopper_backward_d256."""
+    t, h, d = 1024, 2, 256
+    options = KernelOptions(hopper_forward=False, hopper_backward=True, hopper_backward_d256=d256)
+
+    def loss(q, k, v, offsets):
+        out = jagged_attention(q, k, v, offsets, max_seq_len=512, implementation="gpu", options=options)
+        return out.astype(jnp.float32).sum()
+
+    args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),)
+    text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    assert ("mosaic_gpu" in text) == d256
+    assert ("jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text) == (not d256)
+
+
 def test_supports():
     q = jnp.zeros((8, 2, 128), jnp.bfloat16)
     assert mosaic_bwd.supports(_static(256, "silu"), q, q)
@@ -117,6 +156,22 @@ def test_supports():
     for d, ok in ((64, True), (128, True), (256, False), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
         assert mosaic_bwd.supports(_static(256, "silu", d), qd, qd) == ok, d
+    # head dim 256 only with KernelOptions.hopper_backward_d256 (not yet run on a GPU), and without a bias
+    q256 = jnp.zeros((8, 2, 256), jnp.bfloat16)
+    d256 = KernelOptions(hopper_backward_d256=True)
+    for activation in ("silu", "softmax"):
+        assert mosaic_bwd.supports(_static(4096, activation, 256, options=d256), q256, q256)
+    assert mosaic_bwd.supports(
+        _static(256, "silu", 256, options=d256, has_targets=True, max_attn_len=8), q256, q256
+    )
+    assert not mosaic_bwd.supports(
+        _static(256, "silu", 256, options=d256), q256, q256[..., :128]
+    )  # Dqk != Dv
+    assert not mosaic_bwd.supports(_static(256, "silu", 256, options=d256), q256[:7], q256[:7])  # T % 8 != 0
+    both = KernelOptions(hopper_backward_d256=True, hopper_backward_bias=True)
+    assert not mosaic_bwd.supports(_static(256, "silu", 256, options=both, **bias), q256, q256)
+    with pytest.raises(ValueError, match="no relative bias"):
+        mosaic_bwd.backward_mosaic_gpu(_residual_specs(8, 2, 1, 256), q256, _static(256, "silu", 256, **bias))
 
 
 def test_not_wanted_off_hopper():
@@ -197,6 +252,10 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
         # (and two heads on three persistent CTAs: per-head tables and histograms, per-CTA histogram rows)
         ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), dict(heads=2, num_ctas=3)),
         ("softmax", 64, 0, True, [130, 0, 1, 70], (80, 8), {}),
+        # head dim 256: the role-split dK/dV kernel (items of 64 keys; the exchange tile and the meeting per
+        # query tile), 32-key dQ tiles, stores in 64-column slices; two heads on two persistent CTAs
+        ("silu", 256, 0, True, [150, 0, 1, 37], None, {}),
+        ("softmax", 256, 40, True, [130, 0, 1, 70], None, dict(heads=2, num_ctas=2)),
     ],
 )
 def test_interpret_matches_reference(activation, d, window, targets, lengths, bias, knobs):

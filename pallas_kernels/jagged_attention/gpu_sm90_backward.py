@@ -7,7 +7,8 @@ Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, t
 o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
 bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
 KernelOptions.hopper_backward_bias: correct on the H200, but slower than the Triton backward there) the
-relative position and time bias; the GPU backend runs the Triton backward for the others.
+relative position and time bias; Dqk = Dv = 256 without a bias only with KernelOptions.hopper_backward_d256
+(below, "Head dim 256": not yet run on a GPU); the GPU backend runs the Triton backward for the others.
 
 Design: two kernels, each one CTA = three warpgroups (two consumers of RES = 64 resident rows each, one TMA
 producer streaming tiles of the other side into a ring of shared-memory slots), on a persistent grid of NUM_SMS
@@ -40,6 +41,50 @@ CPU checks (tests/test_jagged_attention_sm90_backward.py): the Pallas -> Mosaic 
 and Mosaic GPU interpret mode against the reference's gradients, with the wgmmas replaced by plain dots there
 (the interpreter has no transposed wgmma operands nor run_state). Numbers only come from the device
 (scripts/device/attention_bwd_sm90.sh).
+
+Head dim 256 (D_SPLIT; KernelOptions.hopper_backward_d256, off until checked on a device). The D <= 128 dK/dV
+consumer would hold dK and dV of its 64 keys: 2 x 64 x 256 float32 = 256 registers a thread, past the 232 a
+consumer gets (setmaxnreg 232/232/40 for the three warpgroups: 64.5K of the SM's 64K registers), and two
+consumers' resident K and V (128 KB) leave no room for a ring of 64-row Q and dO slots (64 KB each). So:
+* dK/dV, split by role (_dkv_split_kernel): one item = 64 keys (work list in 64-key tiles), K and V resident once
+  (consumer 0 loads K, consumer 1 V), both consumers walk all of the item's query tiles (same range, same masks,
+  no drain). Consumer 0 holds dV: S^T = K Q^T (wgmma, both operands in shared memory, N = 64), P^T and the dS
+  factor g (SiLU: g = silu'(z), dS = dP g; softmax: g = P, dS = g (dP - delta); zero in masked cells) in float32,
+  g into a 64 x 64 float16 exchange tile (float16: 4x bf16's precision, and g is in [-0.1, 1.1] (SiLU) or [0, 1]),
+  then dV += P^T dO (A from registers, N = 256). Consumer 1 holds dK: dP^T = V dO^T, g from the exchange tile,
+  dS^T (no mask: g is zero there), dK += dS^T Q. ex_full / ex_free (one arrival each way per tile) hand the tile
+  over and back; every tile-matmul runs once (4 per score tile, as at D <= 128).
+  Why not the alternatives: each consumer holding half of D of dK and dV needs S^T and dP^T twice (+50% MMA) or
+  split along the queries (N = 32 wgmmas that re-read the resident K and V per half, both halves of P^T and dS^T
+  through shared memory, a two-way barrier per tile: by the model below 368 KiB = 2944 clocks of shared-memory
+  traffic per tile against 2048 of MMA); two passes (dV, then dK) cost 25% more MMA and two copies of K and V (128 KB);
+  FA3's fused dQ would need a 64 x 256 float32 dQ partial per tile (128 registers no consumer has) and push
+  64 KB of float32 reduce-adds to L2 per 64 x 64 tile (~25 B/clock/SM, twice FA3's rate at D = 128).
+  Schedule (SPLIT_MEET): the consumers meet once per query tile, consumer 0 after its S^T wgmma and consumer 1
+  before its dP^T one, so that the tensor cores run S^T alone (512 clocks: a 64 x 64 x 256 wgmma at 4096 bf16
+  FLOP/clock/SM), then dP^T while consumer 0 computes P^T and g (~350 clocks of ALU/MUFU), then dV and, after
+  consumer 1's ~100-clock dS^T, dK, then the next S^T: 4 x 512 clocks a tile with no idle tensor core while the
+  activation is shorter than one wgmma. Without the meeting both products are issued at once and both consumers
+  then wait for consumer 0's activation (~15% of a tile idle); the device script A/Bs it (`meet`).
+* dQ: the D <= 128 kernel with 32-key streamed tiles (dQ 64 x 256 float32 = 128 registers, S and dP 64 x 32 = 16
+  each); a 32-row K tile as a wgmma's K needs the 64-byte swizzle, so the dQ kernel's tiles all take it (the
+  128-byte one elsewhere). 64-key tiles would need 128 KB of ring beside the 128 KB of resident Q and dO.
+* Outputs are staged and stored in 64-column slices (STAGE_COLS: 8 KB a consumer), as the forward at D = 256.
+* Registers a consumer thread (estimates; ptxas decides): dK/dV consumer 0 dV 128 + S^T 32 + P^T (bf16) 16 +
+  activation temporaries ~32 = ~210; consumer 1 dK 128 + dP^T 32 + g 32 + dS^T (bf16) 16 = ~208; dQ consumer
+  dQ 128 + S 16 + dP 16 + dS 8 = ~170 (D <= 128 dK/dV today: dK 64 + dV 64 + S^T 32 + dP^T 32 + temporaries).
+* Shared memory (bf16; smem_bytes, SMEM_BYTES = 227 KiB less 8 KiB for barriers and alignment = 224,256):
+  dK/dV 222,208 = resident K, V 65,536 + 2 slots of Q and dO 131,072 + lse, delta 1,024 + exchange 8,192 +
+  staging 16,384 (a second exchange slot or a third ring slot does not fit); dQ 214,016 = resident Q, dO of two
+  consumers 131,072 + lse, delta 1,024 + 2 slots of 32-row K and V 65,536 + staging 16,384.
+* Throughput model (tensor core 4096 bf16 FLOP/clock/SM, shared memory 128 B/clock/SM, per 64 x 64 score tile
+  of the dK/dV kernel): MMA 2048 clocks; shared-memory traffic S^T 64 KB + dP^T 64 KB + dV, dK (B only) 64 KB +
+  exchange 16 KB + TMA writes of Q, dO 64 KB = 272 KiB = 2176 clocks: balanced. dQ per 32-key tile (both
+  consumers): MMA 1536 clocks, shared memory 256 KiB = 2048 clocks: bound there (75%). The peer's 350 TFLOP/s credits 5
+  tile-matmuls where both kernels run 7: 490 executed, 50% of the H200's 989. The Mosaic forward at D = 256 (the
+  same 64 x 64 x 256 score tiles, a register-A wgmma of N = 256) runs 441-455 TFLOP/s in the bench and 550 in
+  the hstu_nvidia profile (45-56%): 350 is in reach if the backward kernels match the forward's efficiency,
+  not certain. Not run on a GPU yet: the first device run checks and times it (scripts/device/attention_bwd_sm90.sh).
 """
 
 from __future__ import annotations
@@ -79,7 +124,14 @@ RES = 64  # resident rows per consumer warpgroup
 COMPUTE_WGS = 2
 TILE = COMPUTE_WGS * RES  # rows of one work item
 LOG2E = 1.4426950408889634
-HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread
+HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
+D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
+STAGE_COLS = 64  # D_SPLIT: outputs staged and stored 64 columns at a time (shared memory)
+# D_SPLIT dK/dV: the consumers meet once per query tile, consumer 0 after its S^T wgmma, consumer 1 before its dP^T
+# one, so that the tensor cores run S^T alone, then dP^T while consumer 0 computes P^T and the dS factor, then dV
+# and dK (the docstring's timeline: no idle tensor core for the activation). False: no meeting (both products
+# are issued at once and both consumers then wait for consumer 0's activation): for the device A/B.
+SPLIT_MEET = True
 SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
 
 
@@ -92,15 +144,29 @@ def default_tiles(head_dim: int) -> dict:
     """Streamed tile rows and ring slots of both kernels: 64 query rows x 2 slots (dK/dV), 64 keys x 2 (dQ).
 
     Registers bound them: a dK/dV consumer holds dK and dV (64 x D float32 each) plus S^T and dP^T (64 x bq);
-    a dQ consumer dQ plus S and dP."""
-    del head_dim
+    a dQ consumer dQ plus S and dP. At D_SPLIT shared memory does: 32 keys x 2 slots in the dQ kernel (its
+    resident Q and dO of 2 x 64 rows take 128 KB; the docstring's budget)."""
+    if head_dim > max(HEAD_DIMS):
+        return dict(block_q=64, stages_dkv=2, block_k=32, stages_dq=2)
     return dict(block_q=64, stages_dkv=2, block_k=64, stages_dq=2)
+
+
+def is_split(dqk: int, dv: int) -> bool:
+    """Whether a call of these head dims runs the D_SPLIT kernels (the role-split dK/dV kernel)."""
+    return max(dqk, dv) > max(HEAD_DIMS)
 
 
 def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: int, tiles: dict) -> int:
     """Shared memory of the larger of the two kernels with these tiles (the layouts in backward_mosaic_gpu)."""
     bq, bk = tiles["block_q"], tiles["block_k"]
     vecs = 2 * (params.activation == "softmax") + params.has_time  # lse, delta, timestamps: 4 bytes a row
+    if is_split(dqk, dv):  # (no bias there) resident K, V once; the exchange tile; staging in column slices
+        stage = COMPUTE_WGS * RES * STAGE_COLS * itemsize
+        dkv = RES * (dqk + dv) * itemsize + stage + RES * bq * 2
+        dkv += tiles["stages_dkv"] * bq * ((dqk + dv) * itemsize + 4 * vecs)
+        dq = COMPUTE_WGS * RES * ((dqk + dv) * itemsize + 4 * vecs) + stage
+        dq += tiles["stages_dq"] * bk * (dqk + dv) * itemsize
+        return max(dkv, dq)
     tables = params.has_pos * table_width(params.num_pos) + params.has_time * table_width(params.num_time)
     dkv = COMPUTE_WGS * RES * (dqk + dv + max(dqk, dv)) * itemsize + tiles["stages_dkv"] * bq * (
         (dqk + dv) * itemsize + 4 * vecs
@@ -120,10 +186,11 @@ def supports(params: KernelParams, q, v) -> bool:
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and v.dtype == q.dtype
         and q.shape[0] % ALIGN == 0
-        and q.shape[-1] in HEAD_DIMS
+        and (q.shape[-1] in HEAD_DIMS or (q.shape[-1] == D_SPLIT and params.options.hopper_backward_d256))
         and v.shape[-1] == q.shape[-1]
         and params.activation in ("silu", "softmax")
         and (params.options.hopper_backward_bias or not (params.has_pos or params.has_time))
+        and not (is_split(q.shape[-1], v.shape[-1]) and (params.has_pos or params.has_time))  # not at D_SPLIT
         and smem_bytes(
             params, q.shape[-1], v.shape[-1], q.dtype.itemsize, q.shape[1], default_tiles(q.shape[-1])
         )
@@ -304,7 +371,9 @@ def _hist_add(interpret: bool, hist_ref, idx, ds):
 class _Frame:
     """The work item's sequence in its aligned frame (scalars read from GMEM at run time)."""
 
-    def __init__(self, work_ref, offsets_ref, targets_ref, params: KernelParams, num_work: int, h, w):
+    def __init__(
+        self, work_ref, offsets_ref, targets_ref, params: KernelParams, num_work: int, h, w, tile: int = TILE
+    ):
         def work(k, wc):
             return work_ref[k * num_work + wc]
 
@@ -319,7 +388,7 @@ class _Frame:
         self.first_target = self.length
         if params.has_targets:
             self.first_target = self.length - jnp.clip(targets_ref[b], 0, self.length)
-        self.tile_lo = work(1, wc) * TILE  # frame row of the item's first resident row
+        self.tile_lo = work(1, wc) * tile  # frame row of the item's first resident row (items of `tile` rows)
         self.end = self.d + self.length  # frame row past the sequence
 
 
@@ -433,9 +502,11 @@ def _persistent(num_ctas, num_items: int, heads: int):
     return num_iters, item_of
 
 
-def _rows_of(ref, row, size, h, d):
-    """[size, d] GMEM window of head h at `row` (ref is [T, H * d])."""
-    return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
+def _rows_of(ref, row, size, h, d, col: int = 0, cols: int | None = None):
+    """[size, d] GMEM window of head h at `row` (ref is [T, H * d]); [size, cols] from its column `col`."""
+    if cols is None or cols == d:
+        return ref.at[pl.ds(row, size), pl.ds(h * d, d)]
+    return ref.at[pl.ds(row, size), pl.ds(h * d + col, cols)]
 
 
 def _zero_tail(stage, outs, offsets_ref, z, *, num_seqs: int, total_rows: int, interpret: bool):
@@ -449,14 +520,16 @@ def _zero_tail(stage, outs, offsets_ref, z, *, num_seqs: int, total_rows: int, i
         first = jnp.clip(tail - lo, 0, RES)  # rows [lo, lo + first) are real tokens
         count = jnp.where(lo < total_rows, RES - first, 0)
         for ref, h, d in outs:
-            _store_rows(
-                stage.at[:, pl.ds(0, d)] if d < stage.shape[1] else stage,
-                lambda off, size, lo=lo, first=first, ref=ref, h=h, d=d: _rows_of(
-                    ref, lo + first + off, size, h, d
-                ),
-                count,
-                RES,
-            )
+            cols = min(d, stage.shape[1])  # a stage narrower than d (D_SPLIT): d in slices of its width
+            for col in range(0, d, cols):
+                _store_rows(
+                    stage.at[:, pl.ds(0, d)] if d < stage.shape[1] else stage,
+                    lambda off, size, lo=lo, first=first, ref=ref, h=h, d=d, col=col, cols=cols: _rows_of(
+                        ref, lo + first + off, size, h, d, col, cols
+                    ),
+                    count,
+                    RES,
+                )
 
 
 def _load_bias_res(ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier):
@@ -670,36 +743,272 @@ def _dkv_kernel(
     @pl.when(wg == COMPUTE_WGS)
     def _producer():
         plgpu.set_max_registers(40, action="decrease")
+        ins = (q_ref, do_ref, lse_ref, delta_ref, ts_ref)
+        bufs = (q_smem, do_smem, lse_smem, delta_smem, tsq_smem)
+        _stream_queries(info, num_iters, ins, bufs, s_bar, s_free, bq, stages, params)
+
+
+def _stream_queries(info, num_iters, ins, bufs, s_bar, s_free, bq: int, stages: int, params: KernelParams):
+    """The dK/dV kernels' producer: the query tiles [cta_lo, cta_hi) of each item (info(i) -> (frame, cta_lo,
+    cta_hi)) into the ring: Q, dO (and lse, delta for softmax; the timestamps with a time bias)."""
+    q_ref, do_ref, lse_ref, delta_ref, ts_ref = ins
+    q_smem, do_smem, lse_smem, delta_smem, tsq_smem = bufs
+    dqk, dv = q_smem.shape[-1], do_smem.shape[-1]
+    softmax = params.activation == "softmax"
+
+    def slot_of(g):
+        return lax.rem(g, jnp.int32(stages))
+
+    def one(i, g):
+        f, cta_lo, cta_hi = info(i)
+
+        @pl.loop(cta_lo, cta_hi)
+        def _(n):
+            j = g + n - cta_lo  # the CTA's running streamed-tile count
+            slot = slot_of(j)
+            row = pl.multiple_of(f.base + n * bq, ALIGN)
+
+            @pl.when(j >= stages)
+            def _():
+                plgpu.barrier_wait(s_free.at[slot])
+
+            plgpu.copy_gmem_to_smem(_rows_of(q_ref, row, bq, f.h, dqk), q_smem.at[slot], s_bar.at[slot])
+            plgpu.copy_gmem_to_smem(_rows_of(do_ref, row, bq, f.h, dv), do_smem.at[slot], s_bar.at[slot])
+            if softmax:
+                vec = pl.ds(row, bq)
+                plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_smem.at[slot], s_bar.at[slot])
+                plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_smem.at[slot], s_bar.at[slot])
+            if params.has_time:
+                plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem.at[slot], s_bar.at[slot])
+
+        return g + cta_hi - cta_lo
+
+    g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+
+    @pl.loop(jnp.maximum(g - stages, 0), g)
+    def _(step):  # observe the last releases too: the barriers then end in a consistent phase
+        plgpu.barrier_wait(s_free.at[slot_of(step)])
+
+
+# ---------------------------------------------------------------------------------------- dK / dV, D_SPLIT
+
+
+def _one_product(interpret: bool, a, b, shape):
+    """a b^T in float32 [shape]: one wgmma of shared-memory operands."""
+    if interpret:
+        return _mm(a[...], b[...], True)
+
+    def scope(r):
+        plgpu.wgmma(r, a, plgpu.transpose_ref(b, (1, 0)))
+        return r[...]
+
+    return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
+
+
+def _p_and_factor(z, mask, lse, params: KernelParams, lse_dim: int):
+    """(p, g) in float32 from the scores z (alpha q.k; the mask None: all allowed), g the factor that makes dS
+    from dP: SiLU dS = dP g with g = silu'(z) (without 1/max_seq_len), softmax dS = g (dP - delta) with g = p.
+    Zero in masked cells (where, not a product: a masked cell's z may be NaN)."""
+    if params.activation == "silu":
+        half = z * 0.5
+        th = jnp.tanh(half)
+        sig = 0.5 + 0.5 * th
+        p = half + half * th  # z * sig
+        g = sig + p * (1.0 - sig)  # silu'(z) = sig + z sig (1 - sig)
+    else:
+        lse2 = lax.broadcast_in_dim(lse * LOG2E, z.shape, [lse_dim])
+        p = g = jnp.exp2(z * LOG2E - lse2)
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+        g = p if params.activation == "softmax" else jnp.where(mask, g, 0.0)
+    return p, g
+
+
+def _store_slices(stage, val, dst, first_row, last_row):
+    """TMA-stores rows [first_row, last_row) of the [RES, d] value val through the staging buffer, its width of
+    columns at a time (dst(row offset, size, col, cols): the GMEM window)."""
+    cols = stage.shape[1]
+    for col in range(0, val.shape[1], cols):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # earlier stores have read the buffer
+        stage[...] = val[:, col : col + cols]
+        plgpu.commit_smem()
+        _store_rows(
+            stage,
+            lambda off, size, col=col: dst(off, size, col, cols),
+            jnp.maximum(last_row - first_row, 0),
+            RES,
+            first=first_row,
+        )
+
+
+def _dkv_split_kernel(
+    work_ref,
+    offsets_ref,
+    targets_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    scoped,
+    *,
+    params: KernelParams,
+    heads: int,
+    num_work: int,
+    num_zero: int,
+    block_q: int,
+    stages: int,
+    total_rows: int,
+    interpret: bool,
+    num_ctas: int | None,
+):
+    """dK/dV at D_SPLIT (module docstring, "Head dim 256"): one item = RES keys, both consumers walk all its
+    query tiles. Consumer 0 holds dV: S^T = K Q^T, P^T and g (the dS factor: _p_and_factor, masked) into the
+    exchange tile, dV += P^T dO. Consumer 1 holds dK: dP^T = V dO^T, g from the exchange tile, dS^T, dK +=
+    dS^T Q. ex_full / ex_free hand the exchange tile over and back once per query tile."""
+    wg = lax.axis_index("wg")
+    buffers, (res_bar, s_bar, s_free, ex_full, ex_free, meet) = scoped
+    k_res, v_res, stage_bufs, q_smem, do_smem, lse_smem, delta_smem, ex_smem = buffers
+    d = k_res.shape[-1]
+    bq = block_q
+    dtype = q_ref.dtype
+    num_seqs = offsets_ref.shape[0] - 1
+    softmax = params.activation == "softmax"
+    scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
+    num_iters, item_of = _persistent(num_ctas, num_work + num_zero, heads)
+
+    def info(i):
+        h, w = item_of(i)
+        f = _Frame(work_ref, offsets_ref, targets_ref, params, num_work, h, w, tile=RES)
+        lo, hi = _q_tiles(f, f.tile_lo, RES, bq, params)
+        return f, lo, jnp.where(f.valid, hi, lo)
+
+    def slot_of(g):
+        return lax.rem(g, jnp.int32(stages))
+
+    def load_res(i, c: int):
+        """Starts the TMA of consumer c's resident rows of the CTA's i-th item: K (0) or V (1)."""
+        f, _, _ = info(i)
+
+        @pl.when(f.valid & (i < num_iters))
+        def _():
+            row = pl.multiple_of(f.base + f.tile_lo, ALIGN)
+            src, dst = (k_ref, k_res) if c == 0 else (v_ref, v_res)
+            plgpu.copy_gmem_to_smem(_rows_of(src, row, RES, f.h, d), dst, res_bar.at[c])
+
+    def item(c: int, i, f: _Frame, lo, hi, g0):
+        """Consumer c's share of an item: query tiles [lo, hi), the ring's tile g0 first."""
+        k_lo = f.tile_lo  # frame row of the item's first key
+        first_row = jnp.clip(f.d - k_lo, 0, RES)  # the item's keys of the sequence: [first_row, last_row)
+        last_row = jnp.clip(f.end - k_lo, 0, RES)
+        f_lo, f_hi = _q_free(f, k_lo, RES, bq, lo, hi, params)
+        plgpu.barrier_wait(res_bar.at[c])  # started by load_res(i, c) at the end of the previous item
+
+        def scores(n, dv_acc, masked: bool):
+            j = g0 + n - lo  # the CTA's running query-tile count
+            slot = slot_of(j)
+            plgpu.barrier_wait(s_bar.at[slot])
+            st = _one_product(interpret, k_res, q_smem.at[slot], (RES, bq))
+            if SPLIT_MEET:  # S^T is done: consumer 1 may issue dP^T (SPLIT_MEET)
+                plgpu.barrier_arrive(meet)
+                plgpu.barrier_wait(meet)
+            lse = _load_vector(interpret, lse_smem.at[slot], _COL) if softmax else None
+            mask = None
+            if masked:  # rows: keys, columns: queries (sequence positions)
+                keys = (k_lo - f.d) + _iota(interpret, (RES, bq), 0)
+                queries = (n * bq - f.d) + _iota(interpret, (RES, bq), 1)
+                mask = tiling.allowed_2d(queries, keys, f.length, f.first_target, params) & (keys >= 0)
+            pt, factor = _p_and_factor(st * params.alpha, mask, lse, params, 1)
+
+            @pl.when(j > 0)
+            def _():
+                plgpu.barrier_wait(ex_free)  # consumer 1 has read the previous tile's g
+
+            ex_smem[...] = factor.astype(ex_smem.dtype)
+            plgpu.barrier_arrive(ex_full)
+            (dv_acc,) = _accumulate(interpret, (dv_acc,), (pt.astype(dtype),), (do_smem.at[slot],))
+            plgpu.barrier_arrive(s_free.at[slot])
+            return dv_acc
+
+        def grads(n, dk_acc):
+            slot = slot_of(g0 + n - lo)
+            if SPLIT_MEET:  # after consumer 0's S^T wgmma
+                plgpu.barrier_arrive(meet)
+                plgpu.barrier_wait(meet)
+            plgpu.barrier_wait(s_bar.at[slot])
+            dpt = _one_product(interpret, v_res, do_smem.at[slot], (RES, bq))
+            plgpu.barrier_wait(ex_full)
+            factor = _load_vector(interpret, ex_smem, plgpu.Layout.WGMMA).astype(jnp.float32)
+            plgpu.barrier_arrive(ex_free)
+            # No mask: g is zero in masked cells, and their dP^T is finite (dO is zero past offsets[B]) except in
+            # the rows of keys past offsets[B] (V may hold NaN there), which reach only their own, unstored, dK rows
+            if softmax:
+                delta = _load_vector(interpret, delta_smem.at[slot], _COL)
+                dst = factor * (dpt - lax.broadcast_in_dim(delta, (RES, bq), [1]))
+            else:
+                dst = dpt * factor
+            (dk_acc,) = _accumulate(interpret, (dk_acc,), (dst.astype(dtype),), (q_smem.at[slot],))
+            plgpu.barrier_arrive(s_free.at[slot])
+            return dk_acc
+
+        acc = _cast(interpret, jnp.zeros((RES, d), jnp.float32), plgpu.Layout.WGMMA)
+        if c == 0:
+            acc = lax.fori_loop(lo, f_lo, functools.partial(scores, masked=True), acc)
+            acc = lax.fori_loop(f_lo, f_hi, functools.partial(scores, masked=False), acc)
+            acc = lax.fori_loop(f_hi, hi, functools.partial(scores, masked=True), acc)
+            out, ref = (acc * scale).astype(dtype), dv_ref
+        else:
+            acc = lax.fori_loop(lo, hi, grads, acc)
+            out, ref = (acc * (params.alpha * scale)).astype(dtype), dk_ref
+        load_res(i + 1, c)  # the last wgmma has read K (V): fetch the next item's rows during the epilogue
+        _store_slices(
+            stage_bufs[c],
+            out,
+            lambda off, size, col, cols: _rows_of(
+                ref, f.base + k_lo + first_row + off, size, f.h, d, col, cols
+            ),
+            first_row,
+            last_row,
+        )
+
+    def consumer(c: int):
+        plgpu.set_max_registers(232, action="increase")
 
         def one(i, g):
-            f, cta_lo, cta_hi = info(i)
+            f, lo, hi = info(i)
+            pl.when(f.valid)(lambda: item(c, i, f, lo, hi, g))
 
-            @pl.loop(cta_lo, cta_hi)
-            def _(n):
-                j = g + n - cta_lo  # the CTA's running streamed-tile count
-                slot = slot_of(j)
-                row = pl.multiple_of(f.base + n * bq, ALIGN)
+            @pl.when(f.w >= num_work)
+            def _():  # each consumer zeroes its own output's rows past offsets[B]
+                _zero_tail(
+                    stage_bufs[c], ((dv_ref if c == 0 else dk_ref, f.h, d),), offsets_ref, f.w - num_work,
+                    num_seqs=num_seqs, total_rows=total_rows, interpret=interpret,
+                )  # fmt: skip
 
-                @pl.when(j >= stages)
-                def _():
-                    plgpu.barrier_wait(s_free.at[slot])
+            return g + hi - lo
 
-                plgpu.copy_gmem_to_smem(_rows_of(q_ref, row, bq, f.h, dqk), q_smem.at[slot], s_bar.at[slot])
-                plgpu.copy_gmem_to_smem(_rows_of(do_ref, row, bq, f.h, dv), do_smem.at[slot], s_bar.at[slot])
-                if softmax:
-                    vec = pl.ds(row, bq)
-                    plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_smem.at[slot], s_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_smem.at[slot], s_bar.at[slot])
-                if params.has_time:
-                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem.at[slot], s_bar.at[slot])
-
-            return g + cta_hi - cta_lo
-
+        load_res(0, c)
         g = lax.fori_loop(0, num_iters, one, jnp.int32(0))
+        if c == 0:  # observe the last tile's release too: the barrier then ends in a consistent phase
 
-        @pl.loop(jnp.maximum(g - stages, 0), g)
-        def _(step):  # observe the last releases too: the barriers then end in a consistent phase
-            plgpu.barrier_wait(s_free.at[slot_of(step)])
+            @pl.when(g > 0)
+            def _():
+                plgpu.barrier_wait(ex_free)
+
+        plgpu.wait_smem_to_gmem(0)
+
+    for c in range(COMPUTE_WGS):  # static roles: one branch per consumer
+        pl.when(wg == c)(functools.partial(consumer, c))
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        ins = (q_ref, do_ref, lse_ref, delta_ref, None)
+        bufs = (q_smem, do_smem, lse_smem, delta_smem, None)
+        _stream_queries(info, num_iters, ins, bufs, s_bar, s_free, bq, stages, params)
 
 
 # ---------------------------------------------------------------------------------------------------- dQ
@@ -856,16 +1165,20 @@ def _dq_kernel(
 
         def epilogue(c):
             stage = stage_bufs[c]
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            stage[...] = dq
-            plgpu.commit_smem()
-            _store_rows(
-                stage,
-                lambda off, size: _rows_of(dq_ref, f.base + q_lo + first_row + off, size, f.h, dqk),
-                jnp.maximum(last_row - first_row, 0),
-                RES,
-                first=first_row,
-            )
+            cols = stage.shape[1]  # dqk, or (D_SPLIT) a slice of it at a time
+            for col in range(0, dqk, cols):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage[...] = dq if cols == dqk else dq[:, col : col + cols]
+                plgpu.commit_smem()
+                _store_rows(
+                    stage,
+                    lambda off, size, col=col: _rows_of(
+                        dq_ref, f.base + q_lo + first_row + off, size, f.h, dqk, col, cols
+                    ),
+                    jnp.maximum(last_row - first_row, 0),
+                    RES,
+                    first=first_row,
+                )
 
         for c in range(COMPUTE_WGS):
             pl.when(wg == c)(functools.partial(epilogue, c))
@@ -948,6 +1261,13 @@ def _dq_kernel(
 # ------------------------------------------------------------------------------------------------ driver
 
 
+def _swizzled(cols: int, itemsize: int):
+    """Shared-memory transforms of a tile with rows of `cols` elements: (8, 64)-element tiles and the 128-byte
+    swizzle, or the narrower swizzle of a 64-byte row (a wgmma's K must be a multiple of its swizzle width)."""
+    swizzle = min(128, cols * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
 def _zero_past_end(x, offsets, rows: int):
     """x with rows [offsets[B], offsets[B] + rows) set to zero (those past the array dropped).
 
@@ -982,6 +1302,11 @@ def backward_mosaic_gpu(
     if t % ALIGN:
         raise ValueError(
             f"the Mosaic GPU backward needs a token capacity T that is a multiple of {ALIGN}, got {t}"
+        )
+    split = is_split(dqk, dv)
+    if split and (dqk != dv or params.has_pos or params.has_time):
+        raise ValueError(
+            f"the Mosaic GPU backward at head dims past {max(HEAD_DIMS)} takes Dqk = Dv and no relative bias"
         )
     tiles = default_tiles(max(dqk, dv))
     bq = block_q or tiles["block_q"]
@@ -1036,24 +1361,50 @@ def backward_mosaic_gpu(
         return smem
 
     # dK / dV over key tiles (items heaviest first by the query tiles that see them)
-    wb, wm, wv, num_work = tiling.work_list(frame, TILE, static_n, static_t, "key")
+    wb, wm, wv, num_work = tiling.work_list(frame, RES if split else TILE, static_n, static_t, "key")
     work = jnp.stack([wb, wm, wv]).reshape(-1)
-    smem = (
-        plgpu.SMEM((COMPUTE_WGS, RES, dqk), q.dtype, transforms=swz),
-        plgpu.SMEM((COMPUTE_WGS, RES, dv), v.dtype, transforms=swz),
-        per_consumer((RES, max(dqk, dv)), q.dtype),
-        plgpu.SMEM((stages_dkv, bq, dqk), q.dtype, transforms=swz),
-        plgpu.SMEM((stages_dkv, bq, dv), v.dtype, transforms=swz),
-        plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
-        plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
-        bias_smem(stages_dkv, bq, hist=False),
-    )
-    barriers = (
-        plgpu.Barrier(num_arrivals=2 + bias_arrivals, num_barriers=COMPUTE_WGS),
-        plgpu.Barrier(num_arrivals=res_arrivals + params.has_time, num_barriers=stages_dkv),
-        plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
-    )
-    kernel = functools.partial(_dkv_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common)
+    if split:  # one RES-key item per CTA, its consumers split by role (_dkv_split_kernel)
+        swz_split = _swizzled(bq, q.dtype.itemsize)  # (bq is the K of the dV and dK wgmmas)
+        smem = (
+            plgpu.SMEM((RES, dqk), q.dtype, transforms=swz_split),
+            plgpu.SMEM((RES, dv), v.dtype, transforms=swz_split),
+            per_consumer((RES, STAGE_COLS), q.dtype),
+            plgpu.SMEM((stages_dkv, bq, dqk), q.dtype, transforms=swz_split),
+            plgpu.SMEM((stages_dkv, bq, dv), v.dtype, transforms=swz_split),
+            plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+            plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+            plgpu.SMEM((RES, bq), jnp.float16, transforms=_swizzled(bq, 2)),  # the exchange tile
+        )
+        barriers = (
+            plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS),  # resident K (consumer 0), V (1)
+            plgpu.Barrier(num_arrivals=res_arrivals, num_barriers=stages_dkv),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
+            plgpu.Barrier(num_arrivals=1),  # the exchange tile is written (consumer 0 arrives)
+            plgpu.Barrier(num_arrivals=1),  # ... and read (consumer 1 arrives)
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the consumers' meeting per query tile (SPLIT_MEET)
+        )
+        kernel = functools.partial(
+            _dkv_split_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common
+        )
+        args = ins
+    else:
+        smem = (
+            plgpu.SMEM((COMPUTE_WGS, RES, dqk), q.dtype, transforms=swz),
+            plgpu.SMEM((COMPUTE_WGS, RES, dv), v.dtype, transforms=swz),
+            per_consumer((RES, max(dqk, dv)), q.dtype),
+            plgpu.SMEM((stages_dkv, bq, dqk), q.dtype, transforms=swz),
+            plgpu.SMEM((stages_dkv, bq, dv), v.dtype, transforms=swz),
+            plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+            plgpu.SMEM((stages_dkv, bq), jnp.float32) if softmax else None,
+            bias_smem(stages_dkv, bq, hist=False),
+        )
+        barriers = (
+            plgpu.Barrier(num_arrivals=2 + bias_arrivals, num_barriers=COMPUTE_WGS),
+            plgpu.Barrier(num_arrivals=res_arrivals + params.has_time, num_barriers=stages_dkv),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
+        )
+        kernel = functools.partial(_dkv_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common)
+        args = (*ins, *bias_ins)
     dk, dvv = plgpu.kernel(
         _scoped_kernel(kernel, smem, barriers),
         out_type=(
@@ -1065,19 +1416,20 @@ def backward_mosaic_gpu(
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins)
+    )(work, offsets, targets.astype(jnp.int32), *args)
 
     # dQ over query tiles (heaviest first by the key tiles they see)
     wb, wm, wv, num_work = tiling.work_list(frame, TILE, static_n, static_t, "query")
     work = jnp.stack([wb, wm, wv]).reshape(-1)
+    swz_dq = _swizzled(bk, q.dtype.itemsize)  # (bk: the dQ wgmma's K; at D_SPLIT 32, a 64-byte swizzle)
     smem = (
-        plgpu.SMEM((COMPUTE_WGS, RES, dqk), q.dtype, transforms=swz),
-        plgpu.SMEM((COMPUTE_WGS, RES, dv), v.dtype, transforms=swz),
+        plgpu.SMEM((COMPUTE_WGS, RES, dqk), q.dtype, transforms=swz_dq),
+        plgpu.SMEM((COMPUTE_WGS, RES, dv), v.dtype, transforms=swz_dq),
         plgpu.SMEM((COMPUTE_WGS, RES), jnp.float32) if softmax else None,
         plgpu.SMEM((COMPUTE_WGS, RES), jnp.float32) if softmax else None,
-        per_consumer((RES, dqk), q.dtype),
-        plgpu.SMEM((stages_dq, bk, dqk), k.dtype, transforms=swz),
-        plgpu.SMEM((stages_dq, bk, dv), v.dtype, transforms=swz),
+        per_consumer((RES, STAGE_COLS if split else dqk), q.dtype),
+        plgpu.SMEM((stages_dq, bk, dqk), k.dtype, transforms=swz_dq),
+        plgpu.SMEM((stages_dq, bk, dv), v.dtype, transforms=swz_dq),
         bias_smem(stages_dq, bk, hist=True),
     )
     hist_copies = heads * (

@@ -32,14 +32,21 @@ class KernelOptions:
       call (KernelParams.hopper_forward).
     hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
       dQ over query tiles) instead of the Triton ones. None (the default): on Hopper GPUs for every call
-      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, T a multiple of 8; a relative bias only with
-      hopper_backward_bias); True: whenever it supports the call, whatever the device; False: never. api.py
-      decides it once per call (KernelParams.hopper_backward). Independent of hopper_forward: both forwards
-      leave the same residuals. With both on, no bias_rows array is built (KernelParams.bias_rows False).
+      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, and 256 with hopper_backward_d256, T a
+      multiple of 8; a relative bias only with hopper_backward_bias, and not at 256); True: whenever it
+      supports the call, whatever the device; False: never. api.py decides it once per call
+      (KernelParams.hopper_backward). Independent of hopper_forward: both forwards leave the same residuals.
+      With both on, no bias_rows array is built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
       from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False: it is
       correct on the H200 but 2.3x slower than the Triton backward there (its table gradients' atomics;
       docs/benchmarks.md, 2026-12-02 fifth session), so such calls run the Triton backward.
+    hopper_backward_d256: the Mosaic GPU backward also takes head dim 256 (Dqk = Dv = 256, no relative bias):
+      a dK/dV kernel whose two consumer warpgroups split the work of one 64-key item by role (one computes S^T,
+      P^T and dV, the other dP^T, dS^T and dK, the activation's derivative handed over in shared memory) and
+      a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). Off until checked on a
+      device: it has only been lowered and run in Mosaic GPU interpret mode on CPU; False: D = 256 runs the
+      Triton backward.
     """
 
     silu_bf16x2: bool = True
@@ -51,6 +58,7 @@ class KernelOptions:
     hopper_forward: bool | None = None
     hopper_backward: bool | None = None
     hopper_backward_bias: bool = False
+    hopper_backward_d256: bool = False
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""

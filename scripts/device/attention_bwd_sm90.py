@@ -4,17 +4,22 @@
   python3 scripts/device/attention_bwd_sm90.py time CASE [REPS]  (CASE: one of CASES)
   python3 scripts/device/attention_bwd_sm90.py sweep CASE [REPS]  (the Mosaic backward's tile knobs, KNOBS)
   python3 scripts/device/attention_bwd_sm90.py bias CASE REPS MODE...  (gpu_sm90_backward.TABLE_GRADS modes)
+  python3 scripts/device/attention_bwd_sm90.py meet [CASE [REPS]]  (D=256: gpu_sm90_backward.SPLIT_MEET on / off)
 
 `check` runs jagged_attention's gradients (dq, dk, dv; dpos, dtime with the bias) with
 KernelOptions(hopper_backward=True) against the float32 reference on fresh random inputs: SiLU and softmax, window
-and targets, D = 64 and 128, unaligned sequence starts, length 1 and empty sequences, capacity past offsets[B]
-(must come out zero), and reduced-batch versions of the timed shapes. `time` first checks the Mosaic backward
+and targets, D = 64, 128 and 256, unaligned sequence starts, length 1 and empty sequences, capacity past
+offsets[B] (must come out zero), and reduced-batch versions of the timed shapes. `time` first checks the Mosaic backward
 against the Triton backward on the full shape's fresh inputs (rel. L2 < 1e-2, finite, tail rows zero), then
 times both backwards (residuals computed once, the backward alone: experiments/benchmarks/attention.py) and
 prints one ROW line. TFLOP/s by the peer's count: backward = 2.5 x sum_b 2 H (Dqk + Dv) L_b^2 / 2. Each line says
 which backward actually ran (a call gpu_sm90_backward.supports rejects runs the Triton one). The relative bias
-is opted in (KernelOptions.hopper_backward_bias) here. `sweep` times backward_mosaic_gpu itself with each knob set
-of KNOBS on the residuals of one forward (checked against the default knobs' gradients first).
+is opted in (KernelOptions.hopper_backward_bias) here, and so is head dim 256 (KernelOptions.hopper_backward_d256:
+the role-split dK/dV kernel, off by default until these checks and times pass on a device). `sweep` times
+backward_mosaic_gpu itself with each knob set of KNOBS on the residuals of one forward (checked against the default
+knobs' gradients first; at D=256 only the default 64:2:32:2 fits shared memory, D256_KNOBS). `meet` times the
+D=256 backward with and without the consumers' meeting per query tile (gpu_sm90_backward.SPLIT_MEET), each
+checked against the first.
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
 
 BAR = 1e-2  # rel. L2 of a bf16-input kernel against the float32 reference (the CPU tests' bar)
-MOSAIC = KernelOptions(hopper_backward=True, hopper_backward_bias=True)
+MOSAIC = KernelOptions(hopper_backward=True, hopper_backward_bias=True, hopper_backward_d256=True)
 TRITON = KernelOptions(hopper_backward=False)
 # backward_mosaic_gpu knob sets for `sweep`: (dK/dV query-tile rows, its slots, dQ key-tile rows, its slots)
 KNOBS = {"64:2:64:2": (64, 2, 64, 2), "128:2:64:2": (128, 2, 64, 2), "64:3:64:3": (64, 3, 64, 3)}
 KNOBS["64:2:128:2"] = (64, 2, 128, 2)
+# at D=256 (the role-split dK/dV kernel): the default, and 32-row query tiles (the exchange tile and the dV/dK
+# wgmmas' K halve; 64-byte swizzle) with 3 slots, which fits beside the resident K and V
+D256_KNOBS = {"64:2:32:2": (64, 2, 32, 2), "32:3:32:2": (32, 3, 32, 2)}
 SWEEP_KW = {}  # further backward_mosaic_gpu arguments (a CPU smoke run: interpret mode)
 
 CASES = {
@@ -117,7 +125,7 @@ def _compare(got, want, tail, triton=None) -> tuple[bool, str]:
 
 
 def check(only: list[int] | None = None) -> bool:
-    """The cases below (or those of the given indices) against the float32 reference."""
+    """The cases below (or those of the given indices, in that order) against the float32 reference."""
     rng = np.random.default_rng(int(time.time()))
     bias = shapes.RelativeBias(num_pos=40, num_time=16)
     short = [200, 5, 130, 1, 0, 256, 64, 77]
@@ -133,11 +141,16 @@ def check(only: list[int] | None = None) -> bool:
         ("silu", list(rng.integers(3600, 4096, size=3)), 4096, 128, 0, False, None),
         ("silu", [4096] * 2, 4096, 64, 0, False, None),
         ("silu", list(rng.integers(900, 1024, size=8)), 1024, 128, 0, False, shapes.GEM_H200_BIAS),
+        # head dim 256 (KernelOptions.hopper_backward_d256): cases 11-14
+        ("silu", short, 256, 256, 0, True, None),
+        ("softmax", short, 256, 256, 40, True, None),
+        ("silu", short, 256, 256, 100, False, None),
+        ("silu", [4096] * 2, 4096, 256, 0, False, None),
     ]
     ok_all = True
-    for activation, lengths, n, d, window, targets, b in [
-        c for i, c in enumerate(cases) if only in (None, []) or i in only
-    ]:
+    for activation, lengths, n, d, window, targets, b in (
+        cases if only in (None, []) else [cases[i] for i in only]
+    ):
         t0 = time.perf_counter()
         q, k, v, do, off = _inputs(np.asarray(lengths), 2, d, rng)
         extra_rows = 24  # capacity past offsets[B]: those rows must come out zero
@@ -221,7 +234,7 @@ def sweep(case: str, reps: int) -> bool:
     residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
     flops = 2.5 * fwd_flops(lengths, h, d, d)
     ok_all, want = True, None
-    for label, (bq, sq, bk, sk) in KNOBS.items():
+    for label, (bq, sq, bk, sk) in (D256_KNOBS if d > 128 else KNOBS).items():
         f = jax.jit(
             lambda res, do, bq=bq, sq=sq, bk=bk, sk=sk: mosaic_bwd.backward_mosaic_gpu(
                 res, do, params, block_q=bq, stages_dkv=sq, block_k=bk, stages_dq=sk, **SWEEP_KW
@@ -287,6 +300,35 @@ def bias_modes(case: str, reps: int, modes: list[str]) -> bool:
     return ok_all
 
 
+def meet(case: str, reps: int) -> bool:
+    """Times backward_mosaic_gpu at D=256 on one shape's residuals with gpu_sm90_backward.SPLIT_MEET on, then off
+    (each a new trace), the second checked against the first."""
+    name, shape, activation, _ = CASES[case]
+    rng = np.random.default_rng(int(time.time()))
+    lengths = shape.sample_lengths(rng)
+    h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
+    q, k, v, do, off = _inputs(lengths, h, d, rng)
+    params = mosaic_fwd.static(n, activation, d, options=MOSAIC)
+    inputs = gpu.to_kernel_layout(q, k, v, off, None, None, None, None, params)
+    residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
+    flops = 2.5 * fwd_flops(lengths, h, d, d)
+    ok_all, want = True, None
+    for flag in (True, False):
+        mosaic_bwd.SPLIT_MEET = flag  # read while tracing: a new jit per setting
+        f = jax.jit(lambda res, do: mosaic_bwd.backward_mosaic_gpu(res, do, params, **SWEEP_KW)[:3])
+        got = [g.astype(jnp.float32) for g in f(residuals, do)]
+        ok, errs = (True, "(the reference setting)") if want is None else _compare(got, want, int(off[-1]))
+        want = got if want is None else want
+        ok_all = ok_all and ok
+        sec = _time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
+        print(
+            f"MEET | {name} | {flag} | {flops / sec / 1e12:.1f} TFLOP/s | {sec * 1e3:.3f} ms | {errs} |",
+            flush=True,
+        )
+    mosaic_bwd.SPLIT_MEET = True
+    return ok_all
+
+
 def main(argv: list[str]) -> int:
     print(f"jax {jax.__version__} {jax.devices()[0].device_kind}", flush=True)
     if argv[0] == "check":
@@ -297,8 +339,12 @@ def main(argv: list[str]) -> int:
         return 0 if sweep(argv[1], int(argv[2]) if len(argv) > 2 else 10) else 1
     if argv[0] == "bias":  # bias CASE REPS MODE...
         return 0 if bias_modes(argv[1], int(argv[2]), argv[3:] or ["runs", "rows"]) else 1
+    if argv[0] == "meet":  # meet [CASE [REPS]]
+        case = argv[1] if len(argv) > 1 else "d256"
+        return 0 if meet(case, int(argv[2]) if len(argv) > 2 else 10) else 1
     raise ValueError(
-        f"usage: check | time CASE [REPS] | sweep CASE [REPS] | bias CASE REPS MODE..., CASE one of {sorted(CASES)}"
+        "usage: check | time CASE [REPS] | sweep CASE [REPS] | bias CASE REPS MODE... | meet [CASE [REPS]],"
+        f" CASE one of {sorted(CASES)}"
     )
 
 
