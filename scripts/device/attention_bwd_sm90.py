@@ -219,7 +219,9 @@ def time_case(case: str, reps: int) -> bool:
     return ok
 
 
-def sweep(case: str, reps: int) -> bool:
+def _one_forward(case: str):
+    """(name, q, k, v, do, offsets, params, the forward's residuals, backward FLOPs) of one case's fresh inputs:
+    what sweep, bias_modes and meet time backward_mosaic_gpu on."""
     name, shape, activation, bias = CASES[case]
     rng = np.random.default_rng(int(time.time()))
     lengths = shape.sample_lengths(rng)
@@ -232,7 +234,12 @@ def sweep(case: str, reps: int) -> bool:
         q, k, v, off, None, kw.get("timestamps"), kw.get("pos_bias"), kw.get("time_bias"), params
     )
     residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
-    flops = 2.5 * fwd_flops(lengths, h, d, d)
+    return name, q, k, v, do, off, params, residuals, 2.5 * fwd_flops(lengths, h, d, d)
+
+
+def sweep(case: str, reps: int) -> bool:
+    name, q, k, v, do, off, params, residuals, flops = _one_forward(case)
+    d = q.shape[-1]
     ok_all, want = True, None
     for label, (bq, sq, bk, sk) in (D256_KNOBS if d > 128 else KNOBS).items():
         f = jax.jit(
@@ -260,19 +267,7 @@ def bias_modes(case: str, reps: int, modes: list[str]) -> bool:
     """Times backward_mosaic_gpu on one bias shape's residuals with each gpu_sm90_backward.TABLE_GRADS mode
     (how the dQ kernel sums dS into the tables' histograms; "none" skips that, to time the rest), each checked
     first against the first mode's gradients ("rows" passed against the Triton backward on the H200)."""
-    name, shape, activation, bias = CASES[case]
-    rng = np.random.default_rng(int(time.time()))
-    lengths = shape.sample_lengths(rng)
-    h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
-    q, k, v, do, off = _inputs(lengths, h, d, rng)
-    kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
-    fields = dict(has_pos=True, has_time=True, num_pos=bias.num_pos, num_time=bias.num_time)
-    params = mosaic_fwd.static(n, activation, d, options=MOSAIC, **fields)
-    inputs = gpu.to_kernel_layout(
-        q, k, v, off, None, kw.get("timestamps"), kw.get("pos_bias"), kw.get("time_bias"), params
-    )
-    residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
-    flops = 2.5 * fwd_flops(lengths, h, d, d)
+    name, q, k, v, do, off, params, residuals, flops = _one_forward(case)
     ok_all, want = True, None
     for mode in modes:
         mosaic_bwd.TABLE_GRADS = mode  # read while tracing: a new jit per mode
@@ -303,15 +298,7 @@ def bias_modes(case: str, reps: int, modes: list[str]) -> bool:
 def meet(case: str, reps: int) -> bool:
     """Times backward_mosaic_gpu at D=256 on one shape's residuals with gpu_sm90_backward.SPLIT_MEET on, then off
     (each a new trace), the second checked against the first."""
-    name, shape, activation, _ = CASES[case]
-    rng = np.random.default_rng(int(time.time()))
-    lengths = shape.sample_lengths(rng)
-    h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
-    q, k, v, do, off = _inputs(lengths, h, d, rng)
-    params = mosaic_fwd.static(n, activation, d, options=MOSAIC)
-    inputs = gpu.to_kernel_layout(q, k, v, off, None, None, None, None, params)
-    residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
-    flops = 2.5 * fwd_flops(lengths, h, d, d)
+    name, q, k, v, do, off, params, residuals, flops = _one_forward(case)
     ok_all, want = True, None
     for flag in (True, False):
         mosaic_bwd.SPLIT_MEET = flag  # read while tracing: a new jit per setting
