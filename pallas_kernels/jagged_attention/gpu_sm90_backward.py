@@ -262,29 +262,29 @@ _RED = "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$
 # the same for a value $2 of bucket $1 ([$0] its address): when every lane of the warp has the same bucket,
 # the 32 values are summed by shuffles and the lowest lane adds the sum (one atomic, not 32 on one address)
 _RED_WARP = """{
-  .reg .pred full, go, nz;
-  .reg .b32 m;
-  .reg .f32 s, t;
-  match.any.sync.b32 m, $1, 0xffffffff;
-  setp.eq.b32 full, m, 0xffffffff;
-  mov.f32 s, $2;
-  @full shfl.sync.bfly.b32 t, s, 16, 0x1f, 0xffffffff;
-  @full add.f32 s, s, t;
-  @full shfl.sync.bfly.b32 t, s, 8, 0x1f, 0xffffffff;
-  @full add.f32 s, s, t;
-  @full shfl.sync.bfly.b32 t, s, 4, 0x1f, 0xffffffff;
-  @full add.f32 s, s, t;
-  @full shfl.sync.bfly.b32 t, s, 2, 0x1f, 0xffffffff;
-  @full add.f32 s, s, t;
-  @full shfl.sync.bfly.b32 t, s, 1, 0x1f, 0xffffffff;
-  @full add.f32 s, s, t;
-  mov.b32 m, %lanemask_lt;
-  setp.eq.b32 go, m, 0;
-  not.pred full, full;
-  or.pred go, go, full;
-  setp.neu.f32 nz, s, 0f00000000;
-  and.pred go, go, nz;
-  @go red.shared.add.f32 [$0], s;
+  .reg .pred pfull, pgo, pnz;
+  .reg .b32 rm;
+  .reg .f32 fs, ft;
+  match.any.sync.b32 rm, $1, 0xffffffff;
+  setp.eq.b32 pfull, rm, 0xffffffff;
+  mov.f32 fs, $2;
+  @pfull shfl.sync.bfly.b32 ft, fs, 16, 0x1f, 0xffffffff;
+  @pfull add.f32 fs, fs, ft;
+  @pfull shfl.sync.bfly.b32 ft, fs, 8, 0x1f, 0xffffffff;
+  @pfull add.f32 fs, fs, ft;
+  @pfull shfl.sync.bfly.b32 ft, fs, 4, 0x1f, 0xffffffff;
+  @pfull add.f32 fs, fs, ft;
+  @pfull shfl.sync.bfly.b32 ft, fs, 2, 0x1f, 0xffffffff;
+  @pfull add.f32 fs, fs, ft;
+  @pfull shfl.sync.bfly.b32 ft, fs, 1, 0x1f, 0xffffffff;
+  @pfull add.f32 fs, fs, ft;
+  mov.b32 rm, %lanemask_lt;
+  setp.eq.b32 pgo, rm, 0;
+  not.pred pfull, pfull;
+  or.pred pgo, pgo, pfull;
+  setp.neu.f32 pnz, fs, 0f00000000;
+  and.pred pgo, pgo, pnz;
+  @pgo red.shared.add.f32 [$0], fs;
 }"""
 
 
