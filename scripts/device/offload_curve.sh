@@ -5,12 +5,15 @@
 #   bash scripts/device/offload_curve.sh hbm 0.1 0.05:300   (points: "hbm" or cache fractions; ":W" sets that
 #   point's warm-up steps, default $W). ROWS (default 16777216: 8 GiB) sizes the item table of every point;
 #   HBM_GIB caps the offloaded points' whole device memory (XLA_PYTHON_CLIENT_MEM_FRACTION of the H200's
-#   ~140 GiB) and the planner's budget: e.g. ROWS=125829120 HBM_GIB=16 is a 60 GiB table under a 16 GiB run.
+#   ~140 GiB) and the planner's budget; PROCESS_GIB (default HBM_GIB) caps the process's device memory apart:
+#   ROWS=125829120 HBM_GIB=16 PROCESS_GIB=56 is a 60 GiB table under a 16 GiB table budget, in a process that
+#   may not hold more than 56 GiB (gem_h200's step alone needs ~35 GiB of activations).
 # then, here: python -m experiments.plots offload DIR/*.log --out docs/offload_curve.png
 set -u
 python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1  # few files come back from a call: $OUT holds the points
 export PYTHONPATH=$PWD
 W=${W:-100}; S=${S:-16}; LIMIT=${LIMIT:-270}; ROWS=${ROWS:-16777216}; HBM_GIB=${HBM_GIB:-}
+PROCESS_GIB=${PROCESS_GIB:-$HBM_GIB}
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$OUT/smi.txt"
 TABLES=(
   --set 'embeddings.tables.actions={rows=16, dim=128}'
@@ -28,7 +31,7 @@ for spec in "$@"; do
     items="{rows=$ROWS, dim=128, sharding='offload', cache_fraction=$point}"
     if [ -n "$HBM_GIB" ]; then cap=(--set "embeddings.device_memory_gib=$HBM_GIB"); fi
   fi
-  fraction=$(python3 -c "print(min(0.95, float('${HBM_GIB:-0}') / 140) if '$point' != 'hbm' and '${HBM_GIB}' else 0.75)")
+  fraction=$(python3 -c "print(min(0.95, float('${PROCESS_GIB:-0}') / 140) if '$point' != 'hbm' and '${PROCESS_GIB}' else 0.75)")
   start=$(date +%s)
   XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction timeout -k 10 "$LIMIT" python3 -m experiments bench train_step \
     --config configs/gem_h200.toml "${TABLES[@]}" "${cap[@]}" \
