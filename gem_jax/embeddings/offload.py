@@ -35,8 +35,10 @@ waits only for the exchange before step t (to collect its evictions), never for 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -326,16 +328,30 @@ def _exchange_fn(mesh: Mesh, axes: tuple[str, ...], accumulator: bool, donate: b
     )
     write = jax.jit(
         jax.shard_map(
-            _write_slots, mesh=mesh, in_specs=(cache_specs, spec, spec), out_specs=cache_specs, check_vma=False
+            _write_slots,
+            mesh=mesh,
+            in_specs=(cache_specs, spec, spec),
+            out_specs=cache_specs,
+            check_vma=False,
         ),
         donate_argnums=(0,) if donate else (),
     )
 
-    def exchange(cache: Cache, slots: Int[Array, "G K"], values: dict[str, Array]) -> tuple[Cache, Cache]:
-        old = read(cache, slots)  # dispatched first: the donated write waits for it
-        return write(cache, slots, values), old
+    return _Exchange(read, write)
 
-    return exchange
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """The two jitted programs of one exchange; called, the old values of `slots` and the new cache."""
+
+    read: Callable
+    write: Callable
+
+    def __call__(
+        self, cache: Cache, slots: Int[Array, "G K"], values: dict[str, Array]
+    ) -> tuple[Cache, Cache]:
+        old = self.read(cache, slots)  # dispatched first: the donated write waits for it
+        return self.write(cache, slots, values), old
 
 
 def _read_slots(cache: Cache, slots: Int[Array, "1 K"]) -> Cache:
