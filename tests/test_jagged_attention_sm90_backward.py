@@ -153,12 +153,15 @@ def test_supports():
     # bias tables (and their per-head gradient histograms) past the shared memory the tiles leave
     wide = dict(has_pos=True, has_time=True, num_pos=4100, num_time=64)
     assert not mosaic_bwd.supports(_static(8192, "silu", options=with_bias, **wide), q, q)
-    for d, ok in ((64, True), (128, True), (256, False), (32, False), (96, False)):
+    for d, ok in ((64, True), (128, True), (256, True), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
         assert mosaic_bwd.supports(_static(256, "silu", d), qd, qd) == ok, d
-    # head dim 256 only with KernelOptions.hopper_backward_d256 (not yet run on a GPU), and without a bias
+    # head dim 256 unless KernelOptions.hopper_backward_d256 is False, and without a bias
     q256 = jnp.zeros((8, 2, 256), jnp.bfloat16)
-    d256 = KernelOptions(hopper_backward_d256=True)
+    assert not mosaic_bwd.supports(
+        _static(256, "silu", 256, options=KernelOptions(hopper_backward_d256=False)), q256, q256
+    )
+    d256 = KernelOptions()
     for activation in ("silu", "softmax"):
         assert mosaic_bwd.supports(_static(4096, activation, 256, options=d256), q256, q256)
     assert mosaic_bwd.supports(

@@ -7,8 +7,8 @@ Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, t
 o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
 bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
 KernelOptions.hopper_backward_bias: correct on the H200, but slower than the Triton backward there) the
-relative position and time bias; Dqk = Dv = 256 without a bias only with KernelOptions.hopper_backward_d256
-(below, "Head dim 256": not yet run on a GPU); the GPU backend runs the Triton backward for the others.
+relative position and time bias; Dqk = Dv = 256 without a bias unless KernelOptions.hopper_backward_d256 is False
+(below, "Head dim 256"); the GPU backend runs the Triton backward for the others.
 
 Design: two kernels, each one CTA = three warpgroups (two consumers of RES = 64 resident rows each, one TMA
 producer streaming tiles of the other side into a ring of shared-memory slots), on a persistent grid of NUM_SMS
@@ -42,7 +42,7 @@ and Mosaic GPU interpret mode against the reference's gradients, with the wgmmas
 (the interpreter has no transposed wgmma operands nor run_state). Numbers only come from the device
 (scripts/device/attention_bwd_sm90.sh).
 
-Head dim 256 (D_SPLIT; KernelOptions.hopper_backward_d256, off until checked on a device). The D <= 128 dK/dV
+Head dim 256 (D_SPLIT; KernelOptions.hopper_backward_d256, on since its H200 checks, 2026-12-03). The D <= 128 dK/dV
 consumer would hold dK and dV of its 64 keys: 2 x 64 x 256 float32 = 256 registers a thread, past the 232 a
 consumer gets (setmaxnreg 232/232/40 for the three warpgroups: 64.5K of the SM's 64K registers), and two
 consumers' resident K and V (128 KB) leave no room for a ring of 64-row Q and dO slots (64 KB each). So:
@@ -255,7 +255,7 @@ def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, t
 # whose lanes' last runs share one bucket adds their sum with one atomic), "rows" (a row whose cells share one
 # bucket adds its row sum once, the others one atomic per cell), "none" (no table gradients: only to time the
 # rest; wrong dpos, dtime). The device script A/Bs them (scripts/device/attention_bwd_sm90.py bias).
-TABLE_GRADS = "runs"  # 2.85x "rows" on the H200 (docs/benchmarks.md, fifth session); "warp" not yet run there
+TABLE_GRADS = "warp"  # H200, N=1024 bias: rows 106 ms, runs 37.2 / 33.8, warp 28.5 ms (docs/benchmarks.md)
 
 # red.shared.add.f32 of $1 at [$0], skipped for 0 (NaN adds)
 _RED = "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }"

@@ -32,8 +32,8 @@ class KernelOptions:
       call (KernelParams.hopper_forward).
     hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
       dQ over query tiles) instead of the Triton ones. None (the default): on Hopper GPUs for every call
-      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128, and 256 with hopper_backward_d256, T a
-      multiple of 8; a relative bias only with hopper_backward_bias, and not at 256); True: whenever it
+      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128/256 (256 unless hopper_backward_d256 is False),
+      T a multiple of 8; a relative bias only with hopper_backward_bias, and not at 256); True: whenever it
       supports the call, whatever the device; False: never. api.py decides it once per call
       (KernelParams.hopper_backward). Independent of hopper_forward: both forwards leave the same residuals.
       With both on, no bias_rows array is built (KernelParams.bias_rows False).
@@ -44,9 +44,9 @@ class KernelOptions:
     hopper_backward_d256: the Mosaic GPU backward also takes head dim 256 (Dqk = Dv = 256, no relative bias):
       a dK/dV kernel whose two consumer warpgroups split the work of one 64-key item by role (one computes S^T,
       P^T and dV, the other dP^T, dS^T and dK, the activation's derivative handed over in shared memory) and
-      a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). Off until checked on a
-      device: it has only been lowered and run in Mosaic GPU interpret mode on CPU; False: D = 256 runs the
-      Triton backward.
+      a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). True (the default since
+      its H200 checks and times, docs/benchmarks.md 2026-12-03: 2.58x the Triton backward at D = 256);
+      False: D = 256 runs the Triton backward.
     """
 
     silu_bf16x2: bool = True
@@ -58,7 +58,7 @@ class KernelOptions:
     hopper_forward: bool | None = None
     hopper_backward: bool | None = None
     hopper_backward_bias: bool = False
-    hopper_backward_d256: bool = False
+    hopper_backward_d256: bool = True
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""
