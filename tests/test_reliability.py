@@ -299,6 +299,21 @@ def test_truncated_and_missing_files_and_no_intact_checkpoint(trained, tmp_path,
     }
 
 
+def test_only_unfinished_saves_start_the_run_over(trained, tmp_path, capsys):
+    """A run killed before its first save finished leaves steps without a manifest and nothing intact:
+    its stop line says "re-run to start over", and the re-run does (the steps are moved aside)."""
+    workdir = _copy(trained, tmp_path)
+    shutil.rmtree(workdir / "checkpoints" / "20")
+    (workdir / "checkpoints" / "10" / integrity.MANIFEST).unlink()
+    summary = loop.train(make_task(_config()), workdir)
+    err = capsys.readouterr().err
+    assert "its save never finished); moved to" in err and "resumed from" not in err
+    assert summary["step"] == 20 and len(list((workdir / "corrupt").iterdir())) == 1
+    for a, b in zip(_params(workdir, _config(), 20), _params(trained, _config(), 20)):
+        np.testing.assert_array_equal(a, b)
+    assert _record_keys(workdir) == _record_keys(trained)
+
+
 def test_nan_stop_names_only_an_intact_checkpoint(tmp_path, monkeypatch):
     poison_loss(monkeypatch, from_step=5)
     write = Checkpointer._write_manifest
@@ -603,7 +618,9 @@ def test_kill_9_then_a_restart_resumes_with_no_duplicate_metrics(tmp_path):
     workdir = tmp_path / "run"
     run = ("train.steps=12", "train.checkpoint_every=3", "train.log_every=1")
     proc = _start("train", "--workdir", str(workdir), "--restarts", "1", *_config_args(tmp_path, *run))
-    _wait_for(lambda: _lines(workdir / "metrics.jsonl") >= 5, proc)  # past the step-3 checkpoint
+    # Past the step-3 checkpoint, and its save finished (it is written in the background).
+    saved = workdir / "checkpoints" / "3" / integrity.MANIFEST
+    _wait_for(lambda: _lines(workdir / "metrics.jsonl") >= 5 and saved.exists(), proc)
     (trainer,) = child_pids(proc.pid)  # the supervisor's one child
     os.kill(trainer, signal.SIGKILL)
     logged = last_logged_step(workdir / "metrics.jsonl")  # before the relaunch (1 s later, then start-up)

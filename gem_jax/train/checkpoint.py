@@ -184,8 +184,9 @@ class Checkpointer:
 
         Failed newer steps are reported (one line each); when an intact step is found and this
         Checkpointer writes, they are moved to `<workdir>/corrupt/`. Steps that exist but none intact:
-        NoIntactCheckpoint and nothing is moved, unless `required=False` (best/: they are moved aside
-        and None is returned). Process 0 decides; every process gets its answer.
+        NoIntactCheckpoint and nothing is moved, unless `required=False` (best/) or every one is a save
+        that never finished: then they are moved aside and None is returned (start over). Process 0
+        decides; every process gets its answer.
         """
         self.wait()
         move_aside = not self.read_only if move_aside is None else move_aside
@@ -199,7 +200,10 @@ class Checkpointer:
                     chosen = step
                     break
                 failed.append((step, problem))
-            if chosen == _NONE and failed and required:
+            # Only unfinished saves (a run killed before its first save finished): there was never a
+            # state to lose, so they are moved aside and the run starts over, as its stop line said.
+            unfinished = all(problem == integrity.UNFINISHED for _, problem in failed)
+            if chosen == _NONE and failed and required and not unfinished:
                 chosen = _NONE_INTACT
             for step, problem in failed:
                 fate = f"; moved to {self._move_aside(step)}" if chosen != _NONE_INTACT and move_aside else ""

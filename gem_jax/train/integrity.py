@@ -17,6 +17,7 @@ from pathlib import Path
 from gem_jax.train import files
 
 MANIFEST = "gem_manifest.json"
+UNFINISHED = "no integrity manifest (its save never finished)"
 FORMAT = 1
 
 
@@ -42,7 +43,7 @@ def problem(step_dir: Path, *, checksums: bool = True) -> str | None:
         return "missing"
     manifest = step_dir / MANIFEST
     if not manifest.exists():
-        return "no integrity manifest (its save never finished)"
+        return UNFINISHED
     try:
         listing = json.loads(manifest.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
