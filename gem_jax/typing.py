@@ -41,6 +41,18 @@ import os
 
 PACKAGES = ("gem_jax", "pallas_kernels")
 ENV_VAR = "GEM_JAX_TYPECHECK"
+PRELOADED = (  # the training path's heavy imports (see install_shape_checking); Pallas loads lazily
+    "numpy",
+    "jax",
+    "jax.numpy",
+    "jax.experimental.multihost_utils",
+    "jax.experimental.mesh_utils",
+    "flax.nnx",
+    "flax.struct",
+    "optax",
+    "orbax.checkpoint",
+    "grain",
+)
 
 
 def shape_checking_requested() -> bool:
@@ -50,6 +62,16 @@ def shape_checking_requested() -> bool:
 def install_shape_checking() -> None:
     """Checks every annotated function of PACKAGES' modules imported from now on (jaxtyping +
     beartype). Modules already imported stay unchecked, so call this before importing them."""
+    import importlib
+
     from jaxtyping import install_import_hook
 
+    # The hook renames the bytecode cache (importlib's cache_from_source, patched process-wide) while a
+    # checked module runs, so every package first imported from inside one would be compiled from
+    # source, in every process (~5 s each): import the heavy ones first, from their cached bytecode.
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional extra that is not installed
+            pass
     install_import_hook(list(PACKAGES), "beartype.beartype")
