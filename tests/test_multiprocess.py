@@ -24,7 +24,7 @@ import pytest
 
 from gem_jax.config import config_to_toml, load_config
 from gem_jax.tasks import make_task
-from gem_jax.train import loop
+from gem_jax.train import integrity, loop
 from gem_jax.train.checkpoint import Checkpointer
 from tests.helpers import SMALL, child_pids, last_logged_step, start_cli
 from tests.test_retrieval import SMALL_ARGS, write_cyclic_pairs
@@ -264,7 +264,8 @@ def test_a_lost_process_stops_the_other_in_one_line_and_restarts_finish_the_run(
         workdir, config, ["--peer-timeout", "3", "--restarts", "1", "--stop-after", "7"]
     )
     deadline = time.monotonic() + 600  # 113 s alone; more than 300 s once beside the rest of the suite
-    while last_logged_step(workdir / "metrics.jsonl") < 3:
+    saved = workdir / "checkpoints" / "2" / integrity.MANIFEST  # the step-2 save finished (in the background)
+    while last_logged_step(workdir / "metrics.jsonl") < 3 or not saved.exists():
         if not all(p.poll() is None for p in procs) or time.monotonic() > deadline:
             for p in procs:
                 p.kill()
