@@ -42,9 +42,13 @@ def collect(root: Path) -> dict[str, dict[int, dict[tuple[str, str], float]]]:
     return out
 
 
+def _stdev(values: list[float]) -> float:
+    """The sample standard deviation; nan for one value (no spread to tell)."""
+    return statistics.stdev(values) if len(values) > 1 else float("nan")
+
+
 def _mean_spread(values: list[float]) -> str:
-    spread = statistics.stdev(values) if len(values) > 1 else float("nan")
-    return f"{statistics.fmean(values):.4f} ± {spread:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {_stdev(values):.4f}"
 
 
 def table(runs: dict[str, dict[int, dict]], baseline: str = "bf16") -> str:
@@ -64,10 +68,10 @@ def table(runs: dict[str, dict[int, dict]], baseline: str = "bf16") -> str:
                 task: [100 * (by_seed[s][(task, "ne")] / base[s][(task, "ne")] - 1) for s in paired]
                 for task in ("click", "conversion")
             }
-            sd = {t: statistics.stdev(v) if len(v) > 1 else float("nan") for t, v in change.items()}
+            click, conversion = change["click"], change["conversion"]
             versus = (
-                f"{statistics.fmean(change['click']):+.2f}% ± {sd['click']:.2f} "
-                f"({statistics.fmean(change['conversion']):+.2f}% ± {sd['conversion']:.2f}), seeds {paired}"
+                f"{statistics.fmean(click):+.2f}% ± {_stdev(click):.2f} "
+                f"({statistics.fmean(conversion):+.2f}% ± {_stdev(conversion):.2f}), seeds {paired}"
             )
         lines.append(f"| {recipe} | {len(seeds)} | " + " | ".join(cells) + f" | {versus} |")
     return "\n".join(lines)

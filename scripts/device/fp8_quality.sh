@@ -2,8 +2,7 @@
 # FP8 quality with statistics (issue: FP8 that pays): gem_h200 trained 300 steps per recipe and seed at one
 # data worker count (the worker count decides the batches, so runs of the same seed see the same batches),
 # $PARALLEL (2: ~35 GiB of activations each) runs at a time on the one GPU (quality only: their wall times mean
-# nothing); then the table of
-# scripts/device/fp8_quality.py. Logs, metrics and the table packed into $OUT/fp8_quality.tgz.
+# nothing); then the table of scripts/device/fp8_quality.py. Logs, metrics and the table in $OUT/fp8_quality.tgz.
 #   RECIPES="bf16 delayed margin1 current" SEEDS="0 1 2" bash scripts/device/fp8_quality.sh
 set -u
 python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1; python3 -c "import grain" || { cat /tmp/pip.log; exit 1; }
