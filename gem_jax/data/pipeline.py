@@ -100,3 +100,45 @@ def example_range(
     """Examples `example_fn(start), example_fn(start + 1), ...`: `num` of them, or endless for None."""
     stop = start + num if num is not None else 2**62
     return grain.MapDataset.range(start, stop).map(example_fn)
+
+
+class WorkerBlockExamples(grain.MapDataset):
+    """The endless examples `example_fn(0), example_fn(1), ...`, handed out to grain's worker processes
+    a whole block at a time.
+
+    Examples are drawn `block` at a time (the synthetic generator's numpy blocks). grain's default worker
+    slicing gives worker i of W every W-th example, so every worker would draw every block and use 1/W of
+    it: 12 workers ran no faster than one (hstu_nvidia on the H200: 169 ms per pack with 12 workers). With
+    `mp_prefetch(..., sequential_slice=True)` grain hands this dataset the worker's slice instead
+    (`set_slice`), and worker i reads blocks i, i + W, i + 2W, ... whole. Without workers it is
+    `example_range(example_fn, 0, None)`, example for example; with them, which examples a step holds
+    depends on W, as it does anyway once packs come from W workers in turn.
+    """
+
+    def __init__(self, example_fn: Callable[[int], dict[str, Any]], block: int):
+        super().__init__()
+        self._example_fn, self._block = example_fn, block
+        self._worker, self._workers = 0, 1
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        """grain's per-worker slice `slice(worker, None, workers)` (grain.experimental's protocol)."""
+        if sl.stop is not None or not 0 <= sl.start < sl.step:
+            raise ValueError(f"expected a worker's slice slice(i, None, n) with 0 <= i < n, got {sl}")
+        self._worker, self._workers = sl.start, sl.step
+
+    def example_index(self, index: int) -> int:
+        """The example at position `index` of this worker's stream."""
+        number, offset = divmod(int(index), self._block)
+        return (number * self._workers + self._worker) * self._block + offset
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self.slice(index)
+        return self._example_fn(self.example_index(index))
+
+    def __str__(self) -> str:
+        return f"WorkerBlockExamples(block={self._block}, worker {self._worker} of {self._workers})"
+

@@ -22,11 +22,11 @@ from jax.sharding import Mesh
 
 from gem_jax.config import Config, ConfigError
 from gem_jax.data.batch import JaggedBatch
-from gem_jax.data.pipeline import example_range, packed_dataset
+from gem_jax.data.pipeline import WorkerBlockExamples, example_range, packed_dataset
 from gem_jax.data.records.dataset import READ_OPTIONS, RecordsData
 from gem_jax.data.records.reader import COUNTS
 from gem_jax.data.synthetic import READ_OPTIONS as SYNTHETIC_READ_OPTIONS
-from gem_jax.data.synthetic import SyntheticAds
+from gem_jax.data.synthetic import BLOCK, SyntheticAds
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids, sparse_feature_groups
 from gem_jax.parallel import num_batch_shards
@@ -83,8 +83,8 @@ class RankingTask:
         """A split's examples ("train": endless); None where the records have no such split."""
         if self.records is not None:
             return self.records.examples(split)
-        if split == "train":
-            return example_range(self.generator.example, 0, None)
+        if split == "train":  # a grain worker draws whole blocks (WorkerBlockExamples)
+            return WorkerBlockExamples(self.generator.example, BLOCK)
         return example_range(self.generator.example, EVAL_START, self.config.data.eval_examples)
 
     def _dataset(self, split: str, *, process_index: int, process_count: int) -> grain.IterDataset:
@@ -113,7 +113,10 @@ class RankingTask:
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
             data = data.mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=workers), worker_init_fn=interrupt.worker_init
+                grain.MultiprocessingOptions(num_workers=workers),
+                worker_init_fn=interrupt.worker_init,
+                # The generator's examples take each worker's slice as whole blocks; records stay strided.
+                sequential_slice=self.records is None,
             )
         return data
 
