@@ -72,7 +72,11 @@ def test_two_grain_workers_hand_out_the_packs_of_their_own_blocks():
     # pickle for its worker processes.
     env = {k: v for k, v in os.environ.items() if k != "GEM_JAX_TYPECHECK"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_worker_blocks"], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "tests.test_worker_blocks"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 

@@ -141,4 +141,3 @@ class WorkerBlockExamples(grain.MapDataset):
 
     def __str__(self) -> str:
         return f"WorkerBlockExamples(block={self._block}, worker {self._worker} of {self._workers})"
-

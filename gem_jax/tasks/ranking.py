@@ -25,8 +25,8 @@ from gem_jax.data.batch import JaggedBatch
 from gem_jax.data.pipeline import WorkerBlockExamples, example_range, packed_dataset
 from gem_jax.data.records.dataset import READ_OPTIONS, RecordsData
 from gem_jax.data.records.reader import COUNTS
-from gem_jax.data.synthetic import READ_OPTIONS as SYNTHETIC_READ_OPTIONS
 from gem_jax.data.synthetic import BLOCK, SyntheticAds
+from gem_jax.data.synthetic import READ_OPTIONS as SYNTHETIC_READ_OPTIONS
 from gem_jax.embeddings import EmbeddingCollection, FeatureIds
 from gem_jax.model.gem import GEMModel, embedding_ids, sparse_feature_groups
 from gem_jax.parallel import num_batch_shards
