@@ -114,12 +114,14 @@ def small_config(*overrides: str) -> Config:
     return load_config(None, [*SMALL, *overrides])
 
 
-def stacks(config: Config, shards: int, start: int = 0):
-    """An iterator of numpy batch stacks (one pack per shard) from the real pipeline."""
+def stacks(config: Config, shards: int, start: int = 0, examples=None):
+    """An iterator of numpy batch stacks (one pack per shard) from the real pipeline: of `examples`, or
+    the synthetic generator's from example `start`."""
     d, m = config.data, config.model
-    gen = SyntheticAds(d, num_tasks=len(m.tasks))
+    if examples is None:
+        examples = example_range(SyntheticAds(d, num_tasks=len(m.tasks)).example, start, None)
     ds = packed_dataset(
-        example_range(gen.example, start, None),
+        examples,
         examples_capacity=d.examples_per_shard,
         tokens_capacity=d.tokens_per_shard,
         num_sparse_features=d.num_sparse_features,

@@ -9,10 +9,10 @@ import jax
 import numpy as np
 import pytest
 
-from gem_jax.data.pipeline import WorkerBlockExamples, packed_dataset
+from gem_jax.data.pipeline import WorkerBlockExamples
 from gem_jax.data.synthetic import BLOCK, SyntheticAds
 from gem_jax.tasks import make_task
-from tests.helpers import small_config
+from tests.helpers import small_config, stacks
 
 
 def test_each_worker_reads_whole_blocks_and_the_workers_read_every_block():
@@ -39,25 +39,13 @@ def compare_two_workers_with_their_blocks() -> None:
     config = small_config("data.num_workers=2")
     task = make_task(config)
     got = list(itertools.islice(iter(task.train_data(0, 1)), 6))
-    d, m = config.data, config.model
-    gen = SyntheticAds(d, num_tasks=len(m.tasks))
+    gen = SyntheticAds(config.data, num_tasks=len(config.model.tasks))
     expected = []
     for worker in range(2):
         examples = WorkerBlockExamples(gen.example, BLOCK)
         examples.set_slice(slice(worker, None, 2), sequential_slice=True)
-        stream = packed_dataset(
-            examples,
-            examples_capacity=d.examples_per_shard,
-            tokens_capacity=d.tokens_per_shard,
-            num_sparse_features=d.num_sparse_features,
-            max_bag_size=d.max_bag_size,
-            prefix=m.num_context_tokens,
-            shards=task.shards,
-            process_index=0,
-            process_count=1,
-            balance=d.balance == "attention",
-        )
-        expected.append(list(itertools.islice(iter(stream), 3)))
+        stream = stacks(config, task.shards, examples=examples)
+        expected.append(list(itertools.islice(stream, 3)))
     for k, stack in enumerate(got):
         want = expected[k % 2][k // 2]
         for a, b in zip(jax.tree.leaves(stack), jax.tree.leaves(want), strict=True):
