@@ -124,7 +124,7 @@ class WorkerBlockExamples(grain.MapDataset):
         return 2**62
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-        """grain's per-worker slice `slice(worker, None, workers)` (grain.experimental's protocol)."""
+        """grain's per-worker slice `slice(worker, None, workers)` (its in-place slicing protocol)."""
         if sl.stop is not None or not 0 <= sl.start < sl.step:
             raise ValueError(f"expected a worker's slice slice(i, None, n) with 0 <= i < n, got {sl}")
         self._worker, self._workers = sl.start, sl.step

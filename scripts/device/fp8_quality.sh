@@ -36,5 +36,5 @@ for recipe in ${RECIPES:-bf16 delayed margin1}; do
   done
 done
 wait
-trap - EXIT TERM INT
+trap - TERM INT
 finish
