@@ -28,7 +28,9 @@ import jax
 from gem_jax.config import Config, ConfigError
 
 TABLE = Path(__file__).with_name("fp8_speedups.json")
-MIN_SPEEDUP = 1.05  # FP8 must beat bf16 by more than timing noise (same-call repeats differ by ~2%)
+# FP8 must beat bf16 by more than noise and than what the layer bench misses: on the H200 (2026-12-03) the
+# hstu_nvidia uvqk layers measured 1.08x alone, yet the step with FP8 on them ran at 0.99x of bf16.
+MIN_SPEEDUP = 1.10
 MAX_M_RATIO = 2.0  # a measured token count stands for the layer's within this factor
 
 

@@ -26,8 +26,9 @@ V[bf16]=""
 V[delayed]="--set precision.fp8=true"
 V[margin1]="--set precision.fp8=true --set precision.fp8_margin=1"
 V[current]="--set precision.fp8=true --set precision.fp8_recipe=\"current\""
-for recipe in ${RECIPES:-bf16 delayed margin1}; do
-  for seed in ${SEEDS:-0 1 2}; do
+# Seed-major, so a call cut short still holds every recipe of its first seeds (pairs against bf16).
+for seed in ${SEEDS:-0 1 2}; do
+  for recipe in ${RECIPES:-bf16 delayed margin1}; do
     while [ "$(jobs -rp | wc -l)" -ge "$PARALLEL" ]; do sleep 2; done
     name=${recipe}_s$seed
     eval timeout -k 10 $LIMIT python3 -m experiments train --config configs/gem_h200.toml --workdir $R/$name \
