@@ -4,9 +4,8 @@
 # $PARALLEL (2: ~35 GiB of activations each) runs at a time on the one GPU (quality only: their wall times mean
 # nothing); then the table of scripts/device/fp8_quality.py. Logs, metrics and the table in $OUT/fp8_quality.tgz.
 #   RECIPES="bf16 delayed margin1 current" SEEDS="0 1 2" bash scripts/device/fp8_quality.sh
-# Six runs (three rounds of two) did not finish in one 600 s call (2026-12-03): give a call four at most, e.g.
-#   RECIPES="bf16 delayed" SEEDS="0 1", then the rest in later calls; unpack every call's archive into one
-# directory and run the table on it.
+# A run takes ~100 s of wall (2026-12-03, two at a time: four runs in 280 s), so a 600 s call holds about
+# eight; split the seeds over calls, unpack every call's archive into one directory and run the table on it.
 set -u
 python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1; python3 -c "import grain" || { cat /tmp/pip.log; exit 1; }
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
