@@ -171,7 +171,7 @@ def _scores(
     """
     bq, bk = qt.rows.shape[0], kt.cols.shape[0]
     bias_tile = pos_tile = None
-    if _values_rows(params):
+    if params.bias_rows:
         bias_tile = _bias_tile(
             bias.rows, h=h, start=start, q_lo=qt.lo, bq=bq, k_lo=kt.lo, bk=bk, row_ok=qt.ok
         )
@@ -192,15 +192,7 @@ def _scores(
             delta = qt.rows[:, None] - kt.cols[None, :]
             sc = sc + bias.pos[h, jnp.clip(delta, 0, params.num_pos - 1)]
     tt = None
-    if params.has_time and params.bias_rows:  # the tile's buckets from the array, the table gathered per cell
-        tt = _time_cells(qt.ts, kt.ts, thr) if thr is not None else None
-        sc = (
-            sc
-            + time_ref[
-                h, _bucket_tile(bias.rows, start=start, q_lo=qt.lo, bq=bq, k_lo=kt.lo, bk=bk, row_ok=qt.ok)
-            ]
-        )
-    elif params.has_time:
+    if params.has_time:
         tt = _time_cells(qt.ts, kt.ts, thr)
         sc = sc + _time_bias(tt, h, time_ref)
     return sc, tt
@@ -458,23 +450,6 @@ def _bias_tile(bias_ref, *, h, start, q_lo, bq: int, k_lo, bk: int, row_ok):
     return plgpu.load(blk, mask=row_ok[:, None], other=0).astype(jnp.float32)
 
 
-# What the bias_rows array holds (KernelParams.bias_rows): "buckets", the [T, W] int16 time buckets that every
-# head and layer shares (the kernels gather the time table per cell and add the position bias as without the
-# array), or "values", the [H, T, W] bias itself in q's dtype (one array per layer: 3.4 GB each at gem_h200).
-BIAS_ROWS = "buckets"
-
-
-def _values_rows(params: KernelParams) -> bool:
-    """Whether the kernels load the whole bias (position + time) from an [H, T, W] values array."""
-    return params.bias_rows and BIAS_ROWS == "values"
-
-
-def _bucket_tile(bucket_ref, *, start, q_lo, bq: int, k_lo, bk: int, row_ok):
-    """int32 [bq, bk] tile of the [T, W] time-bucket array (rows past the sequence read as bucket 0)."""
-    blk = bucket_ref.at[pl.ds(start + q_lo, bq), pl.ds(k_lo, bk)]
-    return plgpu.load(blk, mask=row_ok[:, None], other=0).astype(jnp.int32)
-
-
 def _pos_tile(pos_exp_ref, *, h, q_lo, k_lo, params: KernelParams, bq: int, bk: int):
     """The tile's slice of _pos_expand (None without one: the kernels then gather per cell)."""
     if not (params.has_pos and params.options.pos_expanded):
@@ -537,7 +512,7 @@ def _fwd_kernel(
         qt = _q_side(q_ref, ts_ref, q_lo=q_lo, bq=bq, with_ts=not rows_bias, **seq)
         lo, hi = _kv_range(q_lo, bq, length, first_target, params)
         dv = v_ref.shape[-1]
-        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not _values_rows(params) else None
+        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
 
         exact = qt.q.dtype == jnp.float32
 
@@ -571,7 +546,7 @@ def _fwd_kernel(
 
         acc0 = jnp.zeros((bq, dv), jnp.float32)
         f_lo, f_hi = _full_kv(q_lo, bq, bk, first_target, params)
-        clip_edge = None if _values_rows(params) else _clip_edge_kv(q_lo, bk, params)
+        clip_edge = None if rows_bias else _clip_edge_kv(q_lo, bk, params)
         loop = functools.partial(
             _split_loop, lo // bk, cdiv_dyn(hi, bk), f_lo, f_hi, body, clip_edge=clip_edge
         )
@@ -600,12 +575,11 @@ def forward(inputs, params: KernelParams):
     t, heads, _ = q.shape
     bq = params.blocks.block_q
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
-    if _values_rows(params):
-        bias = bias_rows(offsets, ts, pos_tab, time_tab, params, total_rows=t, heads=heads, dtype=q.dtype)
-    elif params.bias_rows and params.has_time:
-        bias = bias_cells(offsets, ts, params, t=t)[1]
-    else:
-        bias = jnp.zeros((16, 16), jnp.int16)
+    bias = (
+        bias_rows(offsets, ts, pos_tab, time_tab, params, total_rows=t, heads=heads, dtype=q.dtype)
+        if params.bias_rows
+        else jnp.zeros((1, 16, 16), q.dtype)
+    )
     if (
         params.hopper_forward
     ):  # the Mosaic GPU forward computes the bias itself; the array serves the backward
@@ -646,7 +620,7 @@ def forward(inputs, params: KernelParams):
 
 
 def _pos_expand_or_dummy(pos_tab, params: KernelParams, bq: int, bk: int):
-    if params.has_pos and params.options.pos_expanded and not _values_rows(params):
+    if params.has_pos and params.options.pos_expanded and not params.bias_rows:
         return _pos_expand(pos_tab, params, bq, bk)
     return jnp.zeros((1, 1, 16, 16), jnp.float32)
 
@@ -725,7 +699,7 @@ def _dq_kernel(
         if params.activation == "softmax":  # for the dK/dV kernel, which runs after this one
             plgpu.store(delta_ref.at[h, pl.ds(start + q_lo, bq)], qt.delta, mask=qt.ok)
         lo, hi = _kv_range(q_lo, bq, length, first_target, params)
-        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not _values_rows(params) else None
+        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
         lowest, step, _ = _pos_offsets(params, bq, bk)
 
         exact = qt.q.dtype == jnp.float32
@@ -825,7 +799,7 @@ def _dkv_kernel(
         seq = dict(start=start, length=length, h=h, params=params)
         kt = _kv_side(k_ref, v_ref, ts_ref, k_lo=k_lo, bk=bk, with_ts=not rows_bias, **seq)
         lo, hi = _q_range(k_lo, bk, length, first_target, params)
-        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not _values_rows(params) else None
+        pos_far = pos_ref[h, params.num_pos - 1] if params.has_pos and not rows_bias else None
 
         exact = q_ref.dtype == jnp.float32
 
@@ -853,7 +827,7 @@ def _dkv_kernel(
             f_hi,
             body,
             init,
-            clip_edge=None if _values_rows(params) else _clip_edge_q(k_lo, bk, bq, params),
+            clip_edge=None if rows_bias else _clip_edge_q(k_lo, bk, bq, params),
             clipped_below=False,
         )
         scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
