@@ -132,6 +132,11 @@ class DataConfig:
     # worker packs its own slice of the example stream, so the count decides which examples a batch
     # holds, and the saved data position is one per worker.
     num_workers: int = setting(0, AT_LEAST_0, fingerprint=False)
+    # Packs each grain worker may hold ready (grain's per_worker_buffer_size). The synthetic generator draws
+    # 64 examples at a time, and with one pack of slack every worker drew its next block in the same step:
+    # gem_long (~12 packs per block) stalled ~3 s every ~135 steps. Enough packs to cover a block's draw
+    # hide it; memory is workers x this x one pack of host RAM.
+    worker_buffer_size: int = setting(8, AT_LEAST_1, may_change=True, fingerprint=False)
     # Records (kind="records"). The shards' own schema.json says what a record holds; these pick from it.
     eval_path: str = setting("", may_change=True, fingerprint=False)  # validation shard set ("" = none)
     # test shard set, scored once for the chosen checkpoint ("" = none)

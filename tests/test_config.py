@@ -208,6 +208,7 @@ def test_dtype_names_are_the_dtype_table():
         ("parallel.mesh_shape=[-2]", ["parallel.mesh_shape", ">= -1"]),
         ("retrieval.temperature=0", ["retrieval.temperature", "> 0"]),
         ("data.num_workers=-1", ["data.num_workers", ">= 0"]),
+        ("data.worker_buffer_size=0", ["data.worker_buffer_size", ">= 1"]),
     ],
 )
 def test_out_of_range_values_name_the_key(override, words):

@@ -33,6 +33,28 @@ def test_each_worker_reads_whole_blocks_and_the_workers_read_every_block():
         examples.set_slice(slice(3, None, 3))
 
 
+def test_the_worker_buffer_setting_reaches_grain(monkeypatch):
+    # One pack of slack per worker stalled gem_long on the H200 (all workers drew their next block in the same
+    # step); data.worker_buffer_size is grain's per_worker_buffer_size.
+    import grain
+
+    from gem_jax.tasks import ranking
+
+    seen, options = [], grain.MultiprocessingOptions
+
+    def recording(**kw):
+        seen.append(kw)
+        return options(**kw)
+
+    monkeypatch.setattr(ranking.grain, "MultiprocessingOptions", recording)
+    make_task(small_config("data.num_workers=2", "data.worker_buffer_size=5")).train_data(0, 1)
+    make_task(small_config("data.num_workers=2")).train_data(0, 1)
+    assert seen == [
+        {"num_workers": 2, "per_worker_buffer_size": 5},
+        {"num_workers": 2, "per_worker_buffer_size": 8},
+    ]
+
+
 def compare_two_workers_with_their_blocks() -> None:
     """The task's train data with 2 worker processes: stack k is worker k % 2's (k // 2)-th, and each
     worker's stacks are the packs of its own blocks' examples, exactly."""

@@ -113,7 +113,9 @@ class RankingTask:
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
             data = data.mp_prefetch(
-                grain.MultiprocessingOptions(num_workers=workers),
+                grain.MultiprocessingOptions(
+                    num_workers=workers, per_worker_buffer_size=self.config.data.worker_buffer_size
+                ),
                 worker_init_fn=interrupt.worker_init,
                 # The generator's examples take each worker's slice as whole blocks; records stay strided.
                 sequential_slice=self.records is None,
