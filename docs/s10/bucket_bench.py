@@ -1,5 +1,7 @@
 """Session 10 call 3: bench train_step gem_h200 with the backward's bias from "values" or "buckets" rows.
 
+Runs only on the prototype's tree, 1c164fd (gpu.BIAS_ROWS left with its revert, c206191).
+
 usage: python3 docs/s10/bucket_bench.py MODE TILES [experiments args...]
 MODE: values | buckets. TILES: default | computed (the tiles the in-kernel bias path uses: 64x128 dK/dV,
 2 forward stages) | stages1 (default tiles, one backward pipeline stage).

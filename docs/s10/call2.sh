@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Runs only on the prototype's tree, 1c164fd: pallas_kernels/jagged_attention/gpu.BIAS_ROWS left with its revert (c206191).
 # Session 10 call 2 (issue 27): the Triton backward's bias from the shared [T, W] int16 time-bucket array
 # ("buckets", new) against the per-layer [H, T, W] values array ("values", before), gem_h200 step in one call;
 # a fuzz of the kernels against the float32 reference first; then the gem_h200 profile with "buckets".

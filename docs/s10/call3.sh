@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Runs only on the prototype's tree, 1c164fd: pallas_kernels/jagged_attention/gpu.BIAS_ROWS left with its revert (c206191).
 # Session 10 call 3 (issue 27): call 2's "buckets" backward overflowed shared memory at gem_h200 (245760 of
 # 232448 bytes) with the no-bias tiles; here the values baseline and "buckets" with the in-kernel-bias tiles
 # or one backward stage, gem_h200 bench train_step in one call; then the gem_h200 profile of the first that ran.
