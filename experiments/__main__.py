@@ -42,6 +42,7 @@ BENCHMARKS = {
     "balance": "experiments.benchmarks.balance",
     "fp8": "experiments.benchmarks.fp8",
     "embeddings": "experiments.benchmarks.embeddings",
+    "norm": "experiments.benchmarks.norm",
 }
 
 

@@ -260,6 +260,12 @@ class ModelConfig:
     # backward) in GiB; 0: the kernels compute the bias (slower backward, no extra memory). The same
     # function either way.
     attention_bias_rows_gib: float = setting(8.0, AT_LEAST_0, may_change=True)
+    # The HSTU layers' norms (input norm with the residual's gradient, attention-output norm with the gate,
+    # the final norm) as pallas_kernels.layer_norm's fused kernels ("auto": on GPU) or plain jnp
+    # ("reference"); the same function, so a run may resume on another.
+    norm_implementation: Literal["auto", "reference", "pallas", "interpret"] = setting(
+        "auto", may_change=True
+    )
     max_attn_len: int = setting(0, AT_LEAST_0)
     num_position_buckets: int = setting(64, AT_LEAST_0)  # 0 disables the relative position bias
     num_time_buckets: int = setting(32, AT_LEAST_0)  # 0 disables the relative time bias

@@ -93,3 +93,14 @@ def test_bench_balance_reports_less_imbalance_balanced(capsys):
     ratio = report["max_over_mean"]
     assert report["lower_bound"] <= ratio["balanced"] < ratio["unbalanced"]
     assert report["attention_speedup"] > 1
+
+
+def test_bench_norm_checks_the_kernels_against_xla_before_timing(capsys):
+    """`bench norm --quick` on CPU: both cases run the reference and the kernel (interpret mode), each
+    checked against the reference."""
+    from experiments.benchmarks import norm
+
+    assert norm.main(["--quick", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 4 and "WRONG" not in out, out
+    assert out.count("kernel rows=default") == 2, out

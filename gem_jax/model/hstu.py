@@ -42,9 +42,10 @@ class HSTULayer(nnx.Module):
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
         self.attention_spec = AttentionSpec.from_config(c)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
-        self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs)
+        norm = None if c.norm_implementation == "auto" else c.norm_implementation
+        self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs, implementation=norm)
         self.uvqk = Dense(f"{name}/uvqk", c.model_dim, h * (2 * dv + 2 * dqk), policy, rngs=rngs)
-        self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs)
+        self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs, implementation=norm)
         self.out = Dense(f"{name}/out", h * dv, c.model_dim, policy, rngs=rngs, axes=("mlp", "embed"))
         zeros = nnx.initializers.zeros
         self.pos_bias = (
@@ -77,7 +78,7 @@ class HSTULayer(nnx.Module):
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         with jax.named_scope(f"{self.name}/uvqk"):
-            xn = self.input_norm(x)
+            x, xn = self.input_norm(x, with_input=True)  # x: the residual, its gradient joins the norm's
             uvqk = jax.nn.silu(self.uvqk(xn))
             u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
         attention_rng = None if rng is None else jax.random.fold_in(rng, 1)
@@ -93,7 +94,7 @@ class HSTULayer(nnx.Module):
                 rng=attention_rng,
             )
         with jax.named_scope(f"{self.name}/output"):
-            y = self.attn_norm(a.reshape(t, h * dv)) * u
+            y = self.attn_norm(a.reshape(t, h * dv), gate=u)
             attended = dropout(self.out(y), c.dropout, rng)
         if self.frequency is None:
             return x + attended
@@ -161,7 +162,8 @@ class HSTUTower(nnx.Module):
                 for i in range(config.num_layers)
             ]
         )
-        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs)
+        norm = None if config.norm_implementation == "auto" else config.norm_implementation
+        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs, implementation=norm)
         # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
         self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))
         self.config = config

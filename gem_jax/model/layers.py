@@ -10,6 +10,7 @@ from jaxtyping import Array, ArrayLike, Float
 from gem_jax.model.fp8 import FP8Matmul
 from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
+from pallas_kernels.layer_norm import layer_norm
 
 
 class Dense(nnx.Module):
@@ -58,22 +59,44 @@ class Dense(nnx.Module):
 
 
 class LayerNorm(nnx.Module):
-    """LayerNorm with float32 statistics (a "sensitive" op in any precision policy)."""
+    """LayerNorm with float32 statistics (a "sensitive" op in any precision policy).
 
-    def __init__(self, dim: int, policy: PrecisionPolicy, *, rngs: nnx.Rngs, use_scale: bool = True):
+    `implementation` (a pallas_kernels name; None: the platform's best) runs it as the fused layer-norm
+    kernel of pallas_kernels.layer_norm, which can also multiply by a gate and pass its input through for a
+    residual (`with_input`) in the same pass; "reference" is plain jnp, which XLA fuses as it can.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+        use_scale: bool = True,
+        implementation: str | None = "reference",
+    ):
         self.scale = (
             param(rngs, nnx.initializers.ones, (dim,), ("embed",), policy.param_dtype) if use_scale else None
         )
         self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",), policy.param_dtype)
+        self.implementation = implementation
 
-    def __call__(self, x: Float[ArrayLike, "... d"]) -> Float[ArrayLike, "... d"]:
-        x32 = x.astype(jnp.float32)
-        mean = x32.mean(-1, keepdims=True)
-        var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-        y = (x32 - mean) * jax.lax.rsqrt(var + 1e-6)
-        if self.scale is not None:
-            y = y * self.scale[...].astype(jnp.float32)
-        return (y + self.bias[...].astype(jnp.float32)).astype(x.dtype)
+    def __call__(
+        self,
+        x: Float[ArrayLike, "... d"],
+        gate: Float[ArrayLike, "... d"] | None = None,
+        *,
+        with_input: bool = False,
+    ):
+        """LN(x) (times `gate`); (x, LN(x)) with `with_input`: use that x as the residual stream."""
+        return layer_norm(
+            x,
+            None if self.scale is None else self.scale[...],
+            self.bias[...],
+            gate,
+            with_input=with_input,
+            implementation=self.implementation,
+        )
 
 
 def dropout(x: Array, rate: float, rng: jax.Array | None) -> Array:

@@ -25,6 +25,8 @@ V[bf16]=""
 V[delayed]="--set precision.fp8=true"
 V[margin1]="--set precision.fp8=true --set precision.fp8_margin=1"
 V[current]="--set precision.fp8=true --set precision.fp8_recipe=\"current\""
+# Not FP8: bf16 with the HSTU norms in plain jnp (issue 27's quality check of the fused layer-norm kernels).
+V[refnorm]="--set model.norm_implementation=\"reference\""
 # Seed-major, so a call cut short still holds every recipe of its first seeds (pairs against bf16).
 for seed in ${SEEDS:-0 1 2}; do
   for recipe in ${RECIPES:-bf16 delayed margin1}; do

@@ -1,0 +1,125 @@
+"""The fused layer-norm kernel (Pallas interpret mode) against its jnp reference, and in the HSTU model."""
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax.model.gem import GEMModel
+from pallas_kernels.layer_norm import layer_norm
+from pallas_kernels.layer_norm.api import block_rows, kernel_applies
+from pallas_kernels.layer_norm.reference import layer_norm_reference
+from tests.helpers import dense_embeddings, first_pack, small_config, stacks
+
+
+def _inputs(seed, shape, dtype):
+    k = jax.random.split(jax.random.key(seed), 5)
+    width = shape[-1]
+    x = (jax.random.normal(k[0], shape) * 3 + 1).astype(dtype)
+    gate = jax.random.normal(k[1], shape).astype(dtype)
+    scale = 1 + 0.5 * jax.random.normal(k[2], (width,))
+    bias = jax.random.normal(k[3], (width,))
+    probe = jax.random.normal(k[4], shape)  # a random cotangent direction
+    return x, gate, scale, bias, probe
+
+
+def _value_and_grads(implementation, x, gate, scale, bias, probe, with_input, **kw):
+    def loss(x, scale, bias, gate):
+        out = layer_norm(x, scale, bias, gate, with_input=with_input, implementation=implementation, **kw)
+        if with_input:
+            passed, out = out
+            return jnp.sum(out.astype(jnp.float32) * probe) + jnp.sum(jnp.sin(passed.astype(jnp.float32)))
+        return jnp.sum(out.astype(jnp.float32) * probe)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, scale, bias, gate)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_input", [False, True])
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-5), (jnp.bfloat16, 3e-2)])
+def test_kernel_matches_reference(gated, with_input, dtype, tol):
+    x, gate, scale, bias, probe = _inputs(0, (96, 64), dtype)
+    gate = gate if gated else None
+    ref = _value_and_grads("reference", x, gate, scale, bias, probe, with_input)
+    out = _value_and_grads("interpret", x, gate, scale, bias, probe, with_input, rows_per_block=16)
+    for name, a, b in zip(
+        ["loss", "dx", "dscale", "dbias", "dgate"], jax.tree.leaves(ref), jax.tree.leaves(out)
+    ):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert b.shape == a.shape, name
+        np.testing.assert_allclose(b, a, rtol=tol, atol=tol * max(1.0, np.abs(a).max()), err_msg=name)
+
+
+def test_forward_values_and_leading_axes():
+    """[2, 3, 32] rows of width 64: the kernel's output is the reference's, with the input's shape."""
+    x, gate, scale, bias, _ = _inputs(1, (2, 3, 32, 64), jnp.float32)
+    ref = layer_norm_reference(x, scale, bias, gate)
+    out = layer_norm(x, scale, bias, gate, implementation="interpret")
+    assert out.shape == x.shape
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+    # Rows normalised: mean 0, variance 1 before scale and bias.
+    plain = layer_norm(x, None, jnp.zeros(64), implementation="interpret")
+    np.testing.assert_allclose(np.asarray(plain).mean(-1), 0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(plain).var(-1), 1, atol=1e-3)
+
+
+def test_odd_row_counts_and_unsupported_widths():
+    """37 rows run one row per program; a width of 48 (not a power of two) runs the reference."""
+    assert block_rows(37, 64) == 1 and block_rows(96, 64) == 32 and block_rows(4096, 512) == 8
+    assert kernel_applies(64) and not kernel_applies(48) and not kernel_applies(8)
+    for shape in [(37, 64), (10, 48)]:
+        x, gate, scale, bias, probe = _inputs(2, shape, jnp.float32)
+        ref = _value_and_grads("reference", x, gate, scale, bias, probe, True)
+        out = _value_and_grads("interpret", x, gate, scale, bias, probe, True)
+        for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)
+
+
+def test_bad_shapes_name_the_argument():
+    """The function's own checks (what callers get without GEM_JAX_TYPECHECK; the suite's shape checker
+    would reject the shapes first), and a tile that does not divide the rows."""
+    unchecked = inspect.unwrap(layer_norm)
+    x = jnp.zeros((8, 64))
+    with pytest.raises(ValueError, match="bias"):
+        unchecked(x, jnp.ones(64), jnp.zeros(32), implementation="interpret")
+    with pytest.raises(ValueError, match="gate"):
+        unchecked(x, jnp.ones(64), jnp.zeros(64), jnp.zeros((8, 32)), implementation="interpret")
+    with pytest.raises(ValueError, match="rows_per_block"):
+        layer_norm(x, jnp.ones(64), jnp.zeros(64), implementation="interpret", rows_per_block=3)
+
+
+def test_the_hstu_model_runs_the_kernel_with_the_same_function():
+    """model.norm_implementation = "interpret" puts the kernels into every HSTU layer (widths 32 and 16;
+    float32, so the gate's one rounding less does not show): the logits and the gradients of every
+    parameter are the reference's."""
+    results = {}
+    for impl in ("reference", "interpret"):
+        c = small_config(f'model.norm_implementation="{impl}"', "precision.compute_dtype=float32")
+        model = GEMModel(c, rngs=nnx.Rngs(0))
+        pack = first_pack(next(stacks(c, 1)))
+        embedded = dense_embeddings(c, pack)
+        graph, params = nnx.split(model)
+
+        def loss(params):
+            logits = nnx.merge(graph, params)(pack, embedded)
+            return jnp.sum(jnp.sin(logits)), logits
+
+        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        results[impl] = (logits, grads)
+        if impl == "interpret":
+            assert model.tower.layers[0].input_norm.implementation == "interpret"
+    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["interpret"]
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    flat_ref, flat = nnx.to_flat_state(ref_grads), nnx.to_flat_state(grads)
+    checked = 0
+    for (path, a), (_, b) in zip(flat_ref, flat):
+        a, b = (
+            np.asarray(a.get_value() if hasattr(a, "get_value") else a[...]),
+            np.asarray(b.get_value() if hasattr(b, "get_value") else b[...]),
+        )
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(a).max()), err_msg=str(path))
+        checked += "norm" in str(path)
+    assert checked >= 6  # every HSTU layer's two norms and the final norm were differentiated
