@@ -123,3 +123,24 @@ def test_the_hstu_model_runs_the_kernel_with_the_same_function():
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(a).max()), err_msg=str(path))
         checked += "norm" in str(path)
     assert checked >= 6  # every HSTU layer's two norms and the final norm were differentiated
+
+
+def test_bf16_output_from_a_float32_residual_stream():
+    """out_dtype=bf16 on float32 x (the HSTU input norm): y is the reference's bf16 y, x's gradient (with the
+    residual's) stays float32 and equals the reference's."""
+    x, _, scale, bias, probe = _inputs(3, (64, 64), jnp.float32)
+
+    def run(implementation):
+        def loss(x, scale, bias):
+            passed, y = layer_norm(
+                x, scale, bias, with_input=True, out_dtype=jnp.bfloat16, implementation=implementation
+            )
+            assert y.dtype == jnp.bfloat16 and passed.dtype == jnp.float32
+            return jnp.sum(y.astype(jnp.float32) * probe) + jnp.sum(jnp.sin(passed))
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, scale, bias)
+
+    ref, out = run("reference"), run("interpret")
+    assert out[1][0].dtype == jnp.float32
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(a).max())))

@@ -78,7 +78,10 @@ class HSTULayer(nnx.Module):
         t = x.shape[0]
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         with jax.named_scope(f"{self.name}/uvqk"):
-            x, xn = self.input_norm(x, with_input=True)  # x: the residual, its gradient joins the norm's
+            # x: the residual stream (its gradient joins the norm's backward); xn straight in the GEMM's dtype
+            # (bf16 from a float32 stream), unless the frequency branch reads it too.
+            out_dtype = self.uvqk.compute_dtype if self.frequency is None else None
+            x, xn = self.input_norm(x, with_input=True, out_dtype=out_dtype)
             uvqk = jax.nn.silu(self.uvqk(xn))
             u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
         attention_rng = None if rng is None else jax.random.fold_in(rng, 1)

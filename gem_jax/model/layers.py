@@ -87,14 +87,17 @@ class LayerNorm(nnx.Module):
         gate: Float[ArrayLike, "... d"] | None = None,
         *,
         with_input: bool = False,
+        out_dtype=None,
     ):
-        """LN(x) (times `gate`); (x, LN(x)) with `with_input`: use that x as the residual stream."""
+        """LN(x) (times `gate`) in `out_dtype` (default x's); (x, LN(x)) with `with_input`: use that x as the
+        residual stream."""
         return layer_norm(
             x,
             None if self.scale is None else self.scale[...],
             self.bias[...],
             gate,
             with_input=with_input,
+            out_dtype=out_dtype,
             implementation=self.implementation,
         )
 

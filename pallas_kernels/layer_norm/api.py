@@ -54,11 +54,15 @@ def layer_norm(
     *,
     with_input: bool = False,
     eps: float = 1e-6,
+    out_dtype=None,
     implementation: str | None = None,
     rows_per_block: int | None = None,
     num_warps: int | None = None,
 ):
     """Layer norm over the last axis (times `gate`): y, or (x, y) with `with_input` (see the module doc).
+
+    out_dtype: y's dtype (default x's); e.g. bf16 for the next GEMM from a float32 residual stream, so
+    neither the norm's output nor its gradient crosses memory in float32.
 
     rows_per_block, num_warps: the kernel's tiles (benchmarks); None picks them from the width.
     """
@@ -73,7 +77,7 @@ def layer_norm(
         raise ValueError(f"layer_norm: gate {gate.shape} must have x's shape {x.shape}")
     kernel = _resolve(implementation)
     if kernel == "reference" or not kernel_applies(width) or x.ndim == 0:
-        y = layer_norm_reference(x, scale, bias, gate, eps=eps)
+        y = layer_norm_reference(x, scale, bias, gate, eps=eps, out_dtype=out_dtype)
         return (x, y) if with_input else y
     from pallas_kernels.layer_norm.gpu import NormParams
 
@@ -87,6 +91,7 @@ def layer_norm(
         eps=eps,
         has_gate=gate is not None,
         has_residual=with_input,
+        out_dtype=jnp.dtype(out_dtype or x.dtype).name,
         interpret=implementations.interpret(kernel),
     )
     has_scale = scale is not None

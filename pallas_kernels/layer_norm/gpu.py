@@ -30,6 +30,7 @@ class NormParams:
     eps: float
     has_gate: bool
     has_residual: bool  # backward: add the gradient of the input passed through (api's with_input)
+    out_dtype: str  # the output's dtype name (e.g. bf16 from a float32 residual stream, for the next GEMM)
     interpret: bool
 
 
@@ -100,7 +101,7 @@ def forward(
         grid=(r // params.rows,),
         in_specs=_specs(params, d, 1) + _vector_specs(d, 2) + _specs(params, d, int(params.has_gate)),
         out_specs=_specs(params, d, 1)[0],
-        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        out_shape=jax.ShapeDtypeStruct(x.shape, jnp.dtype(params.out_dtype)),
         compiler_params=plgpu.CompilerParams(num_warps=params.num_warps, num_stages=1),
         interpret=params.interpret,
         name="layer_norm_fwd",

@@ -14,10 +14,12 @@ def layer_norm_reference(
     gate: Float[ArrayLike, "*rows D"] | None = None,
     *,
     eps: float = 1e-6,
+    out_dtype=None,
 ) -> Float[ArrayLike, "*rows D"]:
-    """((x - mean) / sqrt(var + eps)) * scale + bias over the last axis, in x's dtype; times `gate` if given.
+    """((x - mean) / sqrt(var + eps)) * scale + bias over the last axis, in `out_dtype` (default x's); times
+    `gate` if given.
 
-    The gate multiplies the norm after its cast to x's dtype (as the HSTU layer wrote `LN(a) * u`); the
+    The gate multiplies the norm after its cast to the output dtype (as the HSTU layer wrote `LN(a) * u`); the
     kernel multiplies in float32 and rounds once, so they differ by at most one rounding of x's dtype.
     """
     x32 = jnp.asarray(x).astype(jnp.float32)
@@ -26,5 +28,5 @@ def layer_norm_reference(
     y = (x32 - mean) * jax.lax.rsqrt(var + eps)
     if scale is not None:
         y = y * jnp.asarray(scale).astype(jnp.float32)
-    y = (y + jnp.asarray(bias).astype(jnp.float32)).astype(x.dtype)
+    y = (y + jnp.asarray(bias).astype(jnp.float32)).astype(out_dtype or x.dtype)
     return y if gate is None else y * gate
