@@ -144,3 +144,34 @@ def test_bf16_output_from_a_float32_residual_stream():
     assert out[1][0].dtype == jnp.float32
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(a).max())))
+
+
+@pytest.mark.slow
+def test_sharded_train_steps_run_the_kernels_inside_the_shard_map():
+    """Two train steps on 2 fake devices with 2 packs each (the kernels under jax.shard_map and the packs'
+    vmap, as on a GPU host): the losses are the reference norms' (float32)."""
+    from gem_jax.tasks import make_task
+    from gem_jax.train.step import Trainer
+
+    assert jax.device_count() >= 2, "conftest sets 8 fake CPU devices"
+    losses = {}
+    for impl in ("reference", "interpret"):
+        c = small_config(
+            "parallel.mesh_shape=[2]",
+            "precision.compute_dtype=float32",
+            "model.num_layers=1",
+            "model.wukong_layers=1",
+            f'model.norm_implementation="{impl}"',
+        )
+        trainer = Trainer(make_task(c), make_task(c).mesh)
+        state = trainer.init_state()
+        batch = jax.device_put(next(stacks(c, shards=4)), trainer.batch_sharding)
+        traced = str(jax.make_jaxpr(trainer.train_step)(state, batch))
+        assert ("layer_norm_bwd" in traced) == (impl == "interpret")  # the kernels are in the step
+        curve = []
+        for _ in range(2):
+            state, m = trainer.train_step(state, batch)
+            curve.append(float(m["loss"]))
+        losses[impl] = curve
+    np.testing.assert_allclose(losses["interpret"], losses["reference"], rtol=1e-5)
+    assert losses["reference"][1] != losses["reference"][0]  # the second step saw the first's update
