@@ -1,7 +1,7 @@
 """The public entry point: checks shapes, picks the kernel or the reference, binds the custom VJP.
 
-`layer_norm(x, scale, bias, gate=None, with_input=False)` is LayerNorm(x) * scale + bias (times `gate`), in
-x's dtype with float32 statistics. `with_input=True` returns (x, y): use that x as the residual stream and
+`layer_norm(x, scale, bias, gate=None, with_input=False, out_dtype=None)` is LayerNorm(x) * scale + bias
+(times `gate`) with float32 statistics, in `out_dtype` (default x's). `with_input=True` returns (x, y): use that x as the residual stream and
 its gradient joins the norm's backward in the same pass, where XLA would add the two in another one.
 
 Implementation names as every kernel package (pallas_kernels/implementations.py); the Pallas kernel runs
