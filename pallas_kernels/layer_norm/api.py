@@ -1,8 +1,9 @@
 """The public entry point: checks shapes, picks the kernel or the reference, binds the custom VJP.
 
 `layer_norm(x, scale, bias, gate=None, with_input=False, out_dtype=None)` is LayerNorm(x) * scale + bias
-(times `gate`) with float32 statistics, in `out_dtype` (default x's). `with_input=True` returns (x, y): use that x as the residual stream and
-its gradient joins the norm's backward in the same pass, where XLA would add the two in another one.
+(times `gate`) with float32 statistics, in `out_dtype` (default x's). `with_input=True` returns (x, y): use
+that x as the residual stream and its gradient joins the norm's backward in the same pass, where XLA would
+add the two in another one.
 
 Implementation names as every kernel package (pallas_kernels/implementations.py); the Pallas kernel runs
 where its tiles apply (a power-of-two width of 16-8192), the reference elsewhere, with the same VJP.
