@@ -77,7 +77,7 @@ def layer_norm(
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"layer_norm: gate {gate.shape} must have x's shape {x.shape}")
     kernel = _resolve(implementation)
-    if kernel == "reference" or not kernel_applies(width) or x.ndim == 0:
+    if kernel == "reference" or not kernel_applies(width):
         y = layer_norm_reference(x, scale, bias, gate, eps=eps, out_dtype=out_dtype)
         return (x, y) if with_input else y
     from pallas_kernels.layer_norm.gpu import NormParams
