@@ -4,6 +4,7 @@
 # $PARALLEL (2: ~35 GiB of activations each) runs at a time on the one GPU (quality only: their wall times mean
 # nothing); then the table of scripts/device/fp8_quality.py. Logs, metrics and the table in $OUT/fp8_quality.tgz.
 #   RECIPES="bf16 delayed margin1 current" SEEDS="0 1 2" bash scripts/device/fp8_quality.sh
+# ("delayed" is the delayed recipe with no headroom, fp8_margin = 0; "margin1" the default, one binade.)
 # A run takes ~100 s of wall (2026-12-03, two at a time: four runs in 280 s), so a 600 s call holds about
 # eight; split the seeds over calls, unpack every call's archive into one directory and run the table on it.
 set -u
@@ -22,7 +23,7 @@ finish() {
 trap 'finish; exit 143' TERM INT
 declare -A V
 V[bf16]=""
-V[delayed]="--set precision.fp8=true"
+V[delayed]="--set precision.fp8=true --set precision.fp8_margin=0"
 V[margin1]="--set precision.fp8=true --set precision.fp8_margin=1"
 V[current]="--set precision.fp8=true --set precision.fp8_recipe=\"current\""
 # Not FP8: bf16 with the HSTU norms in plain jnp (issue 27's quality check of the fused layer-norm kernels).
