@@ -29,7 +29,9 @@ def _variant(mode):
 
 def _f32_out_dot(a, b, contract, precision, out_dtype):
     dims = ((contract[:1], contract[1:]), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32).astype(
+        out_dtype
+    )
 
 
 if __name__ == "__main__":  # grain's worker processes import this file again
