@@ -262,7 +262,8 @@ class ModelConfig:
     attention_bias_rows_gib: float = setting(8.0, AT_LEAST_0, may_change=True)
     # The HSTU layers' norms (input norm with the residual's gradient, attention-output norm with the gate,
     # the final norm) as pallas_kernels.layer_norm's fused kernels ("auto": on GPU) or plain jnp
-    # ("reference"); the same function, so a run may resume on another.
+    # ("reference"); the same function, so a run may resume on another. With precision.fp8_gemms =
+    # "backward" it also picks the kernel of uvqk's SiLU backward (pallas_kernels.silu_backward_fp8).
     norm_implementation: Literal["auto", "reference", "pallas", "interpret"] = setting(
         "auto", may_change=True
     )
@@ -341,6 +342,11 @@ class PrecisionConfig:
     # history): on gem_h200 it kept click and conversion NE and AUC within the seed spread of bf16 over 3
     # seeds, where 0 lost 0.0012 conversion AUC (docs/fp8.md, "Quality").
     fp8_margin: int = setting(1, AT_LEAST_0)
+    # Which GEMMs of an FP8 layer run in FP8: "all" (Y, dX, dW), or "backward" (dX and dW; the forward GEMM
+    # stays in the compute dtype). "backward" exists because the H200's FP8 GEMM writes float32, whose cast
+    # costs more than FP8 saves on a forward GEMM of width 512; where SiLU follows the layer (HSTU's uvqk) the
+    # gradient is quantised inside SiLU's backward kernel (docs/fp8.md).
+    fp8_gemms: Literal["all", "backward"] = "all"
 
 
 @dataclass(frozen=True)
@@ -775,11 +781,16 @@ def _validate_embeddings(config: Config, source: str) -> None:
 
 
 def _validate_precision(config: Config, source: str) -> None:
-    """`precision.fp8_layers`: no empty prefix."""
+    """`precision.fp8_layers`: no empty prefix; "auto" only with every GEMM in FP8."""
     p = config.precision
     for i, prefix in enumerate(p.fp8_layers):
         if not prefix:
             raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
+    if p.fp8 == "auto" and p.fp8_gemms != "all":
+        raise ConfigError(
+            f'{source}: `precision.fp8 = "auto"` reads speedups measured with every GEMM in FP8; '
+            f'it cannot pick layers for `precision.fp8_gemms = "{p.fp8_gemms}"` (name the layers instead)'
+        )
 
 
 SELECT_METRICS = tuple(

@@ -45,7 +45,11 @@ class PrecisionPolicy:
                 '`precision.fp8 = "auto"` must be resolved to the measured layers before the model is built '
                 "(gem_jax.model.fp8_auto.resolve; make_task does it)"
             )
-        fp8 = FP8Recipe(config.fp8_recipe, config.fp8_amax_history, config.fp8_margin) if config.fp8 else None
+        fp8 = (
+            FP8Recipe(config.fp8_recipe, config.fp8_amax_history, config.fp8_margin, config.fp8_gemms)
+            if config.fp8
+            else None
+        )
         return cls(
             param_dtype=_dtype(config.param_dtype, "param_dtype"),
             default_compute=_dtype(config.compute_dtype, "compute_dtype"),
@@ -87,14 +91,18 @@ RECIPES = ("delayed", "current")
 
 @dataclass(frozen=True)
 class FP8Recipe:
-    """How an FP8 layer scales its tensors (from `precision.fp8_recipe`, `_amax_history`, `_margin`)."""
+    """How an FP8 layer scales its tensors and which of its GEMMs run in FP8 (from `precision.fp8_recipe`,
+    `_amax_history`, `_margin`, `_gemms`)."""
 
     kind: str = "delayed"  # "delayed" | "current"
     amax_history: int = 1024  # steps of amax kept by the delayed recipe (TE's and flax's default)
     margin: int = 0  # binades of headroom below the format's max
+    gemms: str = "all"  # "all": Y, dX and dW in FP8; "backward": dX and dW only (precision.fp8_gemms)
 
     def __post_init__(self):
         if self.kind not in RECIPES:
             raise ValueError(f"FP8 recipe must be one of {RECIPES}, got {self.kind!r}")
+        if self.gemms not in ("all", "backward"):
+            raise ValueError(f"FP8 gemms must be 'all' or 'backward', got {self.gemms!r}")
         if self.amax_history < 1 or self.margin < 0:
             raise ValueError(f"FP8 amax_history must be >= 1 and margin >= 0, got {self}")

@@ -210,6 +210,102 @@ def test_fp8_dense_matches_bf16_within_format_precision(recipe):
         assert _rel(got, bf16) < bounds[name] + bf16_bound, name
 
 
+# ----------------------------------------------------------------------------- only the backward in FP8
+
+_WIDTHS = (32, 32, 32, 32)  # SiLU's output split as HSTU splits U, V, Q, K
+
+
+def _silu_split(layer, x, implementation=None):
+    return layer.silu_split(x, _WIDTHS, implementation=implementation)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda layer, x: (layer(x),), id="dense"),
+        pytest.param(lambda layer, x: _silu_split(layer, x, "reference"), id="silu-reference"),
+        pytest.param(lambda layer, x: _silu_split(layer, x, "interpret"), id="silu-kernel"),
+    ],
+)
+def test_backward_only_fp8_matches_within_format_precision(call):
+    """`precision.fp8_gemms = "backward"`: the forward is exactly the layer without FP8 (bf16 GEMM), the
+    input, weight and bias gradients are within the FP8 formats' bounds of float32 (and well above bf16's,
+    so they were quantised), and the probe's cotangent is the three amaxes. For a Dense followed by SiLU
+    (HSTU's uvqk) the gradient is quantised inside the SiLU-backward kernel (interpret mode here) or its
+    reference: both give the same gradients."""
+    cfg = PrecisionConfig(fp8=True, fp8_layers=("t/",), fp8_gemms="backward")
+    policy = PrecisionPolicy.from_config(cfg)
+    layer = Dense("t/0", 256, 128, policy, rngs=nnx.Rngs(0))
+    ref_layer = Dense("r/0", 256, 128, policy, rngs=nnx.Rngs(0))  # same init, no FP8
+    assert layer.fp8.recipe.gemms == "backward" and ref_layer.fp8 is None
+    layer.bias.set_value(0.1 * jax.random.normal(jax.random.key(3), (128,)))
+    ref_layer.bias.set_value(layer.bias[...])
+    key = jax.random.key(1)
+    x = jax.random.normal(key, (1024, 256), jnp.float32)
+    cts = [jax.random.normal(jax.random.fold_in(key, i), (1024, w)) for i, w in enumerate(_WIDTHS)]
+
+    def run(layer):
+        graphdef, params, histories, probes = _split(layer)
+
+        def loss(params, probes, x):
+            outs = call(nnx.merge(graphdef, params, histories, probes), x)
+            ct = cts if len(outs) == len(cts) else [jnp.concatenate(cts, 1)]
+            return sum(jnp.sum(o.astype(jnp.float32) * c) for o, c in zip(outs, ct))
+
+        if histories:  # one delayed step calibrates the scales
+            histories = fp8.update_meta(histories, jax.grad(loss, argnums=1)(params, probes, x), 1)
+        outs = call(nnx.merge(graphdef, params, histories, probes), x)
+        (dparams, amaxes, dx) = jax.grad(loss, argnums=(0, 1, 2))(params, probes, x)
+        return outs, dparams, dx, amaxes
+
+    outs, dparams, dx, amaxes = run(layer)
+    ref_outs, _, _, _ = run(ref_layer)
+    for a, b in zip(outs, ref_outs):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    w, b = layer.kernel[...], layer.bias[...]
+    hi = jax.lax.Precision.HIGHEST
+    silu = len(outs) > 1
+
+    def truth(w, b, x):  # float32
+        z = jnp.dot(x, w, precision=hi) + b
+        y = jax.nn.silu(z) if silu else z
+        return jnp.sum(y * jnp.concatenate(cts, 1)), z
+
+    (_, z), (dw_ref, db_ref, dx_ref) = truth(w, b, x), jax.grad(lambda *a: truth(*a)[0], (0, 1, 2))(w, b, x)
+    bound, bf16_bound = (
+        fp8.dot_error_bound(fp8.E5M2, fp8.E4M3),
+        fp8.dot_error_bound(jnp.bfloat16, jnp.bfloat16),
+    )
+    for name, got, ref in (("dx", dx, dx_ref), ("dw", dparams["kernel"], dw_ref)):
+        assert 3 * bf16_bound < _rel(got, ref) < bound, (name, _rel(got, ref))
+    assert _rel(dparams["bias"], db_ref) < (0.01 if silu else bound)  # silu: summed before quantising
+    g = jnp.concatenate(cts, 1) * (jax.grad(lambda z: jnp.sum(jax.nn.silu(z)))(z) if silu else 1.0)
+    want = [float(fp8.amax(x)), float(fp8.amax(w)), float(fp8.amax(g))]
+    np.testing.assert_allclose(np.asarray(jax.tree.leaves(amaxes)[0]), want, rtol=0.02)  # g from bf16 z
+
+
+def test_backward_only_fp8_has_two_fp8_gemms_per_layer():
+    """The whole model with `precision.fp8_gemms = "backward"`: per FP8 layer the dX and dW GEMMs in the
+    cuBLASLt pattern, the forward a plain GEMM; the model runs and every FP8 layer reports its amaxes."""
+    config = small_config("precision.fp8=true", "precision.fp8_gemms=backward")
+    model = GEMModel(config, rngs=nnx.Rngs(0))
+    graphdef, params, histories, probes = _split(model)
+    pack = first_pack(next(stacks(config, 1)))
+    embedded = dense_embeddings(config, pack)
+
+    def loss(params, probes, pack):
+        return nnx.merge(graphdef, params, histories, probes)(pack, embedded).sum()
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    found, _ = fp8_gemms(step.lower(params, probes, pack).as_text())
+    backward = [f for f in _ONE_LAYER if f != ("f8E4M3FN", "f8E4M3FN")]
+    assert sorted(found) == sorted(backward * len(_fp8_layers(model)))
+    value, (grads, amaxes) = step(params, probes, pack)
+    assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+    assert all((np.asarray(a) > 0).all() for a in jax.tree.leaves(amaxes))
+
+
 # ----------------------------------------------------------------------------- policy by layer name
 
 
@@ -254,6 +350,8 @@ def test_policy_puts_exactly_the_named_layers_in_fp8():
 
 
 def test_sensitive_layers_and_bad_fp8_options_are_config_errors():
+    with pytest.raises(ConfigError, match="fp8_gemms"):
+        small_config("precision.fp8=auto", "precision.fp8_gemms=backward")
     with pytest.raises(ConfigError, match="sensitive layer 'head/click/hidden'"):
         GEMModel(small_config("precision.fp8=true", "precision.fp8_layers=['head/']"), rngs=nnx.Rngs(0))
     for override, key in (
@@ -261,6 +359,7 @@ def test_sensitive_layers_and_bad_fp8_options_are_config_errors():
         ("precision.fp8_amax_history=0", "precision.fp8_amax_history"),
         ("precision.fp8_margin=-1", "precision.fp8_margin"),
         ("precision.fp8_layers=['']", "precision.fp8_layers"),
+        ("precision.fp8_gemms=forward", "precision.fp8_gemms"),
     ):
         with pytest.raises(ConfigError, match=re.escape(key)):
             small_config(override)

@@ -33,10 +33,15 @@ def _state(workdir: Path, config):
     return trainer.from_saved_form(saved)
 
 
-def test_histories_roll_with_the_global_amax_on_8_devices():
+# Only the backward GEMMs in FP8, HSTU's gradient quantised in the SiLU-backward kernel (interpret mode).
+BACKWARD = ("precision.fp8_gemms=backward", "model.norm_implementation=interpret")
+
+
+@pytest.mark.parametrize("gemms", [(), BACKWARD], ids=["all", "backward"])
+def test_histories_roll_with_the_global_amax_on_8_devices(gemms):
     """Two steps on 8 fake devices: every FP8 layer's history gets one new, positive amax per step
     (input, weight, gradient), the same on every device (replicated), and nothing else moves."""
-    c = small_config(*FP8, "parallel.mesh_shape=[8]")
+    c = small_config(*FP8, "parallel.mesh_shape=[8]", *gemms)
     task = make_task(c)
     trainer = Trainer(task, task.mesh)
     state = trainer.init_state()
@@ -94,20 +99,22 @@ def _lowered_step(*overrides: str):
     return trainer.train_step.lower(state, batch), state
 
 
-def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters():
+@pytest.mark.parametrize("gemms", [(), BACKWARD], ids=["all", "backward"])
+def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters(gemms):
     """XLA rewrote a dot into a cuBLASLt FP8 GEMM on the H200 only when its dequantisation scales were
     entry parameters of the jitted program (docs/fp8.md). Follow the scales of every FP8 dot of the
     lowered train step back through shard_map, vmap, calls and the custom VJP: each must be the
     TrainState.fp8 leaf of its own layer and operand, with no arithmetic on the way. (The step that
     computed the scales from the histories inside it fails here: the scale is a select.)"""
-    lowered, state = _lowered_step()
+    lowered, state = _lowered_step(*gemms)
     dots, total = fp8_dots(lowered)
+    gemm_formats = [f for f in _GEMM_SCALES if not gemms or f != ("f8E4M3FN", "f8E4M3FN")]  # backward: no Y
     layers = _fp8_layers(state.fp8)
     assert len(layers) == 3 and total > len(dots)  # uvqk, out, fm_mlp; and the bf16 dots are not counted
     seen = []
     for dot in dots:
         formats = (dot.lhs.format, dot.rhs.format)
-        assert dot.has_pattern and formats in _GEMM_SCALES, dot
+        assert dot.has_pattern and formats in gemm_formats, dot
         names = []
         for operand, key in zip((dot.lhs, dot.rhs), _GEMM_SCALES[formats]):
             assert operand.scale_arg is not None, (
@@ -118,7 +125,7 @@ def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters()
             names.append(layer)
         assert names[0] == names[1] and names[0] in layers, names  # both scales of the same layer
         seen.append((names[0], formats))
-    assert sorted(seen) == sorted((layer, f) for layer in layers for f in _GEMM_SCALES)  # Y, dX, dW each once
+    assert sorted(seen) == sorted((layer, f) for layer in layers for f in gemm_formats)  # each GEMM once
 
 
 def test_current_scaling_computes_its_scales_in_the_step():

@@ -22,7 +22,10 @@ that the amax lands `margin` binades below the format's largest value. Saturatio
 GEMM pattern. XLA rewrites a dot into a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) only when each
 operand is `convert(f8 -> f32) * broadcast(rank-0 f32 scale)` and the dot's result is f32; a bf16
 dequantisation silently falls back to a bf16 GEMM. The forward (Y = X W) and both backward GEMMs
-(dX = dY W^T with dY in e5m2 and W in e4m3; dW = X^T dY) are written exactly so (`_dequantize`).
+(dX = dY W^T with dY in e5m2 and W in e4m3; dW = X^T dY) are written exactly so (`dequantize`).
+With `precision.fp8_gemms = "backward"` the forward GEMM runs in the compute dtype instead and X is stored
+e4m3 and transposed for dW (on the H200 the FP8 GEMM's f32 result costs more than FP8 saves in the forward;
+docs/fp8.md); gem_jax/model/fp8_silu.py does the same for a Dense followed by SiLU with a fused gradient.
 
 State and its update (what the trainer does). The delayed recipe keeps, per FP8 layer, an
 `AmaxHistory` f32[3, N] (rows: input, weight, output gradient), three `DequantScale` scalars
@@ -134,12 +137,12 @@ def quantize(t: Array, scale: Float[Array, ""], dtype) -> Array:
     return jax.lax.optimization_barrier(q)
 
 
-def _dequantize(q: Array, scale: Float[Array, ""]) -> Float[Array, "..."]:
+def dequantize(q: Array, scale: Float[Array, ""]) -> Float[Array, "..."]:
     """The operand form cuBLASLt FP8 needs: f8 converted to f32, times a rank-0 f32 scale."""
     return q.astype(jnp.float32) * scale
 
 
-def _dot(a: Array, b: Array, contract: tuple[int, int], precision) -> Array:
+def fp8_dot(a: Array, b: Array, contract: tuple[int, int], precision) -> Array:
     """A GEMM with f32 result. The precision picks cuBLASLt's FP8 accumulation: DEFAULT turns on its
     fast accumulation (not periodically promoted to full f32), HIGHEST turns it off. As Transformer
     Engine and flax do, the forward GEMM accumulates fast and the two gradient GEMMs do not."""
@@ -155,6 +158,7 @@ class _Static:
     recipe: FP8Recipe
     x_dtype: Any
     w_dtype: Any
+    compute_dtype: Any  # the forward GEMM's dtype when only the backward runs in FP8
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -170,8 +174,15 @@ def _fp8_matmul_fwd(static: _Static, x, w, scales, probe):
         g_scale = None
     else:  # delayed: the stored scales, used as they come in (see DequantScale)
         x_scale, w_scale, g_scale = scales
-    xq, wq = quantize(x, x_scale, E4M3), quantize(w, w_scale, E4M3)
-    y = _dot(_dequantize(xq, x_scale), _dequantize(wq, w_scale), (1, 0), jax.lax.Precision.DEFAULT)
+    wq = quantize(w, w_scale, E4M3)
+    if r.gemms == "backward":
+        # The forward GEMM in the compute dtype (as a Dense without FP8); dW's FP8 input is stored transposed,
+        # [K, M]: cuBLASLt FP8 reads both operands along the contracted axis, and dW contracts over rows.
+        y = jnp.dot(x.astype(static.compute_dtype), w.astype(static.compute_dtype))
+        xq = quantize(x.T, x_scale, E4M3)
+    else:
+        xq = quantize(x, x_scale, E4M3)
+        y = fp8_dot(dequantize(xq, x_scale), dequantize(wq, w_scale), (1, 0), jax.lax.Precision.DEFAULT)
     # Residuals are the FP8 operands (a quarter of f32), their scales and the forward amaxes.
     return y, (xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax)
 
@@ -184,8 +195,9 @@ def _fp8_matmul_bwd(static: _Static, res, g):
         g_scale = scale_from_amax(g_amax, E5M2, static.recipe.margin)
     gq = quantize(g, g_scale, E5M2)
     hi = jax.lax.Precision.HIGHEST
-    dx = _dot(_dequantize(gq, g_scale), _dequantize(wq, w_scale), (1, 1), hi)  # dY W^T: [M, K]
-    dw = _dot(_dequantize(xq, x_scale), _dequantize(gq, g_scale), (0, 0), hi)  # X^T dY: [K, N]
+    dx = fp8_dot(dequantize(gq, g_scale), dequantize(wq, w_scale), (1, 1), hi)  # dY W^T: [M, K]
+    x_contract = 1 if static.recipe.gemms == "backward" else 0  # xq is X^T [K, M] there
+    dw = fp8_dot(dequantize(xq, x_scale), dequantize(gq, g_scale), (x_contract, 0), hi)  # X^T dY: [K, N]
     if not delayed:
         return dx.astype(static.x_dtype), dw.astype(static.w_dtype), None, None
     probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])
@@ -213,12 +225,13 @@ class FP8Matmul(nnx.Module):
             self.x_scale = self.w_scale = self.g_scale = None
 
     def __call__(
-        self, x: Float[ArrayLike, "rows din"], w: Float[ArrayLike, "din dout"]
+        self, x: Float[ArrayLike, "rows din"], w: Float[ArrayLike, "din dout"], compute_dtype=None
     ) -> Float[Array, "rows dout"]:
+        """x @ w: f32 with every GEMM in FP8; in `compute_dtype` (default x's) with only the backward in FP8."""
         x, w = jnp.asarray(x), jnp.asarray(w)
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
             raise ValueError(f"FP8Matmul wants x [rows, din] and w [din, dout], got {x.shape} and {w.shape}")
-        static = _Static(self.recipe, x.dtype, w.dtype)
+        static = _Static(self.recipe, x.dtype, w.dtype, jnp.dtype(compute_dtype or x.dtype))
         if self.amax_probe is None:
             return _fp8_matmul(static, x, w, None, None)
         scales = (self.x_scale.get_value(), self.w_scale.get_value(), self.g_scale.get_value())

@@ -43,6 +43,7 @@ class HSTULayer(nnx.Module):
         self.attention_spec = AttentionSpec.from_config(c)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
         norm = None if c.norm_implementation == "auto" else c.norm_implementation
+        self.glue_implementation = norm  # the glue kernels: layer norms, the FP8 SiLU backward
         self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs, implementation=norm)
         self.uvqk = Dense(f"{name}/uvqk", c.model_dim, h * (2 * dv + 2 * dqk), policy, rngs=rngs)
         self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs, implementation=norm)
@@ -82,8 +83,10 @@ class HSTULayer(nnx.Module):
             # (bf16 from a float32 stream), unless the frequency branch reads it too.
             out_dtype = self.uvqk.compute_dtype if self.frequency is None else None
             x, xn = self.input_norm(x, with_input=True, out_dtype=out_dtype)
-            uvqk = jax.nn.silu(self.uvqk(xn))
-            u, v, q, k = jnp.split(uvqk, [h * dv, 2 * h * dv, 2 * h * dv + h * dqk], axis=-1)
+            # The glue kernels' setting also picks the FP8 SiLU-backward kernel (precision.fp8_gemms).
+            u, v, q, k = self.uvqk.silu_split(
+                xn, (h * dv, h * dv, h * dqk, h * dqk), implementation=self.glue_implementation
+            )
         attention_rng = None if rng is None else jax.random.fold_in(rng, 1)
         with jax.named_scope(f"{self.name}/attention"):
             a = self.attend(

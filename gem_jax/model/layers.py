@@ -8,6 +8,7 @@ from flax import nnx
 from jaxtyping import Array, ArrayLike, Float
 
 from gem_jax.model.fp8 import FP8Matmul
+from gem_jax.model.fp8_silu import dense_silu_split
 from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 from pallas_kernels.layer_norm import layer_norm
@@ -47,7 +48,8 @@ class Dense(nnx.Module):
 
     def __call__(self, x: Float[ArrayLike, "... din"]) -> Float[ArrayLike, "... dout"]:
         if self.fp8 is not None:
-            y = self.fp8(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
+            y = self.fp8(x.reshape(-1, x.shape[-1]), self.kernel[...], self.compute_dtype)
+            y = y.reshape(*x.shape[:-1], -1)
         else:
             # The GEMM's result in the compute dtype (accumulated in float32 by the hardware/XLA): its
             # cotangent then arrives in the compute dtype too, so both backward GEMMs run in bf16.
@@ -56,6 +58,28 @@ class Dense(nnx.Module):
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.compute_dtype)
+
+    def silu_split(
+        self, x: Float[ArrayLike, "*rows din"], widths: tuple[int, ...], *, implementation: str | None = None
+    ) -> tuple[Float[Array, "*rows _"], ...]:
+        """split(SiLU(self(x)), widths) along the last axis. With `precision.fp8_gemms = "backward"` and the
+        delayed recipe, the backward GEMMs run in FP8 with the gradient quantised inside SiLU's backward
+        kernel (gem_jax/model/fp8_silu.py; `implementation` picks that kernel)."""
+        recipe = None if self.fp8 is None else self.fp8.recipe
+        if recipe is None or recipe.gemms != "backward" or recipe.kind != "delayed" or x.ndim != 2:
+            y = jax.nn.silu(self(x))
+            return tuple(jnp.split(y, [sum(widths[: i + 1]) for i in range(len(widths) - 1)], axis=-1))
+        f = self.fp8
+        return dense_silu_split(
+            x,
+            self.kernel[...],
+            None if self.bias is None else self.bias[...],
+            (f.x_scale.get_value(), f.w_scale.get_value(), f.g_scale.get_value()),
+            f.amax_probe[...],
+            widths,
+            compute_dtype=self.compute_dtype,
+            implementation=implementation,
+        )
 
 
 class LayerNorm(nnx.Module):
