@@ -285,27 +285,6 @@ def test_backward_only_fp8_matches_within_format_precision(call):
     np.testing.assert_allclose(np.asarray(jax.tree.leaves(amaxes)[0]), want, rtol=0.02)  # g from bf16 z
 
 
-def test_backward_only_fp8_has_two_fp8_gemms_per_layer():
-    """The whole model with `precision.fp8_gemms = "backward"`: per FP8 layer the dX and dW GEMMs in the
-    cuBLASLt pattern, the forward a plain GEMM; the model runs and every FP8 layer reports its amaxes."""
-    config = small_config("precision.fp8=true", "precision.fp8_gemms=backward")
-    model = GEMModel(config, rngs=nnx.Rngs(0))
-    graphdef, params, histories, probes = _split(model)
-    pack = first_pack(next(stacks(config, 1)))
-    embedded = dense_embeddings(config, pack)
-
-    def loss(params, probes, pack):
-        return nnx.merge(graphdef, params, histories, probes)(pack, embedded).sum()
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    found, _ = fp8_gemms(step.lower(params, probes, pack).as_text())
-    backward = [f for f in _ONE_LAYER if f != ("f8E4M3FN", "f8E4M3FN")]
-    assert sorted(found) == sorted(backward * len(_fp8_layers(model)))
-    value, (grads, amaxes) = step(params, probes, pack)
-    assert np.isfinite(float(value)) and all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
-    assert all((np.asarray(a) > 0).all() for a in jax.tree.leaves(amaxes))
-
-
 # ----------------------------------------------------------------------------- policy by layer name
 
 
@@ -431,10 +410,12 @@ def test_each_fp8_gemm_has_the_cublaslt_fp8_pattern(recipe):
 
 
 @pytest.mark.slow
-def test_gem_model_gemms_with_fp8_on():
-    """Forward + backward of the whole model: three FP8 GEMMs per FP8 layer, in the pattern; and
-    the model runs (finite logits, gradients and amaxes)."""
-    config = small_config("precision.fp8=true")
+@pytest.mark.parametrize("gemms", ["all", "backward"])
+def test_gem_model_gemms_with_fp8_on(gemms):
+    """Forward + backward of the whole model: three FP8 GEMMs per FP8 layer, in the pattern (with
+    `precision.fp8_gemms = "backward"` two, dX and dW: the forward is a plain GEMM); and the model runs
+    (finite logits, gradients and amaxes)."""
+    config = small_config("precision.fp8=true", f"precision.fp8_gemms={gemms}")
     model = GEMModel(config, rngs=nnx.Rngs(0))
     graphdef, params, histories, probes = _split(model)
     pack = first_pack(next(stacks(config, 1)))
@@ -446,7 +427,8 @@ def test_gem_model_gemms_with_fp8_on():
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     found, _ = fp8_gemms(step.lower(params, probes, pack).as_text())
-    assert sorted(found) == sorted(_ONE_LAYER * len(_fp8_layers(model)))
+    per_layer = [f for f in _ONE_LAYER if gemms == "all" or f != ("f8E4M3FN", "f8E4M3FN")]
+    assert sorted(found) == sorted(per_layer * len(_fp8_layers(model)))
     value, (grads, amaxes) = step(params, probes, pack)
     assert np.isfinite(float(value))
     assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))

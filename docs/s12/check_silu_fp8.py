@@ -3,23 +3,17 @@ gem_h200's uvqk shape (196,608 x 4 x 512) and hstu_nvidia's (65,536 x 4 x 1024),
 `python docs/s12/check_silu_fp8.py`; exit 1 if the kernel disagrees."""
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.silu_backward_fp8 import silu_backward_fp8
 
 
-def timed(f, *args, reps=20):
-    jax.block_until_ready(f(*args))
-    t = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        t.append(time.perf_counter() - t0)
-    return float(np.median(t)) * 1e3
+def timed(f, *args):
+    return median_seconds(f, *args, reps=20) * 1e3
 
 
 def main():
