@@ -43,6 +43,7 @@ BENCHMARKS = {
     "fp8": "experiments.benchmarks.fp8",
     "embeddings": "experiments.benchmarks.embeddings",
     "norm": "experiments.benchmarks.norm",
+    "silu_fp8": "experiments.benchmarks.silu_fp8",
 }
 
 

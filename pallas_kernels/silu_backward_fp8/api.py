@@ -17,13 +17,14 @@ from pallas_kernels.silu_backward_fp8.reference import silu_backward_fp8_referen
 _BLOCK_ROWS, _BLOCK_COLS = 64, 128  # 64 rows: the transposed store writes 64 contiguous bytes per row
 
 
-def _tiles(rows: int, width: int, interpret: bool):
+def _tiles(rows: int, width: int, interpret: bool, block_rows, block_cols, num_warps):
     bm, bn = (8, 16) if interpret else (_BLOCK_ROWS, _BLOCK_COLS)
+    bm, bn = block_rows or bm, block_cols or bn
     if rows % bm or width % bn:
         return None
     from pallas_kernels.silu_backward_fp8.gpu import Tiles
 
-    return Tiles(block_rows=bm, block_cols=bn, num_warps=4, interpret=interpret)
+    return Tiles(block_rows=bm, block_cols=bn, num_warps=num_warps or 4, interpret=interpret)
 
 
 def silu_backward_fp8(
@@ -32,9 +33,13 @@ def silu_backward_fp8(
     scale: Float[ArrayLike, ""],
     *,
     implementation: str | None = None,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Array, Array, Float[Array, ""], Float[Array, " N"]]:
     """(q, q^T, amax, column sums); `dys` the pieces of SiLU's output gradient along N, `z` its input,
-    `scale` the e5m2 dequantisation scale (q * scale ~ g)."""
+    `scale` the e5m2 dequantisation scale (q * scale ~ g). block_rows, block_cols, num_warps: the kernel's
+    tiles (benchmarks); None: the defaults. Tiles that do not divide the shape run the reference."""
     z = jnp.asarray(z)
     dys = tuple(jnp.asarray(d) for d in dys)
     if z.ndim != 2 or not dys or any(d.ndim != 2 or d.shape[0] != z.shape[0] for d in dys):
@@ -49,7 +54,8 @@ def silu_backward_fp8(
     widths = {d.shape[1] for d in dys}
     tiles = None
     if kernel != "reference" and not kernel.startswith("tpu") and len(widths) == 1:
-        tiles = _tiles(z.shape[0], widths.pop(), implementations.interpret(kernel))
+        interpret = implementations.interpret(kernel)
+        tiles = _tiles(z.shape[0], widths.pop(), interpret, block_rows, block_cols, num_warps)
     if tiles is None:
         return silu_backward_fp8_reference(dys, z, scale)
     from pallas_kernels.silu_backward_fp8 import gpu
