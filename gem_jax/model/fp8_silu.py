@@ -16,6 +16,7 @@ layer (gem_jax/model/fp8.py): the probe's cotangent is this call's three amaxes.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from functools import partial
 from typing import Any
 
@@ -37,9 +38,9 @@ class _Static:
     implementation: str | None  # of the SiLU-backward kernel
 
 
-def _split(a: Array, widths: tuple[int, ...]) -> tuple[Array, ...]:
-    cuts = [sum(widths[: i + 1]) for i in range(len(widths) - 1)]
-    return tuple(jnp.split(a, cuts, axis=-1))
+def split_widths(a: Array, widths: tuple[int, ...]) -> tuple[Array, ...]:
+    """`a` cut along its last axis into pieces of these widths."""
+    return tuple(jnp.split(a, list(itertools.accumulate(widths))[:-1], axis=-1))
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -57,7 +58,7 @@ def _dense_silu_fwd(static: _Static, x, w, b, scales, probe):
         z = z + b.astype(jnp.float32)
     z = z.astype(cd)
     xq_t, wq = quantize(x.T, x_scale, E4M3), quantize(w, w_scale, E4M3)
-    return _split(jax.nn.silu(z), static.widths), (xq_t, wq, z, scales, amax(x), amax(w))
+    return split_widths(jax.nn.silu(z), static.widths), (xq_t, wq, z, scales, amax(x), amax(w))
 
 
 def _dense_silu_bwd(static: _Static, res, dys):

@@ -8,7 +8,7 @@ from flax import nnx
 from jaxtyping import Array, ArrayLike, Float
 
 from gem_jax.model.fp8 import FP8Matmul
-from gem_jax.model.fp8_silu import dense_silu_split
+from gem_jax.model.fp8_silu import dense_silu_split, split_widths
 from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 from pallas_kernels.layer_norm import layer_norm
@@ -67,8 +67,7 @@ class Dense(nnx.Module):
         kernel (gem_jax/model/fp8_silu.py; `implementation` picks that kernel)."""
         recipe = None if self.fp8 is None else self.fp8.recipe
         if recipe is None or recipe.gemms != "backward" or recipe.kind != "delayed" or x.ndim != 2:
-            y = jax.nn.silu(self(x))
-            return tuple(jnp.split(y, [sum(widths[: i + 1]) for i in range(len(widths) - 1)], axis=-1))
+            return split_widths(jax.nn.silu(self(x)), widths)
         f = self.fp8
         return dense_silu_split(
             x,
