@@ -253,8 +253,9 @@ class ModelConfig:
     activation: Literal["silu", "softmax"] = "silu"  # "silu": HSTU's
     layer: Literal["hstu", "sasrec"] = "hstu"  # "sasrec": SASRec's block (softmax attention + ReLU FFN)
     # The same function computed by another kernel, so a run may resume on another (e.g. GPU -> CPU).
-    attention_implementation: Literal["auto", "reference", "pallas", "interpret"] = setting(
-        "auto", may_change=True
+    # "mosaic" / "triton": the GPU kernel family by name (pallas_kernels.jagged_attention.GPU_FAMILIES)
+    attention_implementation: Literal["auto", "reference", "pallas", "interpret", "mosaic", "triton"] = (
+        setting("auto", may_change=True)
     )
     # GPU kernels: the largest precomputed relative-bias array (H x T x max_seq_len, per layer, kept for the
     # backward) in GiB; 0: the kernels compute the bias (slower backward, no extra memory). The same

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.jagged_attention import default_implementation, jagged_attention
+from pallas_kernels.implementations import default_implementation
+from pallas_kernels.jagged_attention import jagged_attention
 
 
 def _naive(q, k, v, offsets, n, activation, num_targets, window, ts, pos_bias, time_bias):

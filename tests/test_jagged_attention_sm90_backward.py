@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu, jagged_attention, kernels_in_use
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
@@ -94,9 +94,9 @@ def test_d256_shared_memory_budget():
 @pytest.mark.parametrize("hopper_backward", [True, False])
 def test_gpu_backend_picks_the_backward(hopper_backward):
     """KernelOptions.hopper_backward decides which backward the GPU backend lowers; an unsupported call (head dim
-    32; a relative bias) keeps the Triton backward."""
+    32; a relative bias with hopper_backward_bias off) keeps the Triton backward."""
     t, h = 1024, 2
-    options = KernelOptions(hopper_forward=False, hopper_backward=hopper_backward)
+    options = KernelOptions(hopper_forward=False, hopper_backward=hopper_backward, hopper_backward_bias=False)
 
     def loss(q, k, v, offsets, *bias):
         extra = dict(zip(("timestamps", "pos_bias", "time_bias"), bias))
@@ -112,8 +112,8 @@ def test_gpu_backend_picks_the_backward(hopper_backward):
         assert ("mosaic_gpu" in text) == mosaic, (d, with_bias, hopper_backward)
         triton = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
         assert triton == (not mosaic), (d, with_bias, hopper_backward)
-    if hopper_backward:  # the bias when asked for; with both Mosaic directions no bias_rows array is built
-        options = KernelOptions(hopper_forward=True, hopper_backward=True, hopper_backward_bias=True)
+    if hopper_backward:  # the bias by default; with both Mosaic directions no bias_rows array is built
+        options = KernelOptions(hopper_forward=True, hopper_backward=True)
         args = (sd((t, h, 128), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + bias
         text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
         assert "jagged_attention_bwd_dq" not in text and "red.shared.add.f32" in text
@@ -143,13 +143,14 @@ def test_supports():
     assert mosaic_bwd.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
     assert mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float16), q.astype(jnp.float16))
     assert not mosaic_bwd.supports(_static(256, "silu", interpret=True), q, q)
-    assert not mosaic_bwd.supports(_static(256, "silu"), q[:7], q[:7])  # T % 8 != 0
+    assert mosaic_bwd.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
     assert not mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     assert not mosaic_bwd.supports(_static(256, "silu"), q, q[..., :64])  # Dqk != Dv
     bias = dict(has_pos=True, has_time=True, num_pos=5, num_time=3)
-    assert not mosaic_bwd.supports(_static(256, "silu", **bias), q, q)  # the bias: only when asked for
-    with_bias = KernelOptions(hopper_backward_bias=True)
-    assert mosaic_bwd.supports(_static(256, "silu", options=with_bias, **bias), q, q)
+    assert mosaic_bwd.supports(_static(256, "silu", **bias), q, q)  # the bias, unless turned off
+    no_bias = KernelOptions(hopper_backward_bias=False)
+    assert not mosaic_bwd.supports(_static(256, "silu", options=no_bias, **bias), q, q)
+    with_bias = KernelOptions()
     # bias tables (and their per-head gradient histograms) past the shared memory the tiles leave
     wide = dict(has_pos=True, has_time=True, num_pos=4100, num_time=64)
     assert not mosaic_bwd.supports(_static(8192, "silu", options=with_bias, **wide), q, q)
@@ -170,7 +171,7 @@ def test_supports():
     assert not mosaic_bwd.supports(
         _static(256, "silu", 256, options=d256), q256, q256[..., :128]
     )  # Dqk != Dv
-    assert not mosaic_bwd.supports(_static(256, "silu", 256, options=d256), q256[:7], q256[:7])  # T % 8 != 0
+    assert mosaic_bwd.supports(_static(256, "silu", 256, options=d256), q256[:7], q256[:7])  # any T
     both = KernelOptions(hopper_backward_d256=True, hopper_backward_bias=True)
     assert not mosaic_bwd.supports(_static(256, "silu", 256, options=both, **bias), q256, q256)
     with pytest.raises(ValueError, match="no relative bias"):
@@ -275,3 +276,52 @@ def test_interpret_matches_reference(activation, d, window, targets, lengths, bi
             g, w = g[:tail], w[:tail]
         err = np.linalg.norm(g - w) / np.linalg.norm(w)
         assert err < 1e-2, (name, err)
+
+
+def _attention_loss(implementation, t, h, d, bias: bool):
+    """(grad of sum(out) in q, k, v (and the tables), argument shapes) of a jagged_attention call."""
+    extras = ("timestamps", "pos_bias", "time_bias") if bias else ()
+
+    def loss(q, k, v, offsets, *tables):
+        out = jagged_attention(
+            q, k, v, offsets, max_seq_len=512, implementation=implementation, **dict(zip(extras, tables))
+        )
+        return out.astype(jnp.float32).sum()
+
+    args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((4,), jnp.int32),)
+    if bias:
+        args += (sd((t,), jnp.int32), sd((h, 128), jnp.float32), sd((h, 64), jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2, 5, 6) if bias else (0, 1, 2)), args
+
+
+@pytest.mark.parametrize("t", [1001, 1003, 1024])
+def test_any_token_count_runs_mosaic(t):
+    """implementation="mosaic" lowers both Mosaic GPU kernels, the relative bias's table gradients included, for
+    a token count of any residue mod 8 (gpu.to_kernel_layout pads the rows; no Triton kernel in the graph);
+    "triton" lowers the Triton ones."""
+    grad, args = _attention_loss("mosaic", t, 2, 128, bias=True)
+    text = _lowered(grad, *args)
+    assert (
+        "mosaic_gpu" in text and "jagged_attention_bwd_dq" not in text and "jagged_attention_fwd" not in text
+    )
+    grad, args = _attention_loss("triton", t, 2, 128, bias=False)
+    text = _lowered(grad, *args)
+    assert "mosaic_gpu" not in text and "jagged_attention_bwd_dq" in text
+
+
+def test_kernels_in_use_names_the_families():
+    """kernels_in_use reports what the call's own decision picks: Mosaic GPU for both directions by name (any T),
+    Triton by name, the reference on this CPU by default; a call the Mosaic kernels do not take, asked for by
+    name, is a ValueError naming the way out."""
+    q = sd((1001, 2, 128), jnp.bfloat16)
+    bias = dict(num_pos=128, num_time=64)
+    assert kernels_in_use(q, q, max_seq_len=512, implementation="mosaic", **bias) == ("mosaic", "mosaic")
+    assert kernels_in_use(q, q, max_seq_len=512, implementation="triton") == ("triton", "triton")
+    assert kernels_in_use(q, q, max_seq_len=512) == ("reference", "reference")
+    assert kernels_in_use(q, q, max_seq_len=512, implementation="interpret") == (
+        "triton (interpret)",
+        "triton (interpret)",
+    )
+    q32 = sd((1001, 2, 32), jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation='mosaic'.*'triton'"):
+        kernels_in_use(q32, q32, max_seq_len=512, implementation="mosaic")

@@ -14,8 +14,8 @@ import dataclasses
 import jax
 from jaxtyping import ArrayLike, Float, Int
 
-from gem_jax.config import ModelConfig
-from pallas_kernels.jagged_attention import jagged_attention
+from gem_jax.config import Config, ModelConfig
+from pallas_kernels.jagged_attention import jagged_attention, kernels_in_use
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 
@@ -86,3 +86,27 @@ def attention(
     return jagged_attention(
         q, k, v, offsets, **common, implementation=spec.implementation, options=spec.kernel_options
     )
+
+
+def kernel_summary(config: Config) -> str:
+    """One line naming the jagged attention kernels a run's layers use, forward and backward ("mosaic",
+    "triton", "tpu", "reference"), as the calls themselves decide (kernels_in_use) for a pack of
+    `data.tokens_per_shard` tokens in the compute dtype. train prints it at start-up."""
+    m, d = config.model, config.data
+    spec = AttentionSpec.from_config(m)
+    dtype = jax.numpy.dtype(config.precision.compute_dtype)
+    shape = lambda dim: jax.ShapeDtypeStruct((d.tokens_per_shard, m.num_heads, dim), dtype)
+    longest = d.max_history_len + d.num_candidates + m.num_context_tokens
+    forward, backward = kernels_in_use(
+        shape(m.attention_dim),
+        shape(m.value_dim),
+        max_seq_len=longest,
+        activation=spec.activation,
+        has_targets=True,
+        max_attn_len=spec.max_attn_len,
+        num_pos=m.num_position_buckets or None,
+        num_time=m.num_time_buckets or None,
+        implementation=spec.implementation,
+        options=spec.kernel_options,
+    )
+    return f"attention kernels: forward {forward}, backward {backward} (jax {jax.__version__}, {jax.default_backend()})"

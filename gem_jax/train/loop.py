@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from gem_jax.distributed import agree, wait_for_all
+from gem_jax.model.attention import kernel_summary
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
@@ -272,6 +273,8 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
 
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
     say = _message_printer(bar)
+    if will_train and jax.process_index() == 0 and task.config.model.layer in ("hstu", "sasrec"):
+        say(kernel_summary(task.config))
 
     def save() -> None:
         nonlocal saved_step

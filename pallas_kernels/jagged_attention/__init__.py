@@ -1,5 +1,5 @@
 """Jagged (variable-length) causal attention for HSTU-style sequence towers, as Pallas kernels."""
 
-from pallas_kernels.jagged_attention.api import default_implementation, jagged_attention
+from pallas_kernels.jagged_attention.api import jagged_attention, kernels_in_use
 
-__all__ = ["jagged_attention", "default_implementation"]
+__all__ = ["jagged_attention", "kernels_in_use"]

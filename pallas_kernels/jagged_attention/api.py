@@ -26,16 +26,11 @@ from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 from pallas_kernels.jagged_attention.tiling import bias_width
 
 ACTIVATIONS = ("silu", "softmax")
+# The GPU backend's two kernel families, by name: Mosaic GPU (gpu_sm90*.py: wgmma, TMA; Hopper only) and
+# Triton (gpu.py; deprecated by jax on Hopper, kept for pre-Hopper GPUs). implementation=None (or "gpu",
+# "pallas") runs Mosaic GPU on Hopper wherever it takes the call, Triton otherwise.
+GPU_FAMILIES = ("mosaic", "triton")
 _PACKAGE = "pallas_kernels.jagged_attention"
-
-
-def default_implementation(platform: str | None = None) -> str:
-    """Best implementation for a platform (default: jax's default backend).
-
-    The GPU kernel on GPU, the TPU kernel on TPU, the jnp reference elsewhere (CPU). Both kernels fuse the
-    relative bias, so the choice does not depend on it.
-    """
-    return implementations.default_implementation(platform)
 
 
 def _tiles_and_bias_rows(
@@ -119,8 +114,9 @@ def jagged_attention(
       timestamps: int32[T] seconds, needed iff time_bias is given.
       pos_bias: [H, P], adds pos_bias[h, min(i - j, P - 1)] to the score.
       time_bias: [H, NT], adds time_bias[h, min(floor(log(max(ts_i - ts_j, 1)) / 0.301), NT - 1)].
-      implementation: None (best for the platform), "reference", "pallas", "interpret", or a backend
-        ("gpu", "gpu_interpret", "tpu", "tpu_interpret"); see pallas_kernels/implementations.py.
+      implementation: None (best for the platform), "reference", "pallas", "interpret", a backend ("gpu",
+        "gpu_interpret", "tpu", "tpu_interpret"; pallas_kernels/implementations.py), or a GPU kernel family,
+        "mosaic" or "triton" (GPU_FAMILIES; a call the Mosaic GPU kernels do not take is a ValueError).
       block_sizes: kernel tiles; None: BlockSizes.get_default for the backend.
       options: kernel variants (benchmarks A/B them); None: KernelOptions(), the shipped kernel.
 
@@ -151,7 +147,20 @@ def jagged_attention(
     if options is not None and not isinstance(options, KernelOptions):
         raise ValueError(f"options must be a KernelOptions or None, got {options!r}")
     offsets = offsets.astype(jnp.int32)
-    kernel = implementations.resolve(implementation)
+    kernel, params = _plan(
+        q,
+        v,
+        max_seq_len=max_seq_len,
+        activation=activation,
+        alpha=alpha,
+        has_targets=num_targets is not None,
+        max_attn_len=max_attn_len,
+        num_pos=None if pos_bias is None else pos_bias.shape[1],
+        num_time=None if time_bias is None else time_bias.shape[1],
+        implementation=implementation,
+        block_sizes=block_sizes,
+        options=options,
+    )
     if kernel == "reference":
         return jagged_attention_reference(
             q,
@@ -167,7 +176,36 @@ def jagged_attention(
             pos_bias=pos_bias,
             time_bias=time_bias,
         )
-    has_bias = pos_bias is not None or time_bias is not None
+    extras = (num_targets, timestamps, pos_bias, time_bias)
+    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)
+
+
+def _plan(
+    q,
+    v,
+    *,
+    max_seq_len: int,
+    activation: str,
+    alpha: float | None,
+    has_targets: bool,
+    max_attn_len: int,
+    num_pos: int | None,
+    num_time: int | None,
+    implementation: str | None,
+    block_sizes: BlockSizes | None,
+    options: KernelOptions | None,
+) -> tuple[str, KernelParams | None]:
+    """(kernel name, KernelParams): every decision about how a call runs, made once (q, v: arrays or shapes).
+
+    The kernel name is "reference" (params None) or one of implementations.KERNELS. For "gpu", the params say
+    which family runs each direction (hopper_forward, hopper_backward): the one named by implementation=
+    ("mosaic", "triton"), else Mosaic GPU where KernelOptions and the device allow it and it takes the call.
+    """
+    family = implementation if implementation in GPU_FAMILIES else None
+    kernel = implementations.resolve("gpu" if family else implementation)
+    if kernel == "reference":
+        return kernel, None
+    has_bias = num_pos is not None or num_time is not None
     options = options or KernelOptions()
     blocks, bias_rows = _tiles_and_bias_rows(
         kernel, q, v, max_seq_len=max_seq_len, has_bias=has_bias, block_sizes=block_sizes, options=options
@@ -177,25 +215,77 @@ def jagged_attention(
         activation=activation,
         alpha=float(1.0 / math.sqrt(q.shape[-1]) if alpha is None else alpha),
         max_attn_len=max_attn_len,
-        has_targets=num_targets is not None,
-        has_pos=pos_bias is not None,
-        has_time=time_bias is not None,
-        num_pos=1 if pos_bias is None else pos_bias.shape[1],
-        num_time=1 if time_bias is None else time_bias.shape[1],
+        has_targets=has_targets,
+        has_pos=num_pos is not None,
+        has_time=num_time is not None,
+        num_pos=num_pos or 1,
+        num_time=num_time or 1,
         interpret=implementations.interpret(kernel),
         blocks=blocks,
         options=options,
         bias_rows=bias_rows,
     )
-    if kernel == "gpu":
-        # Mosaic GPU: imported only where it may run
-        from pallas_kernels.jagged_attention import gpu_sm90, gpu_sm90_backward
+    if kernel != "gpu" or family == "triton":
+        return kernel, params
+    # Mosaic GPU: imported only where it may run
+    from pallas_kernels.jagged_attention import gpu_sm90, gpu_sm90_backward
 
-        if gpu_sm90.wanted(options.hopper_forward):
-            params = dataclasses.replace(params, hopper_forward=gpu_sm90.supports(params, q, v))
-        if gpu_sm90_backward.wanted(options.hopper_backward):
-            params = dataclasses.replace(params, hopper_backward=gpu_sm90_backward.supports(params, q, v))
-        if params.hopper_forward and params.hopper_backward:  # both compute the bias: no bias_rows array
-            params = dataclasses.replace(params, bias_rows=False)
-    extras = (num_targets, timestamps, pos_bias, time_bias)
-    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)
+    forward = (family == "mosaic" or gpu_sm90.wanted(options.hopper_forward)) and gpu_sm90.supports(
+        params, q, v
+    )
+    backward = (family == "mosaic" or gpu_sm90_backward.wanted(options.hopper_backward)) and (
+        gpu_sm90_backward.supports(params, q, v)
+    )
+    if family == "mosaic" and not (forward and backward):
+        raise ValueError(
+            f"implementation='mosaic': the Mosaic GPU {'backward' if forward else 'forward'} does not take this "
+            f"call (q {q.dtype} {q.shape}, v {v.shape}, activation={activation!r}, bias tables of "
+            f"{num_pos} / {num_time} buckets: see gpu_sm90*.supports); use implementation=None or 'triton'"
+        )
+    # both Mosaic kernels compute the bias from the tables: no bias_rows array
+    return kernel, dataclasses.replace(
+        params,
+        hopper_forward=forward,
+        hopper_backward=backward,
+        bias_rows=params.bias_rows and not (forward and backward),
+    )
+
+
+def kernels_in_use(
+    q,
+    v,
+    *,
+    max_seq_len: int,
+    activation: str = "silu",
+    has_targets: bool = False,
+    max_attn_len: int = 0,
+    num_pos: int | None = None,
+    num_time: int | None = None,
+    implementation: str | None = None,
+    options: KernelOptions | None = None,
+) -> tuple[str, str]:
+    """(forward, backward) kernel family a jagged_attention call with these shapes (arrays or
+    jax.ShapeDtypeStruct) and settings runs: "mosaic", "triton", "tpu", "reference", or one of those plus
+    " (interpret)". Made by the same decision as the call itself; train prints it at start-up."""
+    kernel, params = _plan(
+        q,
+        v,
+        max_seq_len=max_seq_len,
+        activation=activation,
+        alpha=None,
+        has_targets=has_targets,
+        max_attn_len=max_attn_len,
+        num_pos=num_pos,
+        num_time=num_time,
+        implementation=implementation,
+        block_sizes=None,
+        options=options,
+    )
+    if params is None:
+        return "reference", "reference"
+    suffix = " (interpret)" if params.interpret else ""
+    if kernel.startswith("tpu"):
+        return "tpu" + suffix, "tpu" + suffix
+    fwd = "mosaic" if params.hopper_forward else "triton"
+    bwd = "mosaic" if params.hopper_backward else "triton"
+    return fwd + suffix, bwd + suffix

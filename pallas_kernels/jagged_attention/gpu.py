@@ -1028,9 +1028,20 @@ def to_kernel_layout(
 
     Head dims are zero-padded to powers of two (Triton tiles); the bias tables become float32 padded to a power
     of two wide, the time table with one extra row of bucket thresholds (time_thresholds); absent ones are
-    small dummies the kernels never read.
+    small dummies the kernels never read. When a Mosaic GPU kernel runs (params.hopper_forward or
+    hopper_backward), rows are padded to a multiple of gpu_sm90.ALIGN: Mosaic GPU tiles a TMA's whole GMEM
+    array in 8-row tiles (rows past offsets[B] are unused capacity, so the kernels' contract holds).
     """
     t, heads, dqk = q.shape
+    rows = (
+        -(-t // tiling.MOSAIC_ALIGN) * tiling.MOSAIC_ALIGN
+        if params.hopper_forward or params.hopper_backward
+        else t
+    )
+    if rows != t:
+        q, k, v = (jnp.pad(x, ((0, rows - t), (0, 0), (0, 0))) for x in (q, k, v))
+        if timestamps is not None:
+            timestamps = jnp.pad(timestamps, (0, rows - t))
     dv = v.shape[-1]
     if t * heads * next_pow2(max(dqk, dv)) >= 2**31:
         raise ValueError(
@@ -1067,11 +1078,11 @@ def to_kernel_layout(
 
 
 def from_kernel_layout(
-    out: Float[ArrayLike, "T H DvPadded"],
+    out: Float[ArrayLike, "Tk H DvPadded"],  # Tk: T, or T padded for Mosaic GPU (to_kernel_layout)
     v: Float[ArrayLike, "T H Dv"],
     offsets: Int[ArrayLike, " B1"],
     params: KernelParams,
 ) -> Float[ArrayLike, "T H Dv"]:
-    """[T, H, Dv] output: drops the head-dim padding."""
+    """[T, H, Dv] output: drops the head-dim padding (and the rows to_kernel_layout added for Mosaic GPU)."""
     del offsets, params
-    return out[..., : v.shape[-1]]
+    return out[: v.shape[0], :, : v.shape[-1]]

@@ -73,7 +73,7 @@ COMPUTE_WGS = 2
 ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
 LOG2E = 1.4426950408889634
 NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
-ALIGN = 8  # row alignment of a TMA box's start (see the module docstring: aligned frames)
+ALIGN = tiling.MOSAIC_ALIGN  # row alignment of a TMA box's start (the module docstring: aligned frames)
 HEAD_DIMS = (64, 128, 256)  # multiples of 64 (the 128-byte swizzle); 256 needs 64-key tiles (shared memory)
 # output columns staged (and stored) at a time: D = 256 stores its tile in four quarters (shared memory)
 O_COLS = {64: 64, 128: 128, 256: 64}
@@ -147,7 +147,6 @@ def supports(params: KernelParams, q, v) -> bool:
         not params.interpret
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and v.dtype == q.dtype
-        and q.shape[0] % ALIGN == 0
         and q.shape[-1] in HEAD_DIMS
         and v.shape[-1] in HEAD_DIMS
         and params.activation in ("silu", "softmax")

@@ -28,9 +28,10 @@ reads the very bf16 dO the kernels read; see gpu._delta).
 * Relative bias: computed per cell in both kernels as the forward does (the tables and the resident rows'
   timestamps come into shared memory with the resident rows, the streamed rows' timestamps with each streamed
   tile; buckets gathered from shared memory), O(T) extra memory. The table gradients come from the dQ kernel
-  (it visits every cell once): dS into per-consumer, per-head float32 histograms in shared memory (zeroed by TMA
-  at the start, stored once per CTA at the end, summed by XLA) by red.shared.add.f32, one per run of a
-  thread's consecutive cells of one bucket (_hist_add, TABLE_GRADS).
+  (it visits every cell once): dS into per-consumer, lane-private float32 histograms in shared memory by
+  red.shared.add.f32, one per run of a thread's consecutive cells of one bucket, into the thread's own lane's
+  column (no two lanes of a warp on one address); summed over the lanes and stored once per work item, the
+  items' rows summed by XLA (_hist_add, _hist_flush, LANES).
 * Jagged rows: aligned frames as in the forward (a TMA load's GMEM row start is a multiple of 8: each sequence
   is processed in its frame starting at offsets[b] - offsets[b] % 8, frame rows outside the sequence masked);
   stores are power-of-two row boxes of an unswizzled staging buffer (gpu_sm90._store_rows), never outside the
@@ -60,12 +61,13 @@ consumers' resident K and V (128 KB) leave no room for a ring of 64-row Q and dO
   traffic per tile against 2048 of MMA); two passes (dV, then dK) cost 25% more MMA and two copies of K and V (128 KB);
   FA3's fused dQ would need a 64 x 256 float32 dQ partial per tile (128 registers no consumer has) and push
   64 KB of float32 reduce-adds to L2 per 64 x 64 tile (~25 B/clock/SM, twice FA3's rate at D = 128).
-  Schedule (SPLIT_MEET): the consumers meet once per query tile, consumer 0 after its S^T wgmma and consumer 1
-  before its dP^T one, so that the tensor cores run S^T alone (512 clocks: a 64 x 64 x 256 wgmma at 4096 bf16
-  FLOP/clock/SM), then dP^T while consumer 0 computes P^T and g (~350 clocks of ALU/MUFU), then dV and, after
-  consumer 1's ~100-clock dS^T, dK, then the next S^T: 4 x 512 clocks a tile with no idle tensor core while the
-  activation is shorter than one wgmma. Without the meeting both products are issued at once and both consumers
-  then wait for consumer 0's activation (~15% of a tile idle); the device script A/Bs it (`meet`).
+  Schedule (KernelOptions.split_meet): the consumers meet once per query tile, consumer 0 after its S^T wgmma
+  and consumer 1 before its dP^T one, so that the tensor cores run S^T alone (512 clocks: a 64 x 64 x 256
+  wgmma at 4096 bf16 FLOP/clock/SM), then dP^T while consumer 0 computes P^T and g (~350 clocks of ALU/MUFU),
+  then dV and, after consumer 1's ~100-clock dS^T, dK, then the next S^T: 4 x 512 clocks a tile with no idle
+  tensor core while the activation is shorter than one wgmma. Without the meeting both products are issued at
+  once and both consumers then wait for consumer 0's activation (~15% of a tile idle); the device script A/Bs
+  it (`meet`).
 * dQ: the D <= 128 kernel with 32-key streamed tiles (dQ 64 x 256 float32 = 128 registers, S and dP 64 x 32 = 16
   each); a 32-row K tile as a wgmma's K needs the 64-byte swizzle, so the dQ kernel's tiles all take it (the
   128-byte one elsewhere). 64-key tiles would need 128 KB of ring beside the 128 KB of resident Q and dO.
@@ -127,11 +129,6 @@ LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
 STAGE_COLS = 64  # D_SPLIT: outputs staged and stored 64 columns at a time (shared memory)
-# D_SPLIT dK/dV: the consumers meet once per query tile, consumer 0 after its S^T wgmma, consumer 1 before its dP^T
-# one, so that the tensor cores run S^T alone, then dP^T while consumer 0 computes P^T and the dS factor, then dV
-# and dK (the docstring's timeline: no idle tensor core for the activation). False: no meeting (both products
-# are issued at once and both consumers then wait for consumer 0's activation): for the device A/B.
-SPLIT_MEET = True
 SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
 
 
@@ -168,13 +165,17 @@ def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: in
         dq += tiles["stages_dq"] * bk * (dqk + dv) * itemsize
         return max(dkv, dq)
     tables = params.has_pos * table_width(params.num_pos) + params.has_time * table_width(params.num_time)
+    hists = params.has_pos * hist_rows(params.num_pos) + params.has_time * hist_rows(params.num_time)
     dkv = COMPUTE_WGS * RES * (dqk + dv + max(dqk, dv)) * itemsize + tiles["stages_dkv"] * bq * (
         (dqk + dv) * itemsize + 4 * vecs
     )
     dq = (
         COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * vecs)
         + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 4 * params.has_time)
-        + 4 * COMPUTE_WGS * heads * tables  # the bias-table gradients' histograms
+        + 4
+        * COMPUTE_WGS
+        * (LANES + 1)
+        * hists  # the bias-table gradients' lane-private histograms, lane sums
     )
     return max(dkv, dq) + 4 * COMPUTE_WGS * tables
 
@@ -185,7 +186,6 @@ def supports(params: KernelParams, q, v) -> bool:
         not params.interpret
         and q.dtype in (jnp.bfloat16, jnp.float16)
         and v.dtype == q.dtype
-        and q.shape[0] % ALIGN == 0
         and (q.shape[-1] in HEAD_DIMS or (q.shape[-1] == D_SPLIT and params.options.hopper_backward_d256))
         and v.shape[-1] == q.shape[-1]
         and params.activation in ("silu", "softmax")
@@ -250,57 +250,41 @@ def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, t
     return bias, pb, tb
 
 
-# How the dQ kernel sums dS into the bias tables' histograms: "runs" (each thread adds its consecutive cells of
-# one bucket in registers and issues one atomic per run), "warp" (runs along each of a thread's rows; a warp
-# whose lanes' last runs share one bucket adds their sum with one atomic), "rows" (a row whose cells share one
-# bucket adds its row sum once, the others one atomic per cell), "none" (no table gradients: only to time the
-# rest; wrong dpos, dtime). The device script A/Bs them (scripts/device/attention_bwd_sm90.py bias).
-TABLE_GRADS = "warp"  # H200, N=1024 bias: rows 106 ms, runs 37.2 / 33.8, warp 28.5 ms (docs/benchmarks.md)
+# The bias tables' gradients (dQ kernel): each consumer owns a lane-private histogram per table in shared memory,
+# float32 [rows, LANES] (bucket b of lane l at b * LANES + l), so a warp's adds never meet on one address: a
+# lane's own column sits in its own bank whatever bucket it adds to. A thread sums its consecutive cells of one
+# bucket in registers (a run) and adds the run with one red.shared.add.f32 into its lane's column; only the
+# four warps of a consumer share a column, and they rarely add at the same instant. At the end of each work
+# item the consumer sums its histogram over the lanes, stores that item's [buckets] row to HBM (one slot per
+# (item, head, consumer): plain stores, no accumulation across CTAs) and zeroes the histogram; XLA sums the
+# slots. The earlier design (one histogram row per head, every lane adding to it) serialised a warp's atomics on
+# one or two addresses: 28.5 ms of table gradients where the rest of the backward took 10.8 (docs/benchmarks.md).
+LANES = 32
 
-# red.shared.add.f32 of $1 at [$0], skipped for 0 (NaN adds)
+# red.shared.add.f32 of $1 at [$0], skipped for 0 (masked cells and a run's inner elements; NaN adds)
 _RED = "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }"
-# the same for a value $2 of bucket $1 ([$0] its address): when every lane of the warp has the same bucket,
-# the 32 values are summed by shuffles and the lowest lane adds the sum (one atomic, not 32 on one address)
-_RED_WARP = """{
-  .reg .pred pfull, pgo, pnz;
-  .reg .b32 rm;
-  .reg .f32 fs, ft;
-  match.any.sync.b32 rm, $1, 0xffffffff;
-  setp.eq.b32 pfull, rm, 0xffffffff;
-  mov.f32 fs, $2;
-  @pfull shfl.sync.bfly.b32 ft, fs, 16, 0x1f, 0xffffffff;
-  @pfull add.f32 fs, fs, ft;
-  @pfull shfl.sync.bfly.b32 ft, fs, 8, 0x1f, 0xffffffff;
-  @pfull add.f32 fs, fs, ft;
-  @pfull shfl.sync.bfly.b32 ft, fs, 4, 0x1f, 0xffffffff;
-  @pfull add.f32 fs, fs, ft;
-  @pfull shfl.sync.bfly.b32 ft, fs, 2, 0x1f, 0xffffffff;
-  @pfull add.f32 fs, fs, ft;
-  @pfull shfl.sync.bfly.b32 ft, fs, 1, 0x1f, 0xffffffff;
-  @pfull add.f32 fs, fs, ft;
-  mov.b32 rm, %lanemask_lt;
-  setp.eq.b32 pgo, rm, 0;
-  not.pred pfull, pfull;
-  or.pred pgo, pgo, pfull;
-  setp.neu.f32 pnz, fs, 0f00000000;
-  and.pred pgo, pgo, pnz;
-  @pgo red.shared.add.f32 [$0], fs;
-}"""
 
 
-def _scatter_add(interpret: bool, hist_ref, idx, vals, mode: str):
-    """hist_ref[idx] += vals for an int32 index and a float32 tile in the wgmma layout: red.shared.add.f32 into
-    a 1-D float32 shared-memory histogram (inline Mosaic GPU code: Pallas has no scatter; the instruction
-    Mosaic GPU's own shared-memory atomic stores issue). mode "cells": one atomic per nonzero cell; "runs": a
-    thread's consecutive register elements of one bucket are summed first and added with one atomic (a warp's
-    atomics on one address serialise, and a thread's cells are neighbours in a row or the row 8 below: mostly
-    one bucket away from the diagonal); "warp": runs along each row of the thread in turn, and the last run
-    through _RED_WARP. Zeros (masked cells, a run's inner elements) issue no atomic; NaN does (setp.neu)."""
-    if interpret:  # (the GPU interpreter has no scatter: a one-hot sum)
+def hist_rows(num_buckets: int) -> int:
+    """Rows of a lane-private histogram of `num_buckets` buckets: a multiple of 64, so that the flush reads it
+    as one wgmma-layout tile."""
+    return cdiv(num_buckets, 64) * 64
+
+
+def _hist_add(interpret: bool, hist_ref, idx, vals):
+    """hist_ref[idx, lane] += vals for an int32 bucket tile and a float32 tile in the wgmma layout; hist_ref is
+    a consumer's float32 [rows, LANES] lane-private histogram (the comment above LANES).
+
+    A thread visits its cells row by row (a row's buckets change rarely: the time bucket grows with the time
+    gap, the position bucket is clipped past the table), sums each run of one bucket in registers, and adds it
+    with one red.shared.add.f32 into its own lane's column (inline Mosaic GPU code: Pallas has no scatter).
+    Zeros issue no add; NaN does (setp.neu)."""
+    if interpret:  # (the GPU interpreter has no scatter: a one-hot sum, into lane column 0)
         onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
-        hist_ref[...] = hist_ref[...] + jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
+        sums = jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
+        hist_ref[:, 0] = hist_ref[:, 0] + sums
         return
-    import numpy as np
+    import numpy as np  # noqa: PLC0415  (inline Mosaic GPU code: only where the kernel lowers for a GPU)
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
@@ -308,8 +292,10 @@ def _scatter_add(interpret: bool, hist_ref, idx, vals, mode: str):
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
     def scatter(ctx, hist, cells, values):
         del ctx
-        f32 = ir.F32Type.get()
+        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
         base = mgpu_utils.memref_ptr(hist)
+        lane = llvm.inline_asm(i32, [], "mov.u32 $0, %laneid;", "=r")
+        lanes = arith.constant(i32, LANES)
 
         def elements(reg):
             if not isinstance(reg.type, ir.VectorType):
@@ -318,54 +304,51 @@ def _scatter_add(interpret: bool, hist_ref, idx, vals, mode: str):
             at = lambda e: ir.DenseI64ArrayAttr.get([e])
             return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
 
-        def red(i, v, warp=False):
-            address = mgpu_utils.getelementptr(base, [i], f32)
-            args, asm, constraints = (
-                ([address, i, v], _RED_WARP, "r,r,f") if warp else ([address, v], _RED, "r,f")
-            )
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), args, asm, constraints, has_side_effects=True)
+        def red(i, v):
+            slot = arith.addi(arith.muli(i, lanes), lane)
+            address = mgpu_utils.getelementptr(base, [slot], f32)
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, v], _RED, "r,f", has_side_effects=True)
 
-        regs_i, regs_v = cells.registers, values.registers
-        if mode == "warp":  # a thread's rows one after the other: the register axes that remain at 8 columns
-            rows = [a for a, n in enumerate(cells.layout.registers_shape((RES, 8))) if n > 1]
-            regs_i, regs_v = (np.moveaxis(r, rows, list(range(len(rows)))) for r in (regs_i, regs_v))
+        # a thread's rows one after the other: the register axes that remain at 8 columns come first
+        rows = [a for a, n in enumerate(cells.layout.registers_shape((RES, 8))) if n > 1]
+        regs_i, regs_v = (
+            np.moveaxis(r, rows, list(range(len(rows)))) for r in (cells.registers, values.registers)
+        )
         pairs = [
             (i, v)
             for ireg, vreg in zip(regs_i.flat, regs_v.flat, strict=True)
             for i, v in zip(elements(ireg), elements(vreg), strict=True)
         ]
-        if mode == "cells":
-            for i, v in pairs:
-                red(i, v)
-            return
         zero = arith.constant(f32, 0.0)
         run_i, run_v = pairs[0]
-        for i, v in pairs[1:]:  # a run ends where the bucket changes: its sum goes out (0: no atomic)
+        for i, v in pairs[1:]:  # a run ends where the bucket changes: its sum goes out (0: no add)
             same = arith.cmpi(arith.CmpIPredicate.eq, i, run_i)
             red(run_i, arith.select(same, zero, run_v))
             run_v = arith.select(same, arith.addf(run_v, v), v)
             run_i = i
-        red(run_i, run_v, warp=mode == "warp")
+        red(run_i, run_v)
 
     scatter(hist_ref, idx, vals)
 
 
-def _hist_add(interpret: bool, hist_ref, idx, ds):
-    """hist_ref[idx] += ds (a tile's dS at its cells' buckets), as TABLE_GRADS says. "rows": a row whose cells
-    all share one bucket (most rows of most tiles: a row wholly past the last position bucket, a row of near
-    timestamps) adds its row sum from its first cell only, so that atomics on one address do not serialise a
-    warp (_scatter_add skips zeros)."""
-    if TABLE_GRADS == "none":
-        return
-    if TABLE_GRADS in ("runs", "warp"):
-        _scatter_add(interpret, hist_ref, idx, ds, TABLE_GRADS)
-        return
-    fidx = idx.astype(jnp.float32)
-    spread = fidx.max(axis=1) + (-fidx).max(axis=1)  # max - min of each row's buckets
-    uniform = lax.broadcast_in_dim(spread, ds.shape, [0]) == 0.0
-    row_sum = lax.broadcast_in_dim(ds.sum(axis=1), ds.shape, [0])
-    first = _iota(interpret, ds.shape, 1) == 0
-    _scatter_add(interpret, hist_ref, idx, jnp.where(uniform, jnp.where(first, row_sum, 0.0), ds), "cells")
+def _hist_flush(interpret: bool, hist_ref, row_ref, dst):
+    """Sums a consumer's lane-private histogram over its lanes into row_ref (float32 [rows]), zeroes the
+    histogram, and TMA-stores the row's first dst.shape[0] buckets to dst (GMEM). Every thread of the consumer
+    must have finished its adds (a warpgroup barrier first); the caller waits for the store before row_ref is
+    written again."""
+    plgpu.commit_smem()  # (a warpgroup barrier: every lane's adds are in)
+    if interpret:
+        row = jnp.sum(hist_ref[...], axis=1)
+    else:
+        # (unoptimized: Mosaic GPU finds no bank-conflict-free plan for a 32-column float32 tile; a flush per item)
+        row = jnp.sum(plgpu.load(hist_ref, (), layout=plgpu.Layout.WGMMA, optimized=False), axis=1)
+    hist_ref[...] = jnp.zeros(hist_ref.shape, jnp.float32)
+    row_ref[...] = row
+    plgpu.commit_smem()  # the row is visible to the TMA unit, and the zeros to every lane's next adds
+    width = dst.shape[0]
+    for start in range(0, width, TMA_BOX):
+        size = min(TMA_BOX, width - start)
+        plgpu.copy_smem_to_gmem(row_ref.at[pl.ds(start, size)], dst.at[pl.ds(start, size)])
 
 
 class _Frame:
@@ -912,7 +895,7 @@ def _dkv_split_kernel(
             slot = slot_of(j)
             plgpu.barrier_wait(s_bar.at[slot])
             st = _one_product(interpret, k_res, q_smem.at[slot], (RES, bq))
-            if SPLIT_MEET:  # S^T is done: consumer 1 may issue dP^T (SPLIT_MEET)
+            if params.options.split_meet:  # S^T is done: consumer 1 may issue dP^T
                 plgpu.barrier_arrive(meet)
                 plgpu.barrier_wait(meet)
             lse = _load_vector(interpret, lse_smem.at[slot], _COL) if softmax else None
@@ -935,7 +918,7 @@ def _dkv_split_kernel(
 
         def grads(n, dk_acc):
             slot = slot_of(g0 + n - lo)
-            if SPLIT_MEET:  # after consumer 0's S^T wgmma
+            if params.options.split_meet:  # after consumer 0's S^T wgmma
                 plgpu.barrier_arrive(meet)
                 plgpu.barrier_wait(meet)
             plgpu.barrier_wait(s_bar.at[slot])
@@ -1027,7 +1010,6 @@ def _dq_kernel(
     ts_ref,
     pos_ref,
     time_ref,
-    zeros_ref,
     dq_ref,
     dpos_ref,
     dtime_ref,
@@ -1044,9 +1026,10 @@ def _dq_kernel(
     num_ctas: int | None,
 ):
     wg = lax.axis_index("wg")
-    buffers, (res_bar, s_bar, s_free, init_bar) = scoped
+    buffers, (res_bar, s_bar, s_free) = scoped
     q_res2, do_res2, lse_res2, delta_res2, stage_bufs, k_smem, v_smem, bias_bufs = buffers
-    tsq_res2, tsk_smem, pos_tabs, time_tabs, pos_hist, time_hist = bias_bufs  # (None: no such bias)
+    # (None: no such bias) hists: per consumer, lane-private [rows, LANES]; rows: per consumer, [rows]
+    tsq_res2, tsk_smem, pos_tabs, time_tabs, pos_hist, time_hist, pos_row, time_row = bias_bufs
     has_bias = params.has_pos or params.has_time
     dqk, dv = q_res2.shape[-1], do_res2.shape[-1]
     bk = block_k
@@ -1135,9 +1118,9 @@ def _dq_kernel(
             if params.has_pos and clipped:  # every cell in the last bucket: row sums, added once per item
                 far = far + ds.sum(axis=1)
             elif params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
-                _hist_add(interpret, pos_hist.at[wg, f.h], pb, ds)
+                _hist_add(interpret, pos_hist.at[wg], pb, ds)
             if params.has_time:
-                _hist_add(interpret, time_hist.at[wg, f.h], tb, ds)
+                _hist_add(interpret, time_hist.at[wg], tb, ds)
             (dq_acc,) = _accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
             plgpu.barrier_arrive(s_free.at[slot])
             return dq_acc, far
@@ -1150,14 +1133,19 @@ def _dq_kernel(
             carry = lax.fori_loop(f_lo, c_hi, functools.partial(body, masked=False, clipped=True), carry)
         carry = lax.fori_loop(c_hi, f_hi, functools.partial(body, masked=False), carry)
         dq, far = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), carry)
-        if params.has_pos and TABLE_GRADS != "none":  # the clipped tiles' dS, into the last position bucket
+        if params.has_pos:  # the clipped tiles' dS, into the last position bucket
             col0 = _iota(interpret, (RES, bk), 1) == 0
             sums = jnp.where(col0, lax.broadcast_in_dim(far, (RES, bk), [0]), 0.0)
             last = jnp.full((RES, bk), params.num_pos - 1, jnp.int32)
-            last = _cast(interpret, last, plgpu.Layout.WGMMA)
-            _scatter_add(
-                interpret, pos_hist.at[wg, f.h], last, sums, "warp" if TABLE_GRADS == "warp" else "runs"
-            )
+            _hist_add(interpret, pos_hist.at[wg], _cast(interpret, last, plgpu.Layout.WGMMA), sums)
+        # this item's table gradients: one [buckets] row per (item, head, consumer), plain TMA stores
+        slot = (f.w * heads + f.h) * COMPUTE_WGS + wg
+        for hist, row, out in ((pos_hist, pos_row, dpos_ref), (time_hist, time_row, dtime_ref)):
+            if hist is not None:
+                width = row.shape[1]
+                dst = out.at[pl.ds(pl.multiple_of(slot * width, 64), width)]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous item's row has been read
+                _hist_flush(interpret, hist.at[wg], row.at[wg], dst)
         pl.loop(hi, cta_hi)(drain)
         load_res(i + 1)  # the last wgmmas have read Q and dO (and lse, delta are in registers)
         scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
@@ -1200,31 +1188,12 @@ def _dq_kernel(
 
             return g + cta_hi - cta_lo
 
-        hists = [
-            (h_ref, out) for h_ref, out in ((pos_hist, dpos_ref), (time_hist, dtime_ref)) if h_ref is not None
-        ]
-        for h_ref, _ in hists:  # zero this consumer's histograms (every head's row), by TMA from a zero row
-            width = h_ref.shape[-1]
-            for hh in range(heads):
-                for start in range(0, width, TMA_BOX):
-                    size = min(TMA_BOX, width - start)
-                    src = zeros_ref.at[pl.ds(0, size)]
-                    plgpu.copy_gmem_to_smem(src, h_ref.at[wg, hh, pl.ds(start, size)], init_bar.at[wg])
+        for hist in (pos_hist, time_hist):  # zero this consumer's histograms (the flushes keep them zero)
+            if hist is not None:
+                hist.at[wg][...] = jnp.zeros(hist.shape[1:], jnp.float32)
+        plgpu.commit_smem()
         load_res(0)
-        if hists:
-            plgpu.barrier_wait(init_bar.at[wg])
         lax.fori_loop(0, num_iters, one, jnp.int32(0))
-        if hists:  # every thread's atomics are done and visible to the TMA unit
-            plgpu.commit_smem()
-            cta = lax.axis_index("sm") if num_ctas is not None else _cta_index(heads)
-            for h_ref, out in hists:
-                width = h_ref.shape[-1]
-                for hh in range(heads):
-                    row = ((cta * COMPUTE_WGS + wg) * heads + hh) * width
-                    for start in range(0, width, TMA_BOX):
-                        size = min(TMA_BOX, width - start)
-                        dst = out.at[pl.ds(pl.multiple_of(row + start, 32), size)]
-                        plgpu.copy_smem_to_gmem(h_ref.at[wg, hh, pl.ds(start, size)], dst)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == COMPUTE_WGS)
@@ -1346,7 +1315,8 @@ def backward_mosaic_gpu(
     bias_arrivals = _bias_arrivals(params)
 
     def bias_smem(stages: int, block: int, hist: bool):
-        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, histograms])."""
+        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, lane-private
+        histograms (pos, time), their lane sums (pos, time)])."""
         smem = (
             plgpu.SMEM((COMPUTE_WGS, RES), jnp.int32) if params.has_time else None,
             plgpu.SMEM((stages, block), jnp.int32) if params.has_time else None,
@@ -1354,9 +1324,12 @@ def backward_mosaic_gpu(
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )
         if hist:
+            pos_rows, time_rows = hist_rows(params.num_pos), hist_rows(params.num_time)
             smem += (
-                plgpu.SMEM((COMPUTE_WGS, heads, pos_width), jnp.float32) if params.has_pos else None,
-                plgpu.SMEM((COMPUTE_WGS, heads, time_width), jnp.float32) if params.has_time else None,
+                plgpu.SMEM((COMPUTE_WGS, pos_rows, LANES), jnp.float32) if params.has_pos else None,
+                plgpu.SMEM((COMPUTE_WGS, time_rows, LANES), jnp.float32) if params.has_time else None,
+                plgpu.SMEM((COMPUTE_WGS, pos_rows), jnp.float32) if params.has_pos else None,
+                plgpu.SMEM((COMPUTE_WGS, time_rows), jnp.float32) if params.has_time else None,
             )
         return smem
 
@@ -1381,7 +1354,9 @@ def backward_mosaic_gpu(
             plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dkv),
             plgpu.Barrier(num_arrivals=1),  # the exchange tile is written (consumer 0 arrives)
             plgpu.Barrier(num_arrivals=1),  # ... and read (consumer 1 arrives)
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS),  # the consumers' meeting per query tile (SPLIT_MEET)
+            plgpu.Barrier(
+                num_arrivals=COMPUTE_WGS
+            ),  # the consumers' meeting per query tile (KernelOptions.split_meet)
         )
         kernel = functools.partial(
             _dkv_split_kernel, num_work=num_work, block_q=bq, stages=stages_dkv, **common
@@ -1432,46 +1407,44 @@ def backward_mosaic_gpu(
         plgpu.SMEM((stages_dq, bk, dv), v.dtype, transforms=swz_dq),
         bias_smem(stages_dq, bk, hist=True),
     )
-    hist_copies = heads * (
-        params.has_pos * table_chunks(params.num_pos) + params.has_time * table_chunks(params.num_time)
-    )
     barriers = (
         plgpu.Barrier(num_arrivals=res_arrivals + bias_arrivals, num_barriers=COMPUTE_WGS),
         plgpu.Barrier(num_arrivals=2 + params.has_time, num_barriers=stages_dq),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dq),
-        plgpu.Barrier(num_arrivals=max(hist_copies, 1), num_barriers=COMPUTE_WGS),
     )
-    # the bias-table gradients: per CTA and consumer, one histogram row per head, summed here
-    ctas = num_ctas if num_ctas is not None else heads * (num_work + num_zero)
-    hist_shape = lambda has, width: (ctas * COMPUTE_WGS * heads * width if has else 32,)
+    # the bias-table gradients: one row of hist_rows(buckets) per (work item, head, consumer), summed here
+    hist_shape = lambda has, n: (num_work * heads * COMPUTE_WGS * hist_rows(n) if has else 64,)
     kernel = functools.partial(_dq_kernel, num_work=num_work, block_k=bk, stages=stages_dq, **common)
     dq, dpos_parts, dtime_parts = plgpu.kernel(
         _scoped_kernel(kernel, smem, barriers),
         out_type=(
             jax.ShapeDtypeStruct((t, heads * dqk), q.dtype),
-            jax.ShapeDtypeStruct(hist_shape(params.has_pos, pos_width), jnp.float32),
-            jax.ShapeDtypeStruct(hist_shape(params.has_time, time_width), jnp.float32),
+            jax.ShapeDtypeStruct(hist_shape(params.has_pos, params.num_pos), jnp.float32),
+            jax.ShapeDtypeStruct(hist_shape(params.has_time, params.num_time), jnp.float32),
         ),
         grid=grid(num_work),
         grid_names=grid_names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins, jnp.zeros((TMA_BOX,), jnp.float32))
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins)
 
     dq, dk, dvv = dq.reshape(t, heads, dqk), dk.reshape(t, heads, dqk), dvv.reshape(t, heads, dv)
     scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
 
-    def table_grad(parts, table, width: int, num: int):
-        grad = parts.reshape(-1, heads, width).sum(axis=0)[:, :num] * scale
+    item_ok = wv[:, None, None, None] > 0  # (rows of padding items are never written)
+
+    def table_grad(parts, table, num: int):
+        parts = parts.reshape(num_work, heads, COMPUTE_WGS, hist_rows(num))
+        grad = jnp.where(item_ok, parts, 0.0).sum(axis=(0, 2))[:, :num] * scale
         return jnp.zeros(table.shape, jnp.float32).at[:heads, :num].set(grad).astype(table.dtype)
 
     dpos = jnp.zeros(pos_tab.shape, pos_tab.dtype)
     if params.has_pos:
-        dpos = table_grad(dpos_parts, pos_tab, pos_width, params.num_pos)
+        dpos = table_grad(dpos_parts, pos_tab, params.num_pos)
     dtime = jnp.zeros(time_tab.shape, time_tab.dtype)  # [H + 1, W]: the threshold row gets no gradient
     if params.has_time:
-        dtime = table_grad(dtime_parts, time_tab, time_width, params.num_time)
+        dtime = table_grad(dtime_parts, time_tab, params.num_time)
     return dq, dk, dvv, None, None, None, dpos, dtime
 
 

@@ -27,26 +27,29 @@ class KernelOptions:
       (KernelParams.bias_rows).
     hopper_forward: the GPU forward runs the Mosaic GPU kernel (gpu_sm90.py: wgmma, TMA, warp-specialised,
       the relative bias computed in the kernel) instead of the Triton one. None: on Hopper GPUs (H100, H200)
-      for every call gpu_sm90.supports (bf16/fp16, head dims 64/128/256, T a multiple of 8); True: whenever it
-      supports the call, whatever the device (tests lower it on CPU); False: never. api.py decides it once per
-      call (KernelParams.hopper_forward).
+      for every call gpu_sm90.supports (bf16/fp16, head dims 64/128/256; any T: gpu.to_kernel_layout pads the
+      rows to a multiple of 8); True: whenever it supports the call, whatever the device (tests lower it on
+      CPU); False: never. implementation="mosaic" / "triton" override it. api.py decides it once per call
+      (KernelParams.hopper_forward).
     hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
       dQ over query tiles) instead of the Triton ones. None (the default): on Hopper GPUs for every call
       gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128/256 (256 unless hopper_backward_d256 is False),
-      T a multiple of 8; a relative bias only with hopper_backward_bias, and not at 256); True: whenever it
-      supports the call, whatever the device; False: never. api.py decides it once per call
-      (KernelParams.hopper_backward). Independent of hopper_forward: both forwards leave the same residuals.
-      With both on, no bias_rows array is built (KernelParams.bias_rows False).
+      any T; a relative bias unless hopper_backward_bias is False, and not at 256); True: whenever it supports
+      the call, whatever the device; False: never. api.py decides it once per call (KernelParams.hopper_backward).
+      Independent of hopper_forward: both forwards leave the same residuals. With both on, no bias_rows array is
+      built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
-      from the tables and timestamps, O(T) memory; the table gradients by shared-memory atomics). False: it is
-      correct on the H200 but 2.3x slower than the Triton backward there (its table gradients' atomics;
-      docs/benchmarks.md, 2026-12-02 fifth session), so such calls run the Triton backward.
+      from the tables and timestamps, O(T) memory; the table gradients through lane-private shared-memory
+      histograms, gpu_sm90_backward._hist_add). False: such calls run the Triton backward.
     hopper_backward_d256: the Mosaic GPU backward also takes head dim 256 (Dqk = Dv = 256, no relative bias):
       a dK/dV kernel whose two consumer warpgroups split the work of one 64-key item by role (one computes S^T,
       P^T and dV, the other dP^T, dS^T and dK, the activation's derivative handed over in shared memory) and
       a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). True (the default since
       its H200 checks and times, docs/benchmarks.md 2026-12-03: 2.58x the Triton backward at D = 256);
       False: D = 256 runs the Triton backward.
+    split_meet: at head dim 256 the Mosaic GPU dK/dV kernel's two consumers meet once per query tile, so that
+      the tensor cores run S^T alone, then dP^T while consumer 0 computes P^T and the dS factor
+      (gpu_sm90_backward.py, "Head dim 256"). False: no meeting (both products issued at once), for the A/B.
     """
 
     silu_bf16x2: bool = True
@@ -57,8 +60,9 @@ class KernelOptions:
     bias_rows_max_bytes: int = 8 << 30
     hopper_forward: bool | None = None
     hopper_backward: bool | None = None
-    hopper_backward_bias: bool = False
+    hopper_backward_bias: bool = True
     hopper_backward_d256: bool = True
+    split_meet: bool = True
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""

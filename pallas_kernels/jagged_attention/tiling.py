@@ -15,6 +15,10 @@ from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
+# Mosaic GPU tiles a TMA's GMEM array by (8, 64): the Hopper kernels need row starts, and so a token capacity,
+# that are multiples of this (gpu.to_kernel_layout pads the rows when a Mosaic GPU kernel runs)
+MOSAIC_ALIGN = 8
+
 
 def bias_width(max_seq_len: int, blocks: BlockSizes) -> int:
     """Columns of the GPU kernels' bias_rows array: max_seq_len rounded up to every key tile that reads it

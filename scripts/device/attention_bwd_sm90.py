@@ -3,8 +3,7 @@
   python3 scripts/device/attention_bwd_sm90.py check [I ...]    (small shapes vs the float32 reference; I: case indices)
   python3 scripts/device/attention_bwd_sm90.py time CASE [REPS]  (CASE: one of CASES)
   python3 scripts/device/attention_bwd_sm90.py sweep CASE [REPS]  (the Mosaic backward's tile knobs, KNOBS)
-  python3 scripts/device/attention_bwd_sm90.py bias CASE REPS MODE...  (gpu_sm90_backward.TABLE_GRADS modes)
-  python3 scripts/device/attention_bwd_sm90.py meet [CASE [REPS]]  (D=256: gpu_sm90_backward.SPLIT_MEET on / off)
+  python3 scripts/device/attention_bwd_sm90.py meet [CASE [REPS]]  (D=256: KernelOptions.split_meet on / off)
 
 `check` runs jagged_attention's gradients (dq, dk, dv; dpos, dtime with the bias) with
 KernelOptions(hopper_backward=True) against the float32 reference on fresh random inputs: SiLU and softmax, window
@@ -18,12 +17,13 @@ is opted in (KernelOptions.hopper_backward_bias) here, and so is head dim 256 (K
 the role-split dK/dV kernel, off by default until these checks and times pass on a device). `sweep` times
 backward_mosaic_gpu itself with each knob set of KNOBS on the residuals of one forward (checked against the default
 knobs' gradients first; at D=256 only the default 64:2:32:2 fits shared memory, D256_KNOBS). `meet` times the
-D=256 backward with and without the consumers' meeting per query tile (gpu_sm90_backward.SPLIT_MEET), each
+D=256 backward with and without the consumers' meeting per query tile (KernelOptions.split_meet), each
 checked against the first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -221,7 +221,7 @@ def time_case(case: str, reps: int) -> bool:
 
 def _one_forward(case: str):
     """(name, q, k, v, do, offsets, params, the forward's residuals, backward FLOPs) of one case's fresh inputs:
-    what sweep, bias_modes and meet time backward_mosaic_gpu on."""
+    what sweep and meet time backward_mosaic_gpu on."""
     name, shape, activation, bias = CASES[case]
     rng = np.random.default_rng(int(time.time()))
     lengths = shape.sample_lengths(rng)
@@ -263,46 +263,14 @@ def sweep(case: str, reps: int) -> bool:
     return ok_all
 
 
-def bias_modes(case: str, reps: int, modes: list[str]) -> bool:
-    """Times backward_mosaic_gpu on one bias shape's residuals with each gpu_sm90_backward.TABLE_GRADS mode
-    (how the dQ kernel sums dS into the tables' histograms; "none" skips that, to time the rest), each checked
-    first against the first mode's gradients ("rows" passed against the Triton backward on the H200)."""
-    name, q, k, v, do, off, params, residuals, flops = _one_forward(case)
-    ok_all, want = True, None
-    for mode in modes:
-        mosaic_bwd.TABLE_GRADS = mode  # read while tracing: a new jit per mode
-        f = jax.jit(
-            lambda res, do: [
-                g for g in mosaic_bwd.backward_mosaic_gpu(res, do, params, **SWEEP_KW) if g is not None
-            ]
-        )
-        t0 = time.perf_counter()
-        got = [g.astype(jnp.float32) for g in f(residuals, do)]
-        compile_s = time.perf_counter() - t0
-        if mode == "none":
-            ok, errs = True, "(no table gradients: not checked)"
-        elif want is None:
-            ok, errs, want = True, "(the reference mode)", got
-        else:
-            ok, errs = _compare(got, want, int(off[-1]))
-        ok_all = ok_all and ok
-        sec = _time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
-        print(
-            f"BIAS | {name} | {mode} | {flops / sec / 1e12:.1f} TFLOP/s | {sec * 1e3:.3f} ms | {errs} |"
-            f" compile+run {compile_s:.1f} s",
-            flush=True,
-        )
-    return ok_all
-
-
 def meet(case: str, reps: int) -> bool:
-    """Times backward_mosaic_gpu at D=256 on one shape's residuals with gpu_sm90_backward.SPLIT_MEET on, then off
+    """Times backward_mosaic_gpu at D=256 on one shape's residuals with KernelOptions.split_meet on, then off
     (each a new trace), the second checked against the first."""
     name, q, k, v, do, off, params, residuals, flops = _one_forward(case)
     ok_all, want = True, None
     for flag in (True, False):
-        mosaic_bwd.SPLIT_MEET = flag  # read while tracing: a new jit per setting
-        f = jax.jit(lambda res, do: mosaic_bwd.backward_mosaic_gpu(res, do, params, **SWEEP_KW)[:3])
+        p = dataclasses.replace(params, options=dataclasses.replace(params.options, split_meet=flag))
+        f = jax.jit(lambda res, do, p=p: mosaic_bwd.backward_mosaic_gpu(res, do, p, **SWEEP_KW)[:3])
         got = [g.astype(jnp.float32) for g in f(residuals, do)]
         ok, errs = (True, "(the reference setting)") if want is None else _compare(got, want, int(off[-1]))
         want = got if want is None else want
@@ -312,7 +280,6 @@ def meet(case: str, reps: int) -> bool:
             f"MEET | {name} | {flag} | {flops / sec / 1e12:.1f} TFLOP/s | {sec * 1e3:.3f} ms | {errs} |",
             flush=True,
         )
-    mosaic_bwd.SPLIT_MEET = True
     return ok_all
 
 
@@ -324,13 +291,11 @@ def main(argv: list[str]) -> int:
         return 0 if time_case(argv[1], int(argv[2]) if len(argv) > 2 else 10) else 1
     if argv[0] == "sweep":
         return 0 if sweep(argv[1], int(argv[2]) if len(argv) > 2 else 10) else 1
-    if argv[0] == "bias":  # bias CASE REPS MODE...
-        return 0 if bias_modes(argv[1], int(argv[2]), argv[3:] or ["runs", "rows"]) else 1
     if argv[0] == "meet":  # meet [CASE [REPS]]
         case = argv[1] if len(argv) > 1 else "d256"
         return 0 if meet(case, int(argv[2]) if len(argv) > 2 else 10) else 1
     raise ValueError(
-        "usage: check | time CASE [REPS] | sweep CASE [REPS] | bias CASE REPS MODE... | meet [CASE [REPS]],"
+        "usage: check | time CASE [REPS] | sweep CASE [REPS] | meet [CASE [REPS]],"
         f" CASE one of {sorted(CASES)}"
     )
 

@@ -4,12 +4,11 @@
 # activations, window, targets, D=64/128/256, unaligned starts, tail rows; scripts/device/attention_bwd_sm90.py
 # check), THEN per timed shape a check against the Triton backward on that shape's fresh inputs and the two
 # backwards timed side by side (TFLOP/s by the peer's count); a table at the end. Logs under $OUT.
-# Then (MEET, default d256) the D=256 kernel with and without its consumers' meeting (SPLIT_MEET), and (SWEEP,
+# Then (MEET, default d256) the D=256 kernel with and without its consumers' meeting (KernelOptions.split_meet), and (SWEEP,
 # default n1024) the Mosaic backward's tile knobs on one shape.
 #   bash scripts/device/attention_bwd_sm90.sh                 (default cases, < 540 s)
 #   CHECK="11 12 13 14" CASES=d256 SWEEP=d256 bash scripts/device/attention_bwd_sm90.sh   (head dim 256 only)
 #   CASES="n1024 bias1024" SWEEP= MEET= REPS=20 bash scripts/device/attention_bwd_sm90.sh
-#   CHECK="5 6" CASES=bias1024 SWEEP= MEET= BIAS_MODES="runs warp none" bash scripts/device/attention_bwd_sm90.sh
 # Cases (scripts/device/attention_bwd_sm90.py CASES): n1024 n4096 heavy d64 d256 bias1024 softmax. d256 runs the
 # Mosaic backward unless KernelOptions.hopper_backward_d256 is False (the script's options turn it on); softmax is no
 # target, so it is not in the default list. Empty CASES runs the default list: CASES=none runs none.
@@ -38,13 +37,7 @@ for case in $CASES; do
   echo "$case rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
   grep "check vs Triton\|Error\|error:" "$OUT/$case.log" | head -5
 done
-if [ -n "${BIAS_MODES:-}" ]; then  # e.g. BIAS_MODES="runs warp none": gpu_sm90_backward.TABLE_GRADS on bias1024
-  t0=$(date +%s)
-  timeout -k 10 "${BIAS_LIMIT:-150}" python3 scripts/device/attention_bwd_sm90.py bias bias1024 "$REPS" $BIAS_MODES > "$OUT/bias_modes.log" 2>&1
-  echo "bias modes rc=$? $(( $(date +%s) - t0 )) s" | tee -a "$OUT/times.txt"
-  grep -h "^BIAS \|Error\|error:" "$OUT/bias_modes.log" | head -8
-fi
-for case in $MEET; do  # D=256: gpu_sm90_backward.SPLIT_MEET on, then off
+for case in $MEET; do  # D=256: KernelOptions.split_meet on, then off
   if [ $(( $(date +%s) - start + 90 )) -gt ${BUDGET:-530} ]; then echo "meet $case: skipped (time budget)" | tee -a "$OUT/times.txt"; continue; fi
   t0=$(date +%s)
   timeout -k 10 90 python3 scripts/device/attention_bwd_sm90.py meet "$case" "$REPS" > "$OUT/meet_$case.log" 2>&1
