@@ -134,7 +134,7 @@ def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int) -> int:
     tiles = COMPUTE_WGS * BLOCK_Q * (dqk + O_COLS.get(dv, dv)) + stages * block_k * (dqk + dv)
     floats = COMPUTE_WGS * BLOCK_Q * (params.activation == "softmax")
     if params.has_time:
-        floats += COMPUTE_WGS * BLOCK_Q + stages * block_k + COMPUTE_WGS * table_width(params.num_time)
+        floats += 2 * (COMPUTE_WGS * BLOCK_Q + stages * block_k) + COMPUTE_WGS * table_width(params.num_time)
     if params.has_pos:
         floats += COMPUTE_WGS * table_width(params.num_pos)
     return tiles * itemsize + 4 * floats
@@ -346,7 +346,7 @@ def _kernel(
             row = aligned(base + tile_lo + wg * bq)
             plgpu.copy_gmem_to_smem(rows_of(q_ref, row, bq, h, dqk), q_smem2.at[wg], q_bar.at[wg])
             if params.has_time:
-                plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem2.at[wg], q_bar.at[wg])
+                plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, bq)], tsq_smem2.at[wg], q_bar.at[wg])
                 _copy_table(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
             if params.has_pos:
                 _copy_table(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
@@ -361,12 +361,16 @@ def _kernel(
                 rel = (q_lo - step * bk) + _iota(interpret, (bq, width), 0) - _iota(interpret, (bq, width), 1)
                 bias = _gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
         if params.has_time:
-            cols = tsk_smem.at[slot] if width == bk else tsk_smem.at[slot, pl.ds(0, width)]
-            ts_cols = _load_vector(interpret, cols, _COL)
-            dt = lax.broadcast_in_dim(ts_rows, (bq, width), [0]) - lax.broadcast_in_dim(
-                ts_cols, (bq, width), [1]
+            # the gap from the timestamps' float32 halves (tiling.split_timestamps): exact, rounded once as the
+            # int -> float conversion would be, without that conversion (a quarter-rate instruction) per cell
+            cols = [
+                tsk_smem.at[slot, i] if width == bk else tsk_smem.at[slot, i, pl.ds(0, width)] for i in (0, 1)
+            ]
+            hi_k, lo_k = (
+                lax.broadcast_in_dim(_load_vector(interpret, c, _COL), (bq, width), [1]) for c in cols
             )
-            x = jnp.maximum(dt, 1).astype(jnp.float32)
+            hi_q, lo_q = (lax.broadcast_in_dim(r, (bq, width), [0]) for r in ts_rows)
+            x = jnp.maximum((hi_q - hi_k) * 65536.0 + (lo_q - lo_k), 1.0)
             # log(x) / 0.301 as log2(x) times a constant (no division); it is >= 0, so the int cast (truncation)
             # is the floor of the reference's bucket formula
             bucket = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
@@ -402,7 +406,9 @@ def _kernel(
             sync()
 
         plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
-        ts_rows = _load_vector(interpret, tsq_smem2.at[wg], _ROW) if params.has_time else None
+        ts_rows = None
+        if params.has_time:  # (the rows' timestamps' high and low halves)
+            ts_rows = tuple(_load_vector(interpret, tsq_smem2.at[wg, i], _ROW) for i in (0, 1))
         pos_last = pos_smem2.at[wg][params.num_pos - 1] if params.has_pos else None
         pl.when(wg == 1)(sync)
         pl.loop(cta_lo, lo)(drain)
@@ -608,7 +614,7 @@ def _kernel(
 
                 plgpu.copy_gmem_to_smem(rows_of(k_ref, row, bk, h, dqk), k_smem.at[slot], k_bar.at[slot])
                 if params.has_time:
-                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bk)], tsk_smem.at[slot], k_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, bk)], tsk_smem.at[slot], k_bar.at[slot])
 
                 @pl.when(j >= stages)
                 def _():
@@ -721,7 +727,7 @@ def forward_mosaic_gpu(
     softmax = params.activation == "softmax"
     pos_width = table_width(params.num_pos)
     time_width = table_width(params.num_time)
-    ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
+    ts = tiling.split_timestamps(ts) if params.has_time else jnp.zeros((2, ALIGN), jnp.float32)
     pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
     time_rows = (
         _table_rows(time_tab, heads, time_width) if params.has_time else jnp.zeros((1, 4), jnp.float32)
@@ -743,8 +749,8 @@ def forward_mosaic_gpu(
             return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
 
         bias_smem = (
-            plgpu.SMEM((COMPUTE_WGS, BLOCK_Q), jnp.int32) if params.has_time else None,
-            plgpu.SMEM((stages, block_k), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32) if params.has_time else None,
+            plgpu.SMEM((stages, 2, block_k), jnp.float32) if params.has_time else None,
             plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )

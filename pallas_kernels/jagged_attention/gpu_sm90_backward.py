@@ -156,7 +156,8 @@ def is_split(dqk: int, dv: int) -> bool:
 def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: int, tiles: dict) -> int:
     """Shared memory of the larger of the two kernels with these tiles (the layouts in backward_mosaic_gpu)."""
     bq, bk = tiles["block_q"], tiles["block_k"]
-    vecs = 2 * (params.activation == "softmax") + params.has_time  # lse, delta, timestamps: 4 bytes a row
+    # lse, delta (4 bytes a row), timestamps (8: split_timestamps' two float32 halves)
+    vecs = 2 * (params.activation == "softmax") + 2 * params.has_time
     if is_split(dqk, dv):  # (no bias there) resident K, V once; the exchange tile; staging in column slices
         stage = COMPUTE_WGS * RES * STAGE_COLS * itemsize
         dkv = RES * (dqk + dv) * itemsize + stage + RES * bq * 2
@@ -171,7 +172,7 @@ def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: in
     )
     dq = (
         COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * vecs)
-        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 4 * params.has_time)
+        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 8 * params.has_time)
         + 4
         * COMPUTE_WGS
         * (LANES + 1)
@@ -231,11 +232,11 @@ def _accumulate(interpret: bool, accs, lhs, rhs):
 
 def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, ts_k, clipped: bool = False):
     """(float32 bias, position bucket, time bucket) of a tile's cells (None where a table is absent): rel is
-    i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps broadcast to it. As the forward:
-    the tables' rows are in shared memory, gathered per cell; the time bucket is log2(max(dt, 1)) times a
-    constant (the reference's log(dt) / 0.301 up to float rounding at bucket edges). A `clipped` tile lies
-    wholly past the last position bucket (i - j >= num_pos - 1 in every cell): its position bias is that
-    bucket's scalar, and no position bucket comes back."""
+    i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps broadcast to it, each a pair
+    (high, low) of float32 tiles (tiling.split_timestamps). As the forward: the tables' rows are in shared memory,
+    gathered per cell; the time bucket is log2(max(dt, 1)) times a constant (the reference's log(dt) / 0.301 up
+    to float rounding at bucket edges). A `clipped` tile lies wholly past the last position bucket (i - j >=
+    num_pos - 1 in every cell): its position bias is that bucket's scalar, and no position bucket comes back."""
     bias = pb = tb = None
     if params.has_pos and clipped:
         bias = pos_tab[params.num_pos - 1]
@@ -243,11 +244,23 @@ def _bias(interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, t
         pb = jnp.clip(rel, 0, params.num_pos - 1)
         bias = _gather(interpret, pos_tab, pb)
     if params.has_time:
-        x = jnp.maximum(ts_q - ts_k, 1).astype(jnp.float32)
+        # the gap in float32 from the halves: (hi_q - hi_k) * 2**16 is exact, and so is the low halves'
+        # difference, so the sum is the integer gap rounded once, as int -> float would (without that
+        # conversion, which runs at a quarter of the FP32 rate, per cell)
+        (hi_q, lo_q), (hi_k, lo_k) = ts_q, ts_k
+        x = jnp.maximum((hi_q - hi_k) * 65536.0 + (lo_q - lo_k), 1.0)
         tb = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
         time_bias = _gather(interpret, time_tab, tb)
         bias = time_bias if bias is None else time_bias + bias
     return bias, pb, tb
+
+
+def _ts_pair(interpret: bool, ref, layout, shape, dim: int):
+    """(high, low) float32 tiles of `shape`: a [2, n] shared-memory ref of split timestamps as vectors in
+    `layout`, broadcast along the tile's other dimension (dim: the one they vary along)."""
+    return tuple(
+        lax.broadcast_in_dim(_load_vector(interpret, ref.at[i], layout), shape, [dim]) for i in range(2)
+    )
 
 
 # The bias tables' gradients (dQ kernel): each consumer owns a lane-private histogram per table in shared memory,
@@ -271,14 +284,17 @@ def hist_rows(num_buckets: int) -> int:
     return cdiv(num_buckets, 64) * 64
 
 
-def _hist_add(interpret: bool, hist_ref, idx, vals):
+def _hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False):
     """hist_ref[idx, lane] += vals for an int32 bucket tile and a float32 tile in the wgmma layout; hist_ref is
     a consumer's float32 [rows, LANES] lane-private histogram (the comment above LANES).
 
-    A thread visits its cells row by row (a row's buckets change rarely: the time bucket grows with the time
-    gap, the position bucket is clipped past the table), sums each run of one bucket in registers, and adds it
-    with one red.shared.add.f32 into its own lane's column (inline Mosaic GPU code: Pallas has no scatter).
-    Zeros issue no add; NaN does (setp.neu)."""
+    A thread visits its cells in an order where neighbours often share a bucket, sums each run of one bucket
+    in registers, and adds it with one red.shared.add.f32 into its own lane's column (inline Mosaic GPU code:
+    Pallas has no scatter). Zeros issue no add; NaN does (setp.neu). The order: row by row (a row's time
+    bucket changes only as the time gap grows), or with `diagonals` (position buckets, i - j) the thread's
+    cells (r, c) and (r + 8, c + 8) next to each other: the wgmma layout gives a thread rows r and r + 8 at
+    the same columns, so near the diagonal 18 runs of a 64 x 64 tile's 32 cells instead of 32. Any order is
+    correct (a run ends wherever the bucket changes); the order only saves adds."""
     if interpret:  # (the GPU interpreter has no scatter: a one-hot sum, into lane column 0)
         onehot = idx.reshape(-1, 1) == lax.broadcasted_iota(jnp.int32, (1, hist_ref.shape[0]), 1)
         sums = jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
@@ -309,7 +325,8 @@ def _hist_add(interpret: bool, hist_ref, idx, vals):
             address = mgpu_utils.getelementptr(base, [slot], f32)
             llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, v], _RED, "r,f", has_side_effects=True)
 
-        # a thread's rows one after the other: the register axes that remain at 8 columns come first
+        # a thread's rows one after the other: the register axes that remain at 8 columns come first (in the
+        # wgmma layout one axis of 2: rows r and r + 8; then the column groups of 8, each a vector of 2)
         rows = [a for a, n in enumerate(cells.layout.registers_shape((RES, 8))) if n > 1]
         regs_i, regs_v = (
             np.moveaxis(r, rows, list(range(len(rows)))) for r in (cells.registers, values.registers)
@@ -319,6 +336,11 @@ def _hist_add(interpret: bool, hist_ref, idx, vals):
             for ireg, vreg in zip(regs_i.flat, regs_v.flat, strict=True)
             for i, v in zip(elements(ireg), elements(vreg), strict=True)
         ]
+        if diagonals and len(rows) == 1 and regs_i.shape[0] == 2:
+            # row r's element k (column 8 (k // 2) + 2 q + k % 2) shares i - j with row r + 8's element k + 2
+            n = len(pairs) // 2
+            upper, lower = pairs[:n], pairs[n:]
+            pairs = lower[:2] + [p for k in range(n - 2) for p in (upper[k], lower[k + 2])] + upper[n - 2 :]
         zero = arith.constant(f32, 0.0)
         run_i, run_v = pairs[0]
         for i, v in pairs[1:]:  # a run ends where the bucket changes: its sum goes out (0: no add)
@@ -519,7 +541,7 @@ def _load_bias_res(ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_ta
     """Starts the TMAs of a consumer's resident rows' timestamps and its head's bias tables (each arriving once
     on barrier.at[wg]: bias_arrivals of them)."""
     if ts_res2 is not None:
-        plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
+        plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
     if time_tabs is not None:
         _copy_table(time_ref.at[h], time_tabs.at[wg], barrier.at[wg])
     if pos_tabs is not None:
@@ -629,7 +651,6 @@ def _dkv_kernel(
             plgpu.barrier_arrive(s_free.at[slot])
 
         plgpu.barrier_wait(res_bar.at[wg])  # started by load_res(i) at the end of the previous item
-        ts_keys = _load_vector(interpret, tsk_res2.at[wg], _ROW) if params.has_time else None
         pl.loop(cta_lo, lo)(drain)
 
         def body(n, carry, masked: bool, clipped: bool = False):
@@ -651,10 +672,9 @@ def _dkv_kernel(
             if has_bias:  # rows: keys, columns: queries
                 rel = (n * bq - k_lo) + _iota(interpret, (RES, bq), 1) - _iota(interpret, (RES, bq), 0)
                 ts_q = ts_k = None
-                if params.has_time:
-                    ts_cols = _load_vector(interpret, tsq_smem.at[slot], _COL)
-                    ts_q = lax.broadcast_in_dim(ts_cols, (RES, bq), [1])
-                    ts_k = lax.broadcast_in_dim(ts_keys, (RES, bq), [0])
+                if params.has_time:  # (rows: keys, columns: queries)
+                    ts_q = _ts_pair(interpret, tsq_smem.at[slot], _COL, (RES, bq), 1)
+                    ts_k = _ts_pair(interpret, tsk_res2.at[wg], _ROW, (RES, bq), 0)
                 pos_tab = pos_tabs.at[wg] if params.has_pos else None
                 time_tab = time_tabs.at[wg] if params.has_time else None
                 z = z + _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)[0]
@@ -762,7 +782,7 @@ def _stream_queries(info, num_iters, ins, bufs, s_bar, s_free, bq: int, stages: 
                 plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_smem.at[slot], s_bar.at[slot])
                 plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_smem.at[slot], s_bar.at[slot])
             if params.has_time:
-                plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bq)], tsq_smem.at[slot], s_bar.at[slot])
+                plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, bq)], tsq_smem.at[slot], s_bar.at[slot])
 
         return g + cta_hi - cta_lo
 
@@ -1088,7 +1108,6 @@ def _dq_kernel(
         if softmax:
             lse = _load_vector(interpret, lse_res2.at[wg], _ROW)
             delta = _load_vector(interpret, delta_res2.at[wg], _ROW)
-        ts_rows = _load_vector(interpret, tsq_res2.at[wg], _ROW) if params.has_time else None
         pl.loop(cta_lo, lo)(drain)
 
         def body(n, carry, masked: bool, clipped: bool = False):
@@ -1107,9 +1126,8 @@ def _dq_kernel(
                 rel = (q_lo - n * bk) + _iota(interpret, (RES, bk), 0) - _iota(interpret, (RES, bk), 1)
                 ts_q = ts_k = None
                 if params.has_time:
-                    ts_cols = _load_vector(interpret, tsk_smem.at[slot], _COL)
-                    ts_q = lax.broadcast_in_dim(ts_rows, (RES, bk), [0])
-                    ts_k = lax.broadcast_in_dim(ts_cols, (RES, bk), [1])
+                    ts_q = _ts_pair(interpret, tsq_res2.at[wg], _ROW, (RES, bk), 0)
+                    ts_k = _ts_pair(interpret, tsk_smem.at[slot], _COL, (RES, bk), 1)
                 pos_tab = pos_tabs.at[wg] if params.has_pos else None
                 time_tab = time_tabs.at[wg] if params.has_time else None
                 bias, pb, tb = _bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)
@@ -1118,7 +1136,7 @@ def _dq_kernel(
             if params.has_pos and clipped:  # every cell in the last bucket: row sums, added once per item
                 far = far + ds.sum(axis=1)
             elif params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
-                _hist_add(interpret, pos_hist.at[wg], pb, ds)
+                _hist_add(interpret, pos_hist.at[wg], pb, ds, diagonals=True)
             if params.has_time:
                 _hist_add(interpret, time_hist.at[wg], tb, ds)
             (dq_acc,) = _accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
@@ -1216,7 +1234,7 @@ def _dq_kernel(
                 plgpu.copy_gmem_to_smem(_rows_of(k_ref, row, bk, f.h, dqk), k_smem.at[slot], s_bar.at[slot])
                 plgpu.copy_gmem_to_smem(_rows_of(v_ref, row, bk, f.h, dv), v_smem.at[slot], s_bar.at[slot])
                 if params.has_time:
-                    plgpu.copy_gmem_to_smem(ts_ref.at[pl.ds(row, bk)], tsk_smem.at[slot], s_bar.at[slot])
+                    plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, bk)], tsk_smem.at[slot], s_bar.at[slot])
 
             return g + cta_hi - cta_lo
 
@@ -1307,7 +1325,7 @@ def backward_mosaic_gpu(
         params=params, num_zero=num_zero, total_rows=t, interpret=interpret, num_ctas=num_ctas, heads=heads
     )
     pos_width, time_width = table_width(params.num_pos), table_width(params.num_time)
-    ts = ts.astype(jnp.int32) if params.has_time else jnp.zeros((ALIGN,), jnp.int32)
+    ts = tiling.split_timestamps(ts) if params.has_time else jnp.zeros((2, ALIGN), jnp.float32)
     dummy = jnp.zeros((1, 32), jnp.float32)
     pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
     time_rows = _table_rows(time_tab, heads, time_width) if params.has_time else dummy
@@ -1318,8 +1336,8 @@ def backward_mosaic_gpu(
         """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, lane-private
         histograms (pos, time), their lane sums (pos, time)])."""
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, RES), jnp.int32) if params.has_time else None,
-            plgpu.SMEM((stages, block), jnp.int32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, 2, RES), jnp.float32) if params.has_time else None,
+            plgpu.SMEM((stages, 2, block), jnp.float32) if params.has_time else None,
             plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )
