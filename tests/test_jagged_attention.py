@@ -280,14 +280,10 @@ class TestInterpretGPU(_Base):
             rng.standard_normal((H, 24)).astype(np.float32),
             rng.standard_normal((H, 30)).astype(np.float32),
         )
-        params = KernelParams(
-            max_seq_len=N,
-            activation="silu",
+        params = KernelParams.build(
+            N,
+            "silu",
             alpha=1.0,
-            max_attn_len=0,
-            has_targets=False,
-            has_pos=True,
-            has_time=True,
             num_pos=24,
             num_time=30,
             interpret=True,

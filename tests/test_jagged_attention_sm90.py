@@ -17,11 +17,12 @@ from experiments.benchmarks import shapes
 from pallas_kernels.jagged_attention import gpu, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 
 
 def _static(n, activation, d=128, **kw):
-    return mosaic_gpu.static(n, activation, d, **kw)
+    return KernelParams.build(n, activation, d, **kw)
 
 
 def _tables(b, h, t, num_pos=16, num_time=8):
@@ -58,7 +59,7 @@ def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, half_
     sd = jax.ShapeDtypeStruct
     tables = tuple(sd(x.shape, x.dtype) for x in _tables(b, h, t))
     args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tables
-    bias_fields = dict(has_pos=True, has_time=True, num_pos=16, num_time=8) if bias else {}
+    bias_fields = dict(num_pos=16, num_time=8) if bias else {}
     params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **bias_fields)
     text = _lowered(
         lambda *a: mosaic_gpu.forward_mosaic_gpu(
@@ -102,9 +103,7 @@ def test_lowers_bias_tables_wider_than_one_tma_box():
     sd = jax.ShapeDtypeStruct
     tables = tuple(sd(x.shape, x.dtype) for x in _tables(b, h, t, num_pos=1041, num_time=300))
     args = (sd((t, h, 64), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tables
-    params = _static(
-        1024, "silu", 64, has_targets=True, has_pos=True, has_time=True, num_pos=1041, num_time=300
-    )
+    params = _static(1024, "silu", 64, has_targets=True, num_pos=1041, num_time=300)
     assert mosaic_gpu.table_chunks(1041) == 5 and mosaic_gpu.table_chunks(300) == 2
     text = _lowered(lambda *a: mosaic_gpu.forward_mosaic_gpu(*a, params=params), *args)
     assert text.count("mosaic_gpu") >= 1
@@ -115,12 +114,12 @@ def test_supports():
     assert mosaic_gpu.supports(_static(256, "silu"), q, q)
     assert mosaic_gpu.supports(_static(256, "softmax"), q, q)
     assert mosaic_gpu.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
-    assert mosaic_gpu.supports(_static(256, "silu", has_pos=True, has_time=True, num_pos=5, num_time=3), q, q)
+    assert mosaic_gpu.supports(_static(256, "silu", num_pos=5, num_time=3), q, q)
     assert not mosaic_gpu.supports(_static(256, "silu", interpret=True), q, q)
     # a position table larger than the shared memory the tiles leave (D = 256: about 16 KiB) falls back
     q256 = jnp.zeros((8, 2, 256), jnp.bfloat16)
-    assert mosaic_gpu.supports(_static(4096, "silu", 256, has_pos=True, num_pos=1041), q256, q256)
-    assert not mosaic_gpu.supports(_static(8192, "silu", 256, has_pos=True, num_pos=4113), q256, q256)
+    assert mosaic_gpu.supports(_static(4096, "silu", 256, num_pos=1041), q256, q256)
+    assert not mosaic_gpu.supports(_static(8192, "silu", 256, num_pos=4113), q256, q256)
     assert mosaic_gpu.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
     assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     for d, ok in ((64, True), (256, True), (32, False), (96, False)):
@@ -165,7 +164,7 @@ def test_interpret_matches_reference(activation, d, block_k, pingpong, half_diag
     q, k, v = poisoned(), poisoned(), poisoned()
     targets, ts, pos, tim = _tables(len(lengths), h, t, num_pos=5, num_time=8)
     extra = dict(timestamps=ts, pos_bias=pos, time_bias=tim[:h]) if bias else {}
-    bias_fields = dict(has_pos=True, has_time=True, num_pos=5, num_time=8) if bias else {}
+    bias_fields = dict(num_pos=5, num_time=8) if bias else {}
     params = _static(n, activation, d, max_attn_len=window, has_targets=True, **bias_fields)
     inputs = gpu.to_kernel_layout(
         q, k, v, jnp.asarray(offsets), targets, extra.get("timestamps"), extra.get("pos_bias"),

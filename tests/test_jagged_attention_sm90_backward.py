@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 
 from pallas_kernels.jagged_attention import gpu, jagged_attention, kernels_in_use
-from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 
 sd = jax.ShapeDtypeStruct
 
 
 def _static(n, activation, d=128, **kw):
-    return mosaic_gpu.static(n, activation, d, **kw)
+    return KernelParams.build(n, activation, d, **kw)
 
 
 def _residual_specs(t, h, b, d, dtype=jnp.bfloat16, num_pos=16, num_time=8):
@@ -146,13 +146,13 @@ def test_supports():
     assert mosaic_bwd.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
     assert not mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     assert not mosaic_bwd.supports(_static(256, "silu"), q, q[..., :64])  # Dqk != Dv
-    bias = dict(has_pos=True, has_time=True, num_pos=5, num_time=3)
+    bias = dict(num_pos=5, num_time=3)
     assert mosaic_bwd.supports(_static(256, "silu", **bias), q, q)  # the bias, unless turned off
     no_bias = KernelOptions(hopper_backward_bias=False)
     assert not mosaic_bwd.supports(_static(256, "silu", options=no_bias, **bias), q, q)
     with_bias = KernelOptions()
     # bias tables (and their per-head gradient histograms) past the shared memory the tiles leave
-    wide = dict(has_pos=True, has_time=True, num_pos=4100, num_time=64)
+    wide = dict(num_pos=4100, num_time=64)
     assert not mosaic_bwd.supports(_static(8192, "silu", options=with_bias, **wide), q, q)
     for d, ok in ((64, True), (128, True), (256, True), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
@@ -209,7 +209,7 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     if bias is not None:
         ts = jnp.asarray(rng.integers(0, 10**7, size=t), jnp.int32)
         tables = tuple(jnp.asarray(rng.standard_normal((h, nb)), jnp.float32) for nb in bias)
-        fields = dict(has_pos=True, has_time=True, num_pos=bias[0], num_time=bias[1])
+        fields = dict(num_pos=bias[0], num_time=bias[1])
         fields["options"] = KernelOptions(hopper_backward_bias=True)
 
     def ref(q, k, v, *tables):

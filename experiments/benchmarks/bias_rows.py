@@ -76,14 +76,10 @@ def main(argv: list[str]) -> int:
         ts = jnp.asarray(np.cumsum(rng.integers(1, 120, t)), jnp.int32)
         pos = jnp.asarray(rng.standard_normal((h, 128)) * 0.1, jnp.float32)
         tim = jnp.asarray(rng.standard_normal((h, 64)) * 0.1, jnp.float32)
-        params = KernelParams(
-            max_seq_len=n,
-            activation="silu",
+        params = KernelParams.build(
+            n,
+            "silu",
             alpha=1 / np.sqrt(d),
-            max_attn_len=0,
-            has_targets=False,
-            has_pos=True,
-            has_time=True,
             num_pos=128,
             num_time=64,
             interpret=False,

@@ -28,20 +28,23 @@ from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 
 
 def _static(n, activation, d, window=0, targets=False, bias: shapes.RelativeBias | None = None):
     extra = {}
     if bias is not None:
-        extra = dict(has_pos=True, has_time=True, num_pos=bias.num_pos, num_time=bias.num_time)
-    return mosaic_gpu.static(n, activation, d, max_attn_len=window, has_targets=targets, **extra)
+        extra = dict(num_pos=bias.num_pos, num_time=bias.num_time)
+    return KernelParams.build(n, activation, d, max_attn_len=window, has_targets=targets, **extra)
 
 
 def _inputs(lengths, h, d, seed, extra_rows=0, dtype=jnp.bfloat16, bias: shapes.RelativeBias | None = None):
     """q, k, v, offsets, and (with a bias) timestamps ~ one event a minute with jitter, pos and time tables."""
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    t = -(-(int(offsets[-1]) + extra_rows) // mosaic_gpu.ALIGN) * mosaic_gpu.ALIGN  # Mosaic needs T % 8 == 0
+    t = (
+        -(-(int(offsets[-1]) + extra_rows) // mosaic_gpu.ALIGN) * mosaic_gpu.ALIGN
+    )  # the kernel's own T % 8 == 0
     keys = jax.random.split(jax.random.key(seed), 6)
     q, k, v = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys[:3])
     extra = {}

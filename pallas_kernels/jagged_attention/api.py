@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -210,20 +209,19 @@ def _plan(
     blocks, bias_rows = _tiles_and_bias_rows(
         kernel, q, v, max_seq_len=max_seq_len, has_bias=has_bias, block_sizes=block_sizes, options=options
     )
-    params = KernelParams(
-        max_seq_len=max_seq_len,
-        activation=activation,
-        alpha=float(1.0 / math.sqrt(q.shape[-1]) if alpha is None else alpha),
+    params = KernelParams.build(
+        max_seq_len,
+        activation,
+        q.shape[-1],
+        alpha=alpha,
         max_attn_len=max_attn_len,
         has_targets=has_targets,
-        has_pos=num_pos is not None,
-        has_time=num_time is not None,
-        num_pos=num_pos or 1,
-        num_time=num_time or 1,
+        num_pos=num_pos,
+        num_time=num_time,
         interpret=implementations.interpret(kernel),
         blocks=blocks,
-        options=options,
         bias_rows=bias_rows,
+        options=options,
     )
     if kernel != "gpu" or family == "triton":
         return kernel, params

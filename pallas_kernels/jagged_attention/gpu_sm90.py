@@ -64,67 +64,39 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cdiv, cdiv_dyn
 from pallas_kernels.jagged_attention import tiling
-from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.params import KernelParams
-from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
+from pallas_kernels.jagged_attention.sm90_common import (
+    ALIGN,
+    COL,
+    LOG2_TO_BUCKET,
+    LOG2E,
+    NUM_SMS,
+    ROW,
+    SMEM_BYTES,
+    SMEM_SLACK,
+    ZERO_TILES,
+    cast_layout,
+    copy_table,
+    gather,
+    iota,
+    is_hopper,
+    load_vector,
+    store_rows,
+    table_chunks,
+    table_rows,
+    table_width,
+)
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
 COMPUTE_WGS = 2
-ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
-LOG2E = 1.4426950408889634
-NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
-ALIGN = tiling.MOSAIC_ALIGN  # row alignment of a TMA box's start (the module docstring: aligned frames)
 HEAD_DIMS = (64, 128, 256)  # multiples of 64 (the 128-byte swizzle); 256 needs 64-key tiles (shared memory)
 # output columns staged (and stored) at a time: D = 256 stores its tile in four quarters (shared memory)
 O_COLS = {64: 64, 128: 128, 256: 64}
-_LOG2_TO_BUCKET = math.log(2.0) / LOG_TIME_DIVISOR  # log(x) / LOG_TIME_DIVISOR = log2(x) * this
-TABLE_ALIGN = 32  # floats: each consumer's copy of a bias table starts 128-byte aligned in shared memory
-TMA_BOX = 256  # a TMA copy moves at most this many elements along each dimension: tables go in chunks
-SMEM_BYTES = 232448  # the H100/H200's shared memory per block (227 KiB)
-SMEM_SLACK = 8192  # barriers and the swizzled buffers' alignment, not counted by smem_bytes
-_ROW = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector laid out like the rows of a wgmma tile
-_COL = plgpu.Layout.WGMMA.reduce(0)  # a [bk] vector laid out like its columns
-
-
-def static(max_seq_len: int, activation: str, head_dim: int = 128, **fields) -> KernelParams:
-    """The KernelParams of a call, not interpreted, with the GPU backend's default tiles (so the Triton forward
-    it is compared with runs as jagged_attention runs it); `fields` override any field."""
-    defaults = dict(
-        max_seq_len=max_seq_len,
-        activation=activation,
-        alpha=1.0 / math.sqrt(head_dim),
-        max_attn_len=0,
-        has_targets=False,
-        has_pos=False,
-        has_time=False,
-        num_pos=1,
-        num_time=1,
-        interpret=False,
-        blocks=BlockSizes.get_default("gpu", head_dim=head_dim, max_seq_len=max_seq_len),
-        bias_rows=False,
-    )
-    return KernelParams(**{**defaults, **fields})
-
-
-def is_hopper() -> bool:
-    """Whether jax's default device is a Hopper GPU (compute capability 9.x: H100, H200)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def wanted(hopper_forward: bool | None) -> bool:
     """KernelOptions.hopper_forward resolved on this device: None means "on Hopper GPUs"."""
     return is_hopper() if hopper_forward is None else hopper_forward
-
-
-def table_width(n: int) -> int:
-    """Floats of shared memory a bias table of n buckets takes per consumer (TABLE_ALIGN-aligned)."""
-    return cdiv(n, TABLE_ALIGN) * TABLE_ALIGN
-
-
-def table_chunks(n: int) -> int:
-    """TMA copies that bring one head's row of an n-bucket table into shared memory."""
-    return cdiv(table_width(n), TMA_BOX)
 
 
 def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int) -> int:
@@ -152,65 +124,6 @@ def supports(params: KernelParams, q, v) -> bool:
         and params.activation in ("silu", "softmax")
         and smem_bytes(params, q.shape[-1], v.shape[-1], q.dtype.itemsize) <= SMEM_BYTES - SMEM_SLACK
     )
-
-
-def _cast(interpret: bool, x, layout):
-    """plgpu.layout_cast, skipped in the GPU interpreter (which has no layouts)."""
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def _iota(interpret: bool, shape, dim: int):
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _load_vector(interpret: bool, ref, layout):
-    """A 1-D shared-memory ref as a vector in a wgmma row or column layout."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
-
-
-def _gather(interpret: bool, table_ref, idx):
-    """table_ref[idx] for an int32 [bq, bk] tile in the wgmma layout: one ld.shared per element (Pallas Mosaic
-    GPU has no gather, so the loads are written in Mosaic GPU's own API, inline)."""
-    if interpret:
-        return table_ref[...][idx]
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
-
-    @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA),
-        return_type=plgpu.ShapeDtypeStruct(idx.shape, jnp.float32, plgpu.Layout.WGMMA),
-    )
-    def gather(ctx, table, cells):
-        del ctx
-        index = ir.IndexType.get()
-        return cells.foreach(lambda v, _: memref.load(table, [arith.index_cast(index, v)]), create_array=True)
-
-    return gather(table_ref, idx)
-
-
-def _copy_table(src, dst, barrier):
-    """TMA copies of one head's bias table row into shared memory, TMA_BOX floats at a time (table_chunks of
-    them, each arriving once on `barrier`)."""
-    width = dst.shape[0]
-    for start in range(0, width, TMA_BOX):
-        size = min(TMA_BOX, width - start)
-        plgpu.copy_gmem_to_smem(src.at[pl.ds(start, size)], dst.at[pl.ds(start, size)], barrier)
-
-
-def _store_rows(src_smem, dst, nrows, max_rows: int, first=0):
-    """TMA-stores rows [first, first + nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
-    off = 0
-    size = max_rows
-    while size >= 1:
-
-        @pl.when((nrows & size) != 0)
-        def _(off=off, size=size):
-            plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(first + off, size)], dst(off, size))
-
-        off = off + (nrows & size)
-        size //= 2
 
 
 def _kernel(
@@ -347,9 +260,9 @@ def _kernel(
             plgpu.copy_gmem_to_smem(rows_of(q_ref, row, bq, h, dqk), q_smem2.at[wg], q_bar.at[wg])
             if params.has_time:
                 plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, bq)], tsq_smem2.at[wg], q_bar.at[wg])
-                _copy_table(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
+                copy_table(time_ref.at[h], time_smem2.at[wg], q_bar.at[wg])
             if params.has_pos:
-                _copy_table(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
+                copy_table(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
 
     def bias_tile(q_lo, step, width, ts_rows, slot, pos_scalar):
         """float32 [bq, width] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
@@ -358,8 +271,8 @@ def _kernel(
             if pos_scalar is not None:
                 bias = pos_scalar
             else:
-                rel = (q_lo - step * bk) + _iota(interpret, (bq, width), 0) - _iota(interpret, (bq, width), 1)
-                bias = _gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
+                rel = (q_lo - step * bk) + iota(interpret, (bq, width), 0) - iota(interpret, (bq, width), 1)
+                bias = gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
         if params.has_time:
             # the gap from the timestamps' float32 halves (tiling.split_timestamps): exact, rounded once as the
             # int -> float conversion would be, without that conversion (a quarter-rate instruction) per cell
@@ -367,14 +280,14 @@ def _kernel(
                 tsk_smem.at[slot, i] if width == bk else tsk_smem.at[slot, i, pl.ds(0, width)] for i in (0, 1)
             ]
             hi_k, lo_k = (
-                lax.broadcast_in_dim(_load_vector(interpret, c, _COL), (bq, width), [1]) for c in cols
+                lax.broadcast_in_dim(load_vector(interpret, c, COL), (bq, width), [1]) for c in cols
             )
             hi_q, lo_q = (lax.broadcast_in_dim(r, (bq, width), [0]) for r in ts_rows)
             x = jnp.maximum((hi_q - hi_k) * 65536.0 + (lo_q - lo_k), 1.0)
             # log(x) / 0.301 as log2(x) times a constant (no division); it is >= 0, so the int cast (truncation)
             # is the floor of the reference's bucket formula
-            bucket = jnp.clip((jnp.log2(x) * _LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
-            time_bias = _gather(interpret, time_smem2.at[wg], bucket)
+            bucket = jnp.clip((jnp.log2(x) * LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
+            time_bias = gather(interpret, time_smem2.at[wg], bucket)
             bias = time_bias if bias is None else bias + time_bias
         return bias
 
@@ -408,7 +321,7 @@ def _kernel(
         plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
         ts_rows = None
         if params.has_time:  # (the rows' timestamps' high and low halves)
-            ts_rows = tuple(_load_vector(interpret, tsq_smem2.at[wg, i], _ROW) for i in (0, 1))
+            ts_rows = tuple(load_vector(interpret, tsq_smem2.at[wg, i], ROW) for i in (0, 1))
         pos_last = pos_smem2.at[wg][params.num_pos - 1] if params.has_pos else None
         pl.when(wg == 1)(sync)
         pl.loop(cta_lo, lo)(drain)
@@ -445,8 +358,8 @@ def _kernel(
             z = sc * params.alpha if bias is None else sc * params.alpha + bias
             mask = None
             if masked:
-                rows = (q_lo - d) + _iota(interpret, (bq, width), 0)  # sequence positions
-                cols = (step * bk - d) + _iota(interpret, (bq, width), 1)
+                rows = (q_lo - d) + iota(interpret, (bq, width), 0)  # sequence positions
+                cols = (step * bk - d) + iota(interpret, (bq, width), 1)
                 mask = tiling.allowed_2d(rows, cols, length, first_target, params) & (cols >= 0)
             if params.activation == "silu":
                 (acc,) = carry
@@ -496,14 +409,14 @@ def _kernel(
             plgpu.barrier_arrive(v_free.at[slot])
             return (acc,) + carry_out
 
-        acc = _cast(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
+        acc = cast_layout(interpret, jnp.zeros((bq, dv), jnp.float32), plgpu.Layout.WGMMA)
         if params.activation == "silu":
             carry = (acc,)
         else:
             carry = (
                 acc,
-                _cast(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), _ROW),
-                _cast(interpret, jnp.zeros((bq,), jnp.float32), _ROW),
+                cast_layout(interpret, jnp.full((bq,), -jnp.inf, jnp.float32), ROW),
+                cast_layout(interpret, jnp.zeros((bq,), jnp.float32), ROW),
             )
         masked = functools.partial(body, masked=True)
         carry = lax.fori_loop(lo, f_lo, masked, carry)  # window edge
@@ -542,7 +455,7 @@ def _kernel(
                     lse_bufs[i][...] = lse
                 o_smem[...] = out if o_cols == dv else out[:, col : col + o_cols]
                 plgpu.commit_smem()
-                _store_rows(
+                store_rows(
                     o_smem,
                     lambda off, size, col=col: rows_of(
                         o_ref, base + q_lo + first_row + off, size, h, dv, col, o_cols
@@ -561,7 +474,7 @@ def _kernel(
     def zero_tail(h, w):
         o_smem = o_bufs[0]
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem[...] = _cast(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
+        o_smem[...] = cast_layout(interpret, jnp.zeros(o_smem.shape, o_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
         tail = offsets_ref[num_seqs]
         o_cols = o_smem.shape[-1]
@@ -570,7 +483,7 @@ def _kernel(
             first = jnp.clip(tail - lo, 0, bq)  # rows [lo, lo + first) are real tokens
             count = jnp.where(lo < total_rows, bq - first, 0)
             for col in range(0, dv, o_cols):
-                _store_rows(
+                store_rows(
                     o_smem,
                     lambda off, size, lo=lo, first=first, col=col: rows_of(
                         o_ref, lo + first + off, size, h, dv, col, o_cols
@@ -670,12 +583,6 @@ def _zero_unused_rows(x, offsets):
     return jnp.where(row < offsets[-1], x, jnp.zeros((), x.dtype))
 
 
-def _table_rows(table, heads: int, width: int):
-    """The first `heads` rows of a float32 bias table, `width` (a multiple of TABLE_ALIGN) wide."""
-    table = table[:heads, :width]
-    return jnp.pad(table, ((0, 0), (0, width - table.shape[1])))
-
-
 def forward_mosaic_gpu(
     q,
     k,
@@ -728,10 +635,8 @@ def forward_mosaic_gpu(
     pos_width = table_width(params.num_pos)
     time_width = table_width(params.num_time)
     ts = tiling.split_timestamps(ts) if params.has_time else jnp.zeros((2, ALIGN), jnp.float32)
-    pos_rows = _table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
-    time_rows = (
-        _table_rows(time_tab, heads, time_width) if params.has_time else jnp.zeros((1, 4), jnp.float32)
-    )
+    pos_rows = table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
+    time_rows = table_rows(time_tab, heads, time_width) if params.has_time else jnp.zeros((1, 4), jnp.float32)
     # each copy into a ring slot / query buffer arrives once on its barrier
     k_arrivals = 1 + int(params.has_time)
     q_arrivals = (

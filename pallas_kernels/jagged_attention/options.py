@@ -40,7 +40,7 @@ class KernelOptions:
       built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
       from the tables and timestamps, O(T) memory; the table gradients through lane-private shared-memory
-      histograms, gpu_sm90_backward._hist_add). False: such calls run the Triton backward.
+      histograms, sm90_dq.hist_add). False: such calls run the Triton backward.
     hopper_backward_d256: the Mosaic GPU backward also takes head dim 256 (Dqk = Dv = 256, no relative bias):
       a dK/dV kernel whose two consumer warpgroups split the work of one 64-key item by role (one computes S^T,
       P^T and dV, the other dP^T, dS^T and dK, the activation's derivative handed over in shared memory) and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
@@ -36,3 +37,40 @@ class KernelParams:
     options: KernelOptions = KernelOptions()
     hopper_forward: bool = False
     hopper_backward: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        max_seq_len: int,
+        activation: str = "silu",
+        head_dim: int = 128,
+        *,
+        alpha: float | None = None,
+        max_attn_len: int = 0,
+        has_targets: bool = False,
+        num_pos: int | None = None,
+        num_time: int | None = None,
+        interpret: bool = False,
+        blocks: BlockSizes | None = None,
+        bias_rows: bool = False,
+        options: KernelOptions | None = None,
+    ) -> KernelParams:
+        """The one way to make a KernelParams (api.py, tests, benchmarks): alpha defaults to 1/sqrt(head_dim),
+        a table's presence follows from its bucket count (None: no such table), and the tiles default to the
+        GPU backend's for this call (as jagged_attention picks them without a bias_rows array). The Hopper
+        kernel choices (hopper_forward, hopper_backward) start off: api.py sets them."""
+        return cls(
+            max_seq_len=max_seq_len,
+            activation=activation,
+            alpha=float(1.0 / math.sqrt(head_dim) if alpha is None else alpha),
+            max_attn_len=max_attn_len,
+            has_targets=has_targets,
+            has_pos=num_pos is not None,
+            has_time=num_time is not None,
+            num_pos=num_pos or 1,
+            num_time=num_time or 1,
+            interpret=interpret,
+            blocks=blocks or BlockSizes.get_default("gpu", head_dim=head_dim, max_seq_len=max_seq_len),
+            bias_rows=bias_rows,
+            options=options or KernelOptions(),
+        )

@@ -34,9 +34,9 @@ import numpy as np
 from experiments.benchmarks import shapes
 from experiments.benchmarks.attention import _fwd_bwd, _inputs, _time_bwd, fwd_flops
 from pallas_kernels.jagged_attention import gpu, jagged_attention
-from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_fwd
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
 
 BAR = 1e-2  # rel. L2 of a bf16-input kernel against the float32 reference (the CPU tests' bar)
 MOSAIC = KernelOptions(hopper_backward=True, hopper_backward_bias=True, hopper_backward_d256=True)
@@ -228,8 +228,8 @@ def _one_forward(case: str):
     h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
     q, k, v, do, off = _inputs(lengths, h, d, rng)
     kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
-    fields = dict(has_pos=True, has_time=True, num_pos=bias.num_pos, num_time=bias.num_time) if bias else {}
-    params = mosaic_fwd.static(n, activation, d, options=MOSAIC, **fields)
+    fields = dict(num_pos=bias.num_pos, num_time=bias.num_time) if bias else {}
+    params = KernelParams.build(n, activation, d, options=MOSAIC, **fields)
     inputs = gpu.to_kernel_layout(
         q, k, v, off, None, kw.get("timestamps"), kw.get("pos_bias"), kw.get("time_bias"), params
     )

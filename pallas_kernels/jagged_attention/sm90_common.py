@@ -1,0 +1,114 @@
+"""What every Hopper (Mosaic GPU) jagged attention kernel shares: the H100/H200's sizes, the wgmma row and
+column layouts, per-cell gathers from shared-memory bias tables and the tables' TMA copies, jagged row stores.
+
+The forward (gpu_sm90.py) and the backward kernels (sm90_dkv.py, sm90_dq.py, driven by gpu_sm90_backward.py)
+import these; each helper takes `interpret` and swaps in plain jnp for what the CPU tests' Mosaic GPU interpreter
+lacks (layouts, inline Mosaic GPU code).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.common import cdiv
+from pallas_kernels.jagged_attention import tiling
+from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
+
+ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
+LOG2E = 1.4426950408889634
+NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
+ALIGN = tiling.MOSAIC_ALIGN  # row alignment of a TMA box's start (the module docstring: aligned frames)
+LOG2_TO_BUCKET = math.log(2.0) / LOG_TIME_DIVISOR  # log(x) / LOG_TIME_DIVISOR = log2(x) * this
+TABLE_ALIGN = 32  # floats: each consumer's copy of a bias table starts 128-byte aligned in shared memory
+TMA_BOX = 256  # a TMA copy moves at most this many elements along each dimension: tables go in chunks
+SMEM_BYTES = 232448  # the H100/H200's shared memory per block (227 KiB)
+SMEM_SLACK = 8192  # barriers and the swizzled buffers' alignment, not counted by smem_bytes
+ROW = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector laid out like the rows of a wgmma tile
+COL = plgpu.Layout.WGMMA.reduce(0)  # a [bk] vector laid out like its columns
+
+
+def is_hopper() -> bool:
+    """Whether jax's default device is a Hopper GPU (compute capability 9.x: H100, H200)."""
+    device = jax.devices()[0]
+    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
+
+
+def table_width(n: int) -> int:
+    """Floats of shared memory a bias table of n buckets takes per consumer (TABLE_ALIGN-aligned)."""
+    return cdiv(n, TABLE_ALIGN) * TABLE_ALIGN
+
+
+def table_chunks(n: int) -> int:
+    """TMA copies that bring one head's row of an n-bucket table into shared memory."""
+    return cdiv(table_width(n), TMA_BOX)
+
+
+def cast_layout(interpret: bool, x, layout):
+    """plgpu.layout_cast, skipped in the GPU interpreter (which has no layouts)."""
+    return x if interpret else plgpu.layout_cast(x, layout)
+
+
+def iota(interpret: bool, shape, dim: int):
+    if interpret:
+        return lax.broadcasted_iota(jnp.int32, shape, dim)
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def load_vector(interpret: bool, ref, layout):
+    """A 1-D shared-memory ref as a vector in a wgmma row or column layout."""
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+
+def gather(interpret: bool, table_ref, idx):
+    """table_ref[idx] for an int32 [bq, bk] tile in the wgmma layout: one ld.shared per element (Pallas Mosaic
+    GPU has no gather, so the loads are written in Mosaic GPU's own API, inline)."""
+    if interpret:
+        return table_ref[...][idx]
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct(idx.shape, jnp.float32, plgpu.Layout.WGMMA),
+    )
+    def gather(ctx, table, cells):
+        del ctx
+        index = ir.IndexType.get()
+        return cells.foreach(lambda v, _: memref.load(table, [arith.index_cast(index, v)]), create_array=True)
+
+    return gather(table_ref, idx)
+
+
+def copy_table(src, dst, barrier):
+    """TMA copies of one head's bias table row into shared memory, TMA_BOX floats at a time (table_chunks of
+    them, each arriving once on `barrier`)."""
+    width = dst.shape[0]
+    for start in range(0, width, TMA_BOX):
+        size = min(TMA_BOX, width - start)
+        plgpu.copy_gmem_to_smem(src.at[pl.ds(start, size)], dst.at[pl.ds(start, size)], barrier)
+
+
+def store_rows(src_smem, dst, nrows, max_rows: int, first=0):
+    """TMA-stores rows [first, first + nrows) of src_smem to dst(row_offset, size) as power-of-two row boxes."""
+    off = 0
+    size = max_rows
+    while size >= 1:
+
+        @pl.when((nrows & size) != 0)
+        def _(off=off, size=size):
+            plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(first + off, size)], dst(off, size))
+
+        off = off + (nrows & size)
+        size //= 2
+
+
+def table_rows(table, heads: int, width: int):
+    """The first `heads` rows of a float32 bias table, `width` (a multiple of TABLE_ALIGN) wide."""
+    table = table[:heads, :width]
+    return jnp.pad(table, ((0, 0), (0, width - table.shape[1])))
