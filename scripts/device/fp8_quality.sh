@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 quality with statistics (issue: FP8 that pays): gem_h200 trained 300 steps per recipe and seed at one
+# FP8 quality with statistics (docs/fp8.md, "Quality"): gem_h200 trained 300 steps per recipe and seed at one
 # data worker count (the worker count decides the batches, so runs of the same seed see the same batches),
 # $PARALLEL (2: ~35 GiB of activations each) runs at a time on the one GPU (quality only: their wall times mean
 # nothing); then the table of scripts/device/fp8_quality.py. Logs, metrics and the table in $OUT/fp8_quality.tgz.
@@ -26,7 +26,7 @@ V[bf16]=""
 V[delayed]="--set precision.fp8=true --set precision.fp8_margin=0"
 V[margin1]="--set precision.fp8=true --set precision.fp8_margin=1"
 V[current]="--set precision.fp8=true --set precision.fp8_recipe=\"current\""
-# Not FP8: bf16 with the HSTU norms in plain jnp (issue 27's quality check of the fused layer-norm kernels).
+# Not FP8: bf16 with the HSTU norms in plain jnp (the quality check of the fused layer-norm kernels).
 V[refnorm]="--set model.norm_implementation=\"reference\""
 # Seed-major, so a call cut short still holds every recipe of its first seeds (pairs against bf16).
 for seed in ${SEEDS:-0 1 2}; do
