@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
+from gem_jax.paths import in_repository
 
 
 class ConfigError(ValueError):
@@ -845,10 +846,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         source = str(path)
         try:
-            with open(path, "rb") as f:
+            with open(in_repository(path), "rb") as f:
                 values = tomllib.load(f)
         except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
+            tried = "" if Path(path).is_absolute() else f" (also tried {in_repository(path)})"
+            raise ConfigError(f"config file not found: {path}{tried}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
     config = _build(Config, values, "", source)

@@ -462,7 +462,9 @@ def _ml100k() -> Path | None:
     return None if u_data is None else u_data.parent
 
 
-@pytest.mark.skipif(_ml100k() is None, reason="ML-100K is absent (README, \"Public data\": data/movielens/ml-100k)")
+@pytest.mark.skipif(
+    _ml100k() is None, reason='ML-100K is absent (README, "Public data": data/movielens/ml-100k)'
+)
 def test_real_ml100k_loads_with_its_published_counts():
     data = movielens.load(_ml100k())
     assert (len(data.users), len(set(data.users.tolist())), len(set(data.items.tolist()))) == (

@@ -29,6 +29,13 @@ import time
 import jax
 import numpy as np
 
+from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
+from experiments.fp8_gemms import fp8_dots, summary
+from gem_jax.config import load_config
+from gem_jax.tasks import make_task
+from gem_jax.train.flops import device_peak_flops, nvidia_hstu_flops, train_step_flops
+from gem_jax.train.step import Trainer
+
 WARMUP_STEPS = 2  # after compiling; few, so that with offloaded tables the timed batches' rows are new
 GEMM_TARGETS = {
     "cublas_lt_f8": "__cublas$lt$matmul$f8",
@@ -54,13 +61,6 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--hlo-out", default=None, help="write the optimised HLO here (.gz: gzip)")
     args = parser.parse_args(argv)
-
-    from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
-    from experiments.fp8_gemms import fp8_dots, summary
-    from gem_jax.config import load_config
-    from gem_jax.tasks import make_task
-    from gem_jax.train.flops import device_peak_flops, nvidia_hstu_flops, train_step_flops
-    from gem_jax.train.step import Trainer
 
     t_start = time.perf_counter()
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags  # grain's workers read absl flags, which a plain script never parses
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -108,8 +109,6 @@ class RankingTask:
         data = self._dataset("train", process_index=process_index, process_count=process_count)
         workers = self.config.data.num_workers
         if workers:
-            from absl import flags  # grain's workers read absl flags, which a plain script never parses
-
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
             data = data.mp_prefetch(
