@@ -12,6 +12,7 @@ import pytest
 from experiments.__main__ import _format_summary, _parser
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
+from gem_jax.train.run_record import RecordMismatch
 from tests.helpers import small_config
 
 
@@ -27,18 +28,22 @@ def test_help_names_every_command_and_what_eval_reads():
     assert "chosen" in eval_help and "latest" in eval_help, eval_help
 
 
+# One layer: what these tests check (the log, the rerun) does not depend on depth.
+_FINISHED = (
+    "model.num_layers=1",
+    "model.wukong_layers=1",
+    "train.steps=6",
+    "train.progress=true",
+    "train.log_every=3",
+    "train.checkpoint_every=3",
+)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A short ranking run with the progress bar on, its stderr captured as a log file would hold it."""
     workdir = tmp_path_factory.mktemp("finished")
-    config = small_config(  # one layer: what these tests check (the log, the rerun) does not depend on depth
-        "model.num_layers=1",
-        "model.wukong_layers=1",
-        "train.steps=6",
-        "train.progress=true",
-        "train.log_every=3",
-        "train.checkpoint_every=3",
-    )
+    config = small_config(*_FINISHED)
     log = io.StringIO()  # not a TTY
     with contextlib.redirect_stderr(log):
         summary = loop.train(make_task(config), workdir)
@@ -74,3 +79,17 @@ def test_rerunning_a_finished_run_says_so_with_its_metrics_and_total_time(finish
     assert f"python -m experiments eval --workdir {workdir}" in text and "another --workdir" in text
     assert f"click      AUC {first['eval']['click']['auc']:.4f}" in text
     assert "done:" not in text
+
+
+def test_rerunning_a_finished_run_with_a_changed_key_is_refused_naming_it(finished_run):
+    """A finished run is held to the resume rules: a key that may not change on resume is refused in one
+    line naming it (the CLI's exit 2), and the workdir is left as it was."""
+    config, workdir, _, _ = finished_run
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+    changed = small_config(*_FINISHED, f"model.model_dim={2 * config.model.model_dim}")
+    with pytest.raises(RecordMismatch, match=rf"model\.model_dim {config.model.model_dim} -> "):
+        loop.train(make_task(changed), workdir)
+    assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == before
+    # Keys that may change (how long, how often) still give the finished run's summary.
+    again = loop.train(make_task(small_config(*_FINISHED, "train.log_every=1")), workdir)
+    assert again["already_finished"]

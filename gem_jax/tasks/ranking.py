@@ -122,12 +122,15 @@ class RankingTask:
         return data
 
     def batch_counts(self, stack: JaggedBatch) -> dict[str, float]:
-        return {
+        counts = {
             "examples": float((stack.num_targets > 0).sum()),
             "tokens": float(stack.offsets[:, -1].sum()),
             "flops": train_step_flops(self.config, stack.offsets, stack.num_targets),
-            "flops_nvidia": nvidia_hstu_flops(self.config, stack.offsets, stack.num_targets),
         }
+        nvidia = nvidia_hstu_flops(self.config, stack.offsets, stack.num_targets)
+        if nvidia is not None:  # only where NVIDIA's formula applies (the loop then logs mfu_nvidia)
+            counts["flops_nvidia"] = nvidia
+        return counts
 
     # ------------------------------------------------------------------------- loss
 
