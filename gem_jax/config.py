@@ -36,6 +36,7 @@ from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
 from gem_jax.paths import in_repository
+from pallas_kernels.block_attention.block_sizes import BlockSizes
 
 
 class ConfigError(ValueError):
@@ -286,7 +287,8 @@ class ModelConfig:
     # events + the candidates; optionally fewer tokens in deeper layers (pyramid).
     long_history: bool = False
     recent_len: int = setting(256, AT_LEAST_1)  # most recent events per sequence with full jagged attention
-    block_size: int = setting(64, AT_LEAST_1)  # BlockAttention block (tokens); <= 128 for the Pallas kernel
+    # BlockAttention block (tokens); the Pallas kernels' limit is theirs (pallas_kernels/block_attention/block_sizes.py)
+    block_size: int = setting(64, AT_LEAST_1)
     # Per layer: fraction of the most recent history kept; () = all.
     pyramid: tuple[float, ...] = setting((), Range(0.0, 1.0, low_open=True))
     # BSARec's frequency branch beside attention in every HSTU layer (gem_jax/model/frequency_filter.py):
@@ -295,6 +297,16 @@ class ModelConfig:
     frequency_mix: float = setting(0.0, FRACTION)
     # Lowest real-FFT bins of the max_len window kept as the low-pass part (BSARec's c maps to c // 2 + 1).
     frequency_bins: int = setting(3, AT_LEAST_1)
+
+    # The `implementation=` the kernels take for each "auto"/name setting: "auto" is None, the platform's
+    # best (pallas_kernels/implementations.py). Read these, never the raw strings.
+    @property
+    def attention_kernel(self) -> str | None:
+        return None if self.attention_implementation == "auto" else self.attention_implementation
+
+    @property
+    def norm_kernel(self) -> str | None:
+        return None if self.norm_implementation == "auto" else self.norm_implementation
 
 
 @dataclass(frozen=True)
@@ -716,11 +728,14 @@ def _validate_long_history(config: Config, source: str) -> None:
             f"{source}: `model.attention_dropout` ({m.attention_dropout}) is not implemented for "
             "`model.long_history = true` (it needs the padded attention; histories there are long)"
         )
-    if m.block_size > 128 and m.attention_implementation != "reference":
-        raise ConfigError(
-            f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
-            f'kernel (attention_implementation={m.attention_implementation!r}); use "reference" for more'
-        )
+    if m.attention_implementation != "reference":  # the kernels' own limit, asked of them
+        try:
+            BlockSizes.get_default("gpu", block_size=m.block_size)
+        except ValueError as e:
+            raise ConfigError(
+                f"{source}: `model.block_size` ({m.block_size}) does not fit the Pallas BlockAttention "
+                f"kernel (attention_implementation={m.attention_implementation!r}): {e}"
+            ) from None
     if m.pyramid:
         if len(m.pyramid) != m.num_layers:
             raise ConfigError(
