@@ -134,6 +134,12 @@ def _write(
 
 def convert(args) -> int:
     src = [Path(s) for s in args.src]
+    missing = [s for s in src if not s.exists() and not any(ch in str(s) for ch in "*?[")]
+    if missing:
+        raise DataError(
+            f"{missing[0]}: no such file or folder (MovieLens: unzip GroupLens's files there, README, "
+            '"Public data"; Parquet: a file, a folder of them or a glob)'
+        )
     fmt = args.format
     if fmt == "auto":
         fmt = (

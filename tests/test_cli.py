@@ -9,8 +9,11 @@ import re
 
 import pytest
 
-from experiments.__main__ import _format_summary, _parser
+from experiments.__main__ import BENCHMARKS, _format_summary, _parser, main
+from gem_jax.config import ConfigError, load_config
+from gem_jax.data.records.schema import ShardSet
 from gem_jax.tasks import make_task
+from gem_jax.tasks.ranking import RankingTask
 from gem_jax.train import loop
 from gem_jax.train.run_record import RecordMismatch
 from tests.helpers import small_config
@@ -93,3 +96,47 @@ def test_rerunning_a_finished_run_with_a_changed_key_is_refused_naming_it(finish
     # Keys that may change (how long, how often) still give the finished run's summary.
     again = loop.train(make_task(small_config(*_FINISHED, "train.log_every=1")), workdir)
     assert again["already_finished"]
+
+
+def test_paths_fall_back_to_the_repository_root_and_missing_inputs_are_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """From outside the checkout: `--config configs/X.toml` finds the repository's file (as `data.path`
+    does), a missing `data convert` source is one line naming it (exit 2), and records without shards say
+    how to make them."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/ml100k_rank.toml").data.kind == "records"
+    with pytest.raises(ConfigError, match=r"config file not found: configs/nope\.toml \(also tried /"):
+        load_config("configs/nope.toml")
+    assert main(["data", "convert", "nothere/ml-100k", "--out", "out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("data error: nothere/ml-100k: no such file or folder"), err
+    with pytest.raises(FileNotFoundError, match="data convert SRC --out DIR"):
+        ShardSet.open(str(tmp_path / "missing" / "train"))
+
+
+def test_bench_and_fuzz_help_say_what_each_does(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name, (_, what) in BENCHMARKS.items():
+        assert re.search(rf"^  {name} +{re.escape(what)}$", out, re.M), name
+    with pytest.raises(SystemExit):
+        main(["fuzz", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m experiments fuzz") and "--seconds" in out and "--replay" in out
+
+
+def test_the_ranking_summary_shows_the_chosen_checkpoint_and_the_test_split():
+    m = {"auc": 0.75, "ne": 0.86, "positive_rate": 0.55, "examples": 10000}
+    summary = {
+        "best": {"step": 400, "metric": "like/auc", "value": 0.7312},
+        "eval": {"like": m},
+        "test": {"like": m},
+    }
+    lines = RankingTask.summary_lines(RankingTask.__new__(RankingTask), summary)
+    assert lines[0] == "   chosen checkpoint: step 400, like/auc 0.7312 on validation"
+    assert [line.split()[:2] for line in lines[1:]] == [["eval", "like"], ["test", "like"]]
+    assert RankingTask.summary_lines(RankingTask.__new__(RankingTask), {"eval": {"like": m}})[0].startswith(
+        "   eval"
+    )

@@ -187,11 +187,18 @@ class RankingTask:
         return RankingEvaluator(self, trainer)
 
     def summary_lines(self, summary: dict[str, Any]) -> list[str]:
-        return [
-            f"   eval {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
-            f"(positives {m['positive_rate']:.3f} of {m['examples']})"
-            for task, m in (summary.get("eval") or {}).items()
-        ]
+        """Per task the validation metrics ("eval"), then the test split's where the run scored one."""
+        lines = []
+        if best := summary.get("best"):
+            value = f"{best['metric']} {best['value']:.4f}"
+            lines.append(f"   chosen checkpoint: step {best['step']}, {value} on validation")
+        for split in ("eval", "test"):
+            lines += [
+                f"   {split} {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
+                f"(positives {m['positive_rate']:.3f} of {m['examples']})"
+                for task, m in (summary.get(split) or {}).items()
+            ]
+        return lines
 
 
 class RankingEvaluator:

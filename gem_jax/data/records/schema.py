@@ -244,7 +244,11 @@ def _matching(path: str) -> dict[Path, list[str] | None]:
     directory = in_repository(path)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"no shard directory {path}" + ("" if Path(path).is_absolute() else f" (also tried {directory})")
+            f"no shard directory {path}"
+            + ("" if Path(path).is_absolute() else f" (also tried {directory})")
+            + ": write the shards first with `python -m experiments data convert SRC --out DIR` (DIR/train, "
+            "DIR/valid, ...; docs/data.md), from your Parquet logs or the MovieLens files (README, "
+            '"Public data")'
         )
     return {directory: None}
 
