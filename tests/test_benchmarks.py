@@ -79,6 +79,7 @@ def test_bench_bias_rows_checks_each_build_against_the_shipped_one(capsys):
         assert f"forward, {label}:" in out, out
 
 
+@pytest.mark.slow
 def test_bench_balance_reports_less_imbalance_balanced(capsys):
     """`bench balance` on Zipf histories over 8 packs: the same sequences per step, a smaller largest pack."""
     import json

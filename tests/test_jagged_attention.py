@@ -363,6 +363,7 @@ class TestInterpretGPU(_Base):
             assert _rel(a, b) < 1e-2, f"{name}: rel err {_rel(a, b):.2e}"
 
 
+@pytest.mark.slow
 class TestInterpretTPU(_Base):
     IMPLEMENTATION = "tpu_interpret"
 

@@ -254,3 +254,18 @@ def test_the_function_import_check(tmp_path):
         "def h():\n    # platform-only: the Triton backend\n    from x import gpu\n"
     )
     assert unexplained_function_imports([path], tmp_path) == ["m.py:2: import json"]
+
+
+def test_ci_runs_the_readme_commands_and_both_test_tiers():
+    """CI runs what the README tells a newcomer to run: the lint and both tiers (`-m slow` replaces
+    pyproject's `-m "not slow"`, so together they run every test)."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command in (
+        "ruff check . && ruff format --check .",
+        "python3 -m pytest\n",
+        "python3 -m pytest -m slow",
+    ):
+        assert command in ci, command
+        assert command.strip() in readme, command
+    assert "-m 'not slow'" in (ROOT / "pyproject.toml").read_text()
