@@ -221,6 +221,7 @@ def test_candidates_do_not_see_each_other():
     assert not np.allclose(out[b, 2], base[b, 2])
 
 
+@pytest.mark.slow
 def test_older_history_changes_only_through_its_rows():
     """An event older than the recent part must still matter (block attention + history summary)."""
     _, model, _, pack = _model_and_pack()

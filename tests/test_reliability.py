@@ -151,6 +151,7 @@ def test_new_run_writes_the_record_and_manifests(trained):
         assert integrity.problem(trained / "checkpoints" / str(step)) is None
 
 
+@pytest.mark.slow
 def test_changed_config_is_refused_and_the_workdir_is_untouched(trained, tmp_path):
     workdir = _copy(trained, tmp_path)
     before = _snapshot(workdir)

@@ -70,7 +70,8 @@ def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
-@pytest.mark.parametrize("compute", [pytest.param("float32", marks=pytest.mark.slow), "bfloat16"])
+@pytest.mark.slow
+@pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_sharded_step_equals_single_device(compute):
     """Three steps on 8 devices (one pack each) and on 1 device (the 8 packs vmapped) give the same
     losses. In float32 they agree to float rounding at every step (measured over 5 seeds and data
