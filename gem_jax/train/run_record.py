@@ -48,7 +48,7 @@ FORMAT = 1
 
 # The keys that may differ between invocations of one run (`setting(..., may_change=True)` in
 # gem_jax/config.py says why): how long, how often or how verbosely it trains, where it reads identical
-# data, on which devices. Every other key must equal the record. README ("Starting fresh, resuming")
+# data, on which devices. Every other key must equal the record. docs/running.md ("Starting fresh, resuming")
 # lists them; a test checks the list.
 MAY_CHANGE = tuple(key for key, _, f in schema_keys() if f.metadata.get("may_change"))
 # Not `data.num_workers`: grain's worker processes each pack their own slice of the example stream, so
