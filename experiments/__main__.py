@@ -31,19 +31,43 @@ import sys
 import traceback
 from pathlib import Path
 
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.toml"
+from experiments import data, fuzz, sweep
+from experiments.profile import main as profile_main
+from gem_jax import distributed
+from gem_jax.config import ConfigError, load_config
+from gem_jax.data.records.errors import DataError
+from gem_jax.paths import DEFAULT_CONFIG
+from gem_jax.tasks import make_task
+from gem_jax.train import interrupt, peers, supervisor
+from gem_jax.train.files import WriteFailed
+from gem_jax.train.interrupt import INTERRUPTS
+from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
+from gem_jax.train.run_record import RunRecord
+from gem_jax.train.run_status import STATUS
+from gem_jax.train.workdir_lock import WorkdirError
+
+# `bench NAME`: its module (whose main(argv) runs it) and what it measures; "GPU" ones need one to time.
 BENCHMARKS = {
-    "attention": "experiments.benchmarks.attention",
-    "bias_rows": "experiments.benchmarks.bias_rows",
-    "block_attention": "experiments.benchmarks.block_attention",
-    "mosaic_attention": "experiments.benchmarks.mosaic_attention",
-    "train_step": "experiments.benchmarks.train_step",
-    "pipeline": "experiments.benchmarks.pipeline",
-    "balance": "experiments.benchmarks.balance",
-    "fp8": "experiments.benchmarks.fp8",
-    "embeddings": "experiments.benchmarks.embeddings",
-    "norm": "experiments.benchmarks.norm",
-    "silu_fp8": "experiments.benchmarks.silu_fp8",
+    "attention": ("experiments.benchmarks.attention", "jagged attention kernels, forward and backward (GPU)"),
+    "bias_rows": ("experiments.benchmarks.bias_rows", "building the attention's relative-bias array (GPU)"),
+    "block_attention": ("experiments.benchmarks.block_attention", "the block attention kernel (GPU)"),
+    "mosaic_attention": ("experiments.benchmarks.mosaic_attention", "the Hopper forward's tiles (H100/H200)"),
+    "train_step": (
+        "experiments.benchmarks.train_step",
+        "device step vs input pipeline, TFLOP/s, MFU (--config C)",
+    ),
+    "pipeline": ("experiments.benchmarks.pipeline", "the input pipeline alone, and its memory (--config C)"),
+    "balance": ("experiments.benchmarks.balance", "attention work per device with and without data.balance"),
+    "fp8": ("experiments.benchmarks.fp8", "FP8 Dense vs bf16 Dense (GPU; --small: CPU)"),
+    "embeddings": (
+        "experiments.benchmarks.embeddings",
+        "sparse lookup + row-wise update (GPU; --small: CPU)",
+    ),
+    "norm": ("experiments.benchmarks.norm", "the fused layer-norm kernels vs XLA's (GPU; --quick: CPU)"),
+    "silu_fp8": (
+        "experiments.benchmarks.silu_fp8",
+        "SiLU's backward with FP8 output vs XLA (GPU; --quick: CPU)",
+    ),
 }
 
 
@@ -105,19 +129,24 @@ def _parser() -> argparse.ArgumentParser:
             metavar="S",
             help="stop every process when one has shown no sign of life for S seconds (exit 75)",
         )
-    from experiments import sweep
-
     sweep.add_arguments(sub.add_parser("sweep", help="run a grid of configs, one subprocess per point"))
-    bench = sub.add_parser("bench", help="benchmarks (most need a GPU; each: bench NAME --help)")
-    bench.add_argument("name", choices=sorted(BENCHMARKS))
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (most need a GPU; each: bench NAME --help)",
+        description="Benchmarks; `bench NAME --help` gives each one's options.\n\n"
+        + "\n".join(f"  {name:17s} {what}" for name, (_, what) in sorted(BENCHMARKS.items())),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME")
     bench.add_argument("args", nargs=argparse.REMAINDER)
     profile = sub.add_parser("profile", help="where a train step's time goes (jax.profiler)", add_help=False)
     profile.add_argument("args", nargs=argparse.REMAINDER)
     data = sub.add_parser("data", help="ranking records: convert, synth, inspect, validate", add_help=False)
     data.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments data --help`")
-    fuzz = sub.add_parser("fuzz", help="randomized correctness sweep of a kernel against its reference")
-    fuzz.add_argument("target", choices=["attention"])
-    fuzz.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m experiments.fuzz --help`")
+    fuzz = sub.add_parser(
+        "fuzz", help="randomized correctness sweep of a kernel against its reference", add_help=False
+    )
+    fuzz.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -133,31 +162,20 @@ def _step_window(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gem_jax.train.interrupt import INTERRUPTS  # first: no KeyboardInterrupt from here on
-
-    if not INTERRUPTS.installed:
+    if not INTERRUPTS.installed:  # first: no KeyboardInterrupt from here on
         INTERRUPTS.install()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["profile"]:  # its options are experiments/profile.py's own (argparse's REMAINDER
         return _profile(argv[1:])  # does not take leading options)
-    if argv[:1] == ["data"]:
-        from experiments import data
-
+    if argv[:1] == ["data"]:  # data and fuzz parse their own options too (and answer their own --help)
         return data.main(argv[1:])
+    if argv[:1] == ["fuzz"]:
+        return fuzz.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        return importlib.import_module(BENCHMARKS[args.name]).main(args.args)
+        return importlib.import_module(BENCHMARKS[args.name][0]).main(args.args)
     if args.command == "sweep":
-        from experiments import sweep
-
         return sweep.run(args)
-    if args.command == "fuzz":
-        from experiments import fuzz
-
-        return fuzz.main([args.target, *args.args])
-
-    from gem_jax import distributed
-    from gem_jax.train import interrupt, peers, supervisor
 
     joining = (args.coordinator, args.num_processes, args.process_id)
     multi = distributed.requested(*joining, auto=args.distributed, cluster_detection=args.cluster_detection)
@@ -178,15 +196,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if joined:
         peers.watch(args.peer_timeout)
-
-    from gem_jax.config import ConfigError, load_config
-    from gem_jax.data.records.errors import DataError
-    from gem_jax.tasks import make_task
-    from gem_jax.train.files import WriteFailed
-    from gem_jax.train.loop import TrainingDiverged, evaluate_run, train
-    from gem_jax.train.run_record import RunRecord
-    from gem_jax.train.run_status import STATUS
-    from gem_jax.train.workdir_lock import WorkdirError
 
     try:
         if args.command == "train":
@@ -231,8 +240,6 @@ def main(argv: list[str] | None = None) -> int:
 def _stop(code: int, line: str, *, at_once: bool = False) -> int:
     """Ends with a one-line error: returns its exit code, or ends the process at once (and, in a
     multi-process run, every other one with it: gem_jax/train/peers.py)."""
-    from gem_jax.train import interrupt, peers
-
     if at_once or peers.WATCH is not None:
         interrupt.exit_now(code, line)
     print(line, file=sys.stderr)
@@ -240,9 +247,6 @@ def _stop(code: int, line: str, *, at_once: bool = False) -> int:
 
 
 def _profile(argv: list[str]) -> int:
-    from experiments.profile import main as profile_main
-    from gem_jax.config import ConfigError
-
     try:
         return profile_main(argv)
     except ConfigError as e:

@@ -24,9 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gem_jax.data.records.errors import DataError
+from gem_jax.config import ConfigError, load_config
+from gem_jax.data.records import movielens, parquet
+from gem_jax.data.records.codec import Invalid, check, parse
+from gem_jax.data.records.errors import BadShard, DataError
+from gem_jax.data.records.reader import ShardSource
 from gem_jax.data.records.schema import SCHEMA_FILE, ShardSet, bucket_label
-from gem_jax.data.records.writer import ShardJob, Written, even_ranges, plain_signals, write_shards
+from gem_jax.data.records.synthetic import synthetic_records, synthetic_schema
+from gem_jax.data.records.writer import ShardJob, Written, _sha256, even_ranges, plain_signals, write_shards
+from gem_jax.paths import DEFAULT_CONFIG
+from gem_jax.tasks.ranking import EVAL_START
 
 SPLIT_ORDER = ("train", "valid", "test")
 
@@ -85,8 +92,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    from gem_jax.config import ConfigError
-
     try:
         return {"convert": convert, "synth": synth, "inspect": inspect, "validate": validate}[args.command](
             args
@@ -129,6 +134,12 @@ def _write(
 
 def convert(args) -> int:
     src = [Path(s) for s in args.src]
+    missing = [s for s in src if not s.exists() and not any(ch in str(s) for ch in "*?[")]
+    if missing:
+        raise DataError(
+            f"{missing[0]}: no such file or folder (MovieLens: unzip GroupLens's files there, README, "
+            '"Public data"; Parquet: a file, a folder of them or a glob)'
+        )
     fmt = args.format
     if fmt == "auto":
         fmt = (
@@ -139,8 +150,6 @@ def convert(args) -> int:
     out = Path(args.out)
     written: dict[str, Written] = {}
     if fmt == "movielens":
-        from gem_jax.data.records import movielens
-
         train, valid = (float(x) for x in args.split.split(","))
         data = movielens.load(src[0])
         prepared = movielens.prepare(data, max_history=args.max_history, train=train, valid=valid)
@@ -158,8 +167,6 @@ def convert(args) -> int:
                 {**source, "split_name": split}, args.bad_rows == "skip",
             )  # fmt: skip
     else:
-        from gem_jax.data.records import parquet
-
         files = parquet.parquet_files([str(s) for s in src])
         schema = parquet.infer_schema(files, args.tasks.split(",") if args.tasks else None)
         groups = parquet.row_groups(files)
@@ -185,11 +192,6 @@ def convert(args) -> int:
 
 
 def synth(args) -> int:
-    from experiments.__main__ import DEFAULT_CONFIG
-    from gem_jax.config import load_config
-    from gem_jax.data.records.synthetic import synthetic_records, synthetic_schema
-    from gem_jax.tasks.ranking import EVAL_START
-
     config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
     schema = synthetic_schema(config)
     out = Path(args.out)
@@ -312,10 +314,10 @@ def inspect(args) -> int:
 
 
 def _plot(summary: dict[str, dict], tasks: tuple[str, ...], path: str) -> None:
-    import matplotlib
+    import matplotlib  # optional dependency: the plots extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: the plots extra
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(summary)
@@ -343,11 +345,6 @@ def _plot(summary: dict[str, dict], tasks: tuple[str, ...], path: str) -> None:
 
 def _validate_shard(args: tuple[int, dict, bool, int]) -> tuple[int, int, list[str], str | None]:
     """(records read, bad records, the first messages, a shard-level problem) of one shard."""
-    from gem_jax.data.records.codec import Invalid, check, parse
-    from gem_jax.data.records.errors import BadShard
-    from gem_jax.data.records.reader import ShardSource
-    from gem_jax.data.records.writer import _sha256
-
     index, payload, hash_files, show = args
     shard_set = _VALIDATE[payload["set"]]
     shard = shard_set.shards[index]

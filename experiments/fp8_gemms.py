@@ -6,7 +6,7 @@ rank-0 scale, followed only by ops that commute with dequantisation (bitcast, br
 dynamic-slice, pad, reshape, select with zero, slice, transpose); at least one operand is e4m3; the
 result is f32, bf16, f16 or an f8. The source puts no condition on where the scale comes from (any
 scalar instruction), but on the H200 (jax 0.11.2) the rewrite was only seen to fire when the scales
-were entry parameters of the jitted program (docs/benchmarks.md, "FP8 on the H200"). So we check the
+were entry parameters of the jitted program (docs/benchmarks.md, "FP8 (H200)"). So we check the
 stronger property: every dequantisation scale *is* a jit argument, reaching the multiply through
 nothing but structure that XLA removes before the rewriter runs (calls, shard_map boundaries,
 sharding annotations, rank-0 reshapes, identity converts).

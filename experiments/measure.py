@@ -22,19 +22,21 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+import numpy as np
+
+from experiments.hlo import collective_bytes
+from gem_jax.config import ConfigError, load_config
+from gem_jax.parallel import describe_mesh
+from gem_jax.tasks import make_task
+from gem_jax.train.files import write_json
+from gem_jax.train.flops import device_peak_flops
+from gem_jax.train.step import Trainer
+
 OOM_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "OOM")
 
 
 def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup: int, batches: int) -> dict:
-    import jax
-    import numpy as np
-
-    from experiments.hlo import collective_bytes
-    from gem_jax.config import load_config
-    from gem_jax.parallel import describe_mesh
-    from gem_jax.tasks import make_task
-    from gem_jax.train.flops import device_peak_flops
-    from gem_jax.train.step import Trainer
 
     config = load_config(config_path, overrides)
     task = make_task(config)
@@ -109,8 +111,6 @@ def measure(config_path: str | None, overrides: list[str], *, steps: int, warmup
 
 def classify_failure(error: BaseException) -> str:
     """ "invalid" (the config or mesh does not fit), "oom" or "error"."""
-    from gem_jax.config import ConfigError
-
     if isinstance(error, ConfigError):
         return "invalid"
     text = f"{type(error).__name__}: {error}"
@@ -137,8 +137,6 @@ def main(argv: list[str] | None = None) -> int:
             "traceback": traceback.format_exc()[-4000:],
         }
     if args.out:
-        from gem_jax.train.files import write_json
-
         write_json(Path(args.out), record)
     print(json.dumps({k: v for k, v in record.items() if k != "traceback"}, indent=1))
     return 0 if record["status"] == "ok" else 1

@@ -19,10 +19,10 @@ def plot_validation(
 ) -> None:
     """One panel per metric: validation value against epoch for each labelled run directory;
     a dotted line marks each run's chosen epoch (from its test.json)."""
-    import matplotlib
+    import matplotlib  # optional dependency: the plots extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: the plots extra
 
     fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.6), squeeze=False)
     for label, workdir in workdirs.items():
@@ -59,10 +59,10 @@ def read_bench_report(path: str | Path) -> dict:
 def plot_offload(reports: list[dict], out: str | Path, table: str = "items") -> None:
     """Step time against the HBM cache's share of an offloaded table's rows (left; the in-HBM step as
     horizontal lines), and the cache's hit rate and host -> device bytes per step (right)."""
-    import matplotlib
+    import matplotlib  # optional dependency: the plots extra
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: the plots extra
 
     in_hbm = [r for r in reports if table not in (r.get("offloaded") or {})]
     points = sorted(

@@ -35,6 +35,10 @@ import numpy as np
 
 from experiments import trace_analysis as ta
 from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
+from gem_jax.config import load_config
+from gem_jax.tasks import make_task
+from gem_jax.train.flops import device_peak_flops, train_step_flops_by_group
+from gem_jax.train.step import Trainer
 
 
 @dataclasses.dataclass
@@ -84,11 +88,6 @@ def run_profile(
     out: str | Path | None = None,
 ) -> ProfileResult:
     """Profiles the train step of a config (module docstring); returns the table and file paths."""
-    from gem_jax.config import load_config
-    from gem_jax.tasks import make_task
-    from gem_jax.train.flops import device_peak_flops, train_step_flops_by_group
-    from gem_jax.train.step import Trainer
-
     if steps < 1 or warmup < 1 or batches < 1 or pipeline_batches < 1:
         raise ValueError("--steps, --warmup, --batches and --pipeline-batches must be >= 1")
     config = load_config(config_path, overrides)

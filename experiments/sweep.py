@@ -48,6 +48,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from gem_jax.config import toml_value
+
 ROOT = Path(__file__).resolve().parent.parent
 SETTINGS = {"steps": 10, "warmup": 2, "batches": 0, "cpu_devices": 0, "timeout_s": 1800}
 RETRIED = ("crashed", "timeout", "error")
@@ -69,7 +71,6 @@ class Point:
         return hashlib.sha1(key.encode()).hexdigest()[:12]
 
     def set_args(self) -> list[str]:
-        from gem_jax.config import toml_value
 
         return [f"{k}={toml_value(v)}" for k, v in self.overrides.items()]
 
@@ -314,12 +315,12 @@ def write_reports(out: Path, records: list[dict[str, Any]]) -> None:
 
 def _plot(path: Path, records: list[dict[str, Any]]) -> None:
     try:
-        import matplotlib
+        import matplotlib  # optional dependency: the plots extra
     except ImportError:
         print("matplotlib is not installed: no plot.png (pip install -e '.[plots]')", file=sys.stderr)
         return
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional dependency: the plots extra
 
     names = [r["name"] for r in records]
     y = range(len(records))

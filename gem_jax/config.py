@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
+from gem_jax.paths import in_repository
+from pallas_kernels.block_attention.block_sizes import BlockSizes
 
 
 class ConfigError(ValueError):
@@ -286,7 +288,8 @@ class ModelConfig:
     # events + the candidates; optionally fewer tokens in deeper layers (pyramid).
     long_history: bool = False
     recent_len: int = setting(256, AT_LEAST_1)  # most recent events per sequence with full jagged attention
-    block_size: int = setting(64, AT_LEAST_1)  # BlockAttention block (tokens); <= 128 for the Pallas kernel
+    # BlockAttention block (tokens); the Pallas kernels' limit is theirs (pallas_kernels/block_attention/block_sizes.py)
+    block_size: int = setting(64, AT_LEAST_1)
     # Per layer: fraction of the most recent history kept; () = all.
     pyramid: tuple[float, ...] = setting((), Range(0.0, 1.0, low_open=True))
     # BSARec's frequency branch beside attention in every HSTU layer (gem_jax/model/frequency_filter.py):
@@ -295,6 +298,16 @@ class ModelConfig:
     frequency_mix: float = setting(0.0, FRACTION)
     # Lowest real-FFT bins of the max_len window kept as the low-pass part (BSARec's c maps to c // 2 + 1).
     frequency_bins: int = setting(3, AT_LEAST_1)
+
+    # The `implementation=` the kernels take for each "auto"/name setting: "auto" is None, the platform's
+    # best (pallas_kernels/implementations.py). Read these, never the raw strings.
+    @property
+    def attention_kernel(self) -> str | None:
+        return None if self.attention_implementation == "auto" else self.attention_implementation
+
+    @property
+    def norm_kernel(self) -> str | None:
+        return None if self.norm_implementation == "auto" else self.norm_implementation
 
 
 @dataclass(frozen=True)
@@ -433,7 +446,7 @@ class RetrievalConfig:
     contrastive_pooling: Literal["last", "mean"] = "last"
     # Whether the views are encoded with the model's dropout (CL4SRec's and ICLRec's training mode); false:
     # without (the gradient still flows). At model.dropout 0.5 the dropout noise hides which view is whose
-    # (the InfoNCE stays at chance, docs/results.md, issue 31); without it the views are told apart.
+    # (the InfoNCE stays at chance, docs/results.md, round 4); without it the views are told apart.
     contrastive_dropout: bool = True
     # ICLRec's intent contrastive loss (Chen et al. 2022): every `intent_every_epochs` epochs (at the epoch's
     # start) every training example is encoded (no dropout, `contrastive_pooling`) and k-means
@@ -716,11 +729,14 @@ def _validate_long_history(config: Config, source: str) -> None:
             f"{source}: `model.attention_dropout` ({m.attention_dropout}) is not implemented for "
             "`model.long_history = true` (it needs the padded attention; histories there are long)"
         )
-    if m.block_size > 128 and m.attention_implementation != "reference":
-        raise ConfigError(
-            f"{source}: `model.block_size` ({m.block_size}) must be <= 128 for the Pallas BlockAttention "
-            f'kernel (attention_implementation={m.attention_implementation!r}); use "reference" for more'
-        )
+    if m.attention_implementation != "reference":  # the kernels' own limit, asked of them
+        try:
+            BlockSizes.get_default("gpu", block_size=m.block_size)
+        except ValueError as e:
+            raise ConfigError(
+                f"{source}: `model.block_size` ({m.block_size}) does not fit the Pallas BlockAttention "
+                f"kernel (attention_implementation={m.attention_implementation!r}): {e}"
+            ) from None
     if m.pyramid:
         if len(m.pyramid) != m.num_layers:
             raise ConfigError(
@@ -846,10 +862,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         source = str(path)
         try:
-            with open(path, "rb") as f:
+            with open(in_repository(path), "rb") as f:
                 values = tomllib.load(f)
         except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
+            tried = "" if Path(path).is_absolute() else f" (also tried {in_repository(path)})"
+            raise ConfigError(f"config file not found: {path}{tried}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
     config = _build(Config, values, "", source)

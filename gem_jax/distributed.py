@@ -20,7 +20,10 @@ import os
 import sys
 import threading
 
+import jax
 import numpy as np
+from jax._src import distributed as jax_distributed
+from jax.experimental import multihost_utils
 
 ENV = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
@@ -78,7 +81,6 @@ def initialize(
     """
     if not requested(coordinator, num_processes, process_id, auto=auto, cluster_detection=cluster_detection):
         return False
-    import jax
 
     coordinator = coordinator or os.environ.get(ENV["coordinator"]) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV["num_processes"])
@@ -128,13 +130,9 @@ def wait_for_all(name: str, timeout_s: float) -> None:
     through jax's coordination service rather than a collective. Before the first step: processes that
     start apart (a restart, a slow restore) would otherwise reach their first collective apart, and gloo
     gives up on a peer after 30 s (seen under load in tests). With one process, nothing."""
-    import jax
-
     if jax.process_count() == 1:
         return
     # jax's own array serialization waits on this client the same way (no public barrier without a collective)
-    from jax._src import distributed as jax_distributed
-
     client = jax_distributed.global_state.client
     errors: list[BaseException] = []
 
@@ -158,11 +156,8 @@ def process_zero_says(flag: bool) -> bool:
     """Process 0's `flag`, on every process: for decisions all processes must take at the same step
     (stopping at a wall-clock budget: each process's own clock could stop them a step apart, and the
     one still training would wait forever in its collectives). With one process, `flag` itself."""
-    import jax
-
     if jax.process_count() == 1:
         return flag
-    from jax.experimental import multihost_utils
 
     return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
 
@@ -177,11 +172,8 @@ def any_process_says(flag: bool) -> bool:
 def agree(*, anyone: bool = False, process_zero: bool = False) -> tuple[bool, bool]:
     """`any_process_says(anyone)` and `process_zero_says(process_zero)` in one collective (one
     all-gather of two integers from every process). With one process, the flags themselves."""
-    import jax
-
     if jax.process_count() == 1:
         return anyone, process_zero
-    from jax.experimental import multihost_utils
 
     # Process 0's second flag travels as is and the others' as 0, so that no row order is assumed.
     mine = np.asarray([anyone, process_zero and jax.process_index() == 0], dtype=np.int32)

@@ -37,7 +37,10 @@ placeholders (shardings, specs) that are not arrays; their users' annotations ar
 
 from __future__ import annotations
 
+import importlib
 import os
+
+from jaxtyping import install_import_hook
 
 PACKAGES = ("gem_jax", "pallas_kernels")
 ENV_VAR = "GEM_JAX_TYPECHECK"
@@ -62,9 +65,6 @@ def shape_checking_requested() -> bool:
 def install_shape_checking() -> None:
     """Checks every annotated function of PACKAGES' modules imported from now on (jaxtyping +
     beartype). Modules already imported stay unchecked, so call this before importing them."""
-    import importlib
-
-    from jaxtyping import install_import_hook
 
     # The hook renames the bytecode cache (importlib's cache_from_source, patched process-wide) while a
     # checked module runs, so every package first imported from inside one would be compiled from

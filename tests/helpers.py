@@ -20,13 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def public_data_file(name: str) -> Path | None:
-    """A public data file (README, "Public data": e.g. "sasrec/Games.txt"), or None where no copy is here.
+    """A public data file or folder (README, "Public data": e.g. "sasrec/Games.txt"), or None where no copy is here.
 
-    Looked up in $GEM_JAX_PUBLIC_DATA, then in ../shared/data beside the checkout (where the project's
-    machines keep the files; the package never looks there), then in the repository's own data/ folder.
+    Looked up, in this order, in the repository's own data/ folder (where the README says to put the files),
+    in $GEM_JAX_PUBLIC_DATA (the README names it), then in ../shared/data beside the checkout (where the
+    project's own machines keep a copy; the package itself never looks there).
     """
-    folders = [os.environ.get("GEM_JAX_PUBLIC_DATA"), ROOT.parent / "shared" / "data", ROOT / "data"]
-    found = [Path(f) / name for f in folders if f and (Path(f) / name).is_file()]
+    folders = [ROOT / "data", os.environ.get("GEM_JAX_PUBLIC_DATA"), ROOT.parent / "shared" / "data"]
+    found = [Path(f) / name for f in folders if f and (Path(f) / name).exists()]
     return found[0] if found else None
 
 

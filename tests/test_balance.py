@@ -122,6 +122,7 @@ def test_epoch_sees_the_same_examples_and_imbalance_drops():
     assert balanced_ratio < 0.8 * plain_ratio, (plain_ratio, balanced_ratio)
 
 
+@pytest.mark.slow
 def test_balanced_pipeline_resumes_bitwise():
     c = small_config(*ZIPF)
     a = iter(_dataset(c, 4, balance=True, num=None))

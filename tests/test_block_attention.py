@@ -169,7 +169,9 @@ class TestTpuInterpret(_KernelTest):
     IMPLEMENTATION = "tpu_interpret"
 
 
-@pytest.mark.parametrize("implementation", ["gpu_interpret", "tpu_interpret"])
+@pytest.mark.parametrize(
+    "implementation", ["gpu_interpret", pytest.param("tpu_interpret", marks=pytest.mark.slow)]
+)
 @hypothesis.settings(max_examples=3, deadline=None)
 @hypothesis.given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),

@@ -9,9 +9,13 @@ import re
 
 import pytest
 
-from experiments.__main__ import _format_summary, _parser
+from experiments.__main__ import BENCHMARKS, _format_summary, _parser, main
+from gem_jax.config import ConfigError, load_config
+from gem_jax.data.records.schema import ShardSet
 from gem_jax.tasks import make_task
+from gem_jax.tasks.ranking import RankingTask
 from gem_jax.train import loop
+from gem_jax.train.run_record import RecordMismatch
 from tests.helpers import small_config
 
 
@@ -27,18 +31,22 @@ def test_help_names_every_command_and_what_eval_reads():
     assert "chosen" in eval_help and "latest" in eval_help, eval_help
 
 
+# One layer: what these tests check (the log, the rerun) does not depend on depth.
+_FINISHED = (
+    "model.num_layers=1",
+    "model.wukong_layers=1",
+    "train.steps=6",
+    "train.progress=true",
+    "train.log_every=3",
+    "train.checkpoint_every=3",
+)
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     """A short ranking run with the progress bar on, its stderr captured as a log file would hold it."""
     workdir = tmp_path_factory.mktemp("finished")
-    config = small_config(  # one layer: what these tests check (the log, the rerun) does not depend on depth
-        "model.num_layers=1",
-        "model.wukong_layers=1",
-        "train.steps=6",
-        "train.progress=true",
-        "train.log_every=3",
-        "train.checkpoint_every=3",
-    )
+    config = small_config(*_FINISHED)
     log = io.StringIO()  # not a TTY
     with contextlib.redirect_stderr(log):
         summary = loop.train(make_task(config), workdir)
@@ -74,3 +82,61 @@ def test_rerunning_a_finished_run_says_so_with_its_metrics_and_total_time(finish
     assert f"python -m experiments eval --workdir {workdir}" in text and "another --workdir" in text
     assert f"click      AUC {first['eval']['click']['auc']:.4f}" in text
     assert "done:" not in text
+
+
+def test_rerunning_a_finished_run_with_a_changed_key_is_refused_naming_it(finished_run):
+    """A finished run is held to the resume rules: a key that may not change on resume is refused in one
+    line naming it (the CLI's exit 2), and the workdir is left as it was."""
+    config, workdir, _, _ = finished_run
+    before = {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()}
+    changed = small_config(*_FINISHED, f"model.model_dim={2 * config.model.model_dim}")
+    with pytest.raises(RecordMismatch, match=rf"model\.model_dim {config.model.model_dim} -> "):
+        loop.train(make_task(changed), workdir)
+    assert {p: p.stat().st_mtime_ns for p in workdir.rglob("*") if p.is_file()} == before
+    # Keys that may change (how long, how often) still give the finished run's summary.
+    again = loop.train(make_task(small_config(*_FINISHED, "train.log_every=1")), workdir)
+    assert again["already_finished"]
+
+
+def test_paths_fall_back_to_the_repository_root_and_missing_inputs_are_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """From outside the checkout: `--config configs/X.toml` finds the repository's file (as `data.path`
+    does), a missing `data convert` source is one line naming it (exit 2), and records without shards say
+    how to make them."""
+    monkeypatch.chdir(tmp_path)
+    assert load_config("configs/ml100k_rank.toml").data.kind == "records"
+    with pytest.raises(ConfigError, match=r"config file not found: configs/nope\.toml \(also tried /"):
+        load_config("configs/nope.toml")
+    assert main(["data", "convert", "nothere/ml-100k", "--out", "out"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("data error: nothere/ml-100k: no such file or folder"), err
+    with pytest.raises(FileNotFoundError, match="data convert SRC --out DIR"):
+        ShardSet.open(str(tmp_path / "missing" / "train"))
+
+
+def test_bench_and_fuzz_help_say_what_each_does(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name, (_, what) in BENCHMARKS.items():
+        assert re.search(rf"^  {name} +{re.escape(what)}$", out, re.M), name
+    with pytest.raises(SystemExit):
+        main(["fuzz", "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m experiments fuzz") and "--seconds" in out and "--replay" in out
+
+
+def test_the_ranking_summary_shows_the_chosen_checkpoint_and_the_test_split():
+    m = {"auc": 0.75, "ne": 0.86, "positive_rate": 0.55, "examples": 10000}
+    summary = {
+        "best": {"step": 400, "metric": "like/auc", "value": 0.7312},
+        "eval": {"like": m},
+        "test": {"like": m},
+    }
+    lines = RankingTask.summary_lines(RankingTask.__new__(RankingTask), summary)
+    assert lines[0] == "   chosen checkpoint: step 400, like/auc 0.7312 on validation"
+    assert [line.split()[:2] for line in lines[1:]] == [["eval", "like"], ["test", "like"]]
+    assert RankingTask.summary_lines(RankingTask.__new__(RankingTask), {"eval": {"like": m}})[0].startswith(
+        "   eval"
+    )

@@ -81,7 +81,7 @@ def _run(mesh, offload: bool, optimizer, cache_rows: int, batches):
     [
         (1, RowWiseAdagrad(eps=1e-6)),
         pytest.param(1, SparseSGD(), marks=pytest.mark.slow),
-        (8, RowWiseAdagrad(eps=1e-6)),
+        pytest.param(8, RowWiseAdagrad(eps=1e-6), marks=pytest.mark.slow),
     ],
 )
 def test_offload_trains_like_the_in_hbm_table(devices, optimizer):

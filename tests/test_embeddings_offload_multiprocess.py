@@ -51,6 +51,7 @@ def _save(path: Path, logical) -> None:
         ck.wait_until_finished()
 
 
+@pytest.mark.slow
 def test_two_processes_train_offloaded_tables_like_one_in_hbm(tmp_path):
     import jax
 

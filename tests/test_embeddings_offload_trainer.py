@@ -80,6 +80,7 @@ def test_offload_run_checkpoints_equal_the_in_hbm_run(tmp_path, devices, optimiz
         _assert_equal(state, runs["hbm"], name)
 
 
+@pytest.mark.slow
 def test_train_step_refuses_offloaded_features_without_staged_slots():
     """The jitted step alone would read raw ids as cache slots: it names `Trainer.step` instead."""
     c = _config(1, "offload", "sgd")

@@ -41,6 +41,7 @@ def _sharded(kind: str, *extra: str):
     )
 
 
+@pytest.mark.slow
 def test_compiled_train_step_moves_no_table_sized_operand():
     """Tables of 2^17 x 16 rows (8 MiB), row-wise over 8 devices: every all-gather and all-reduce of
     the compiled train step is far below one device's shard of a table (the dense gradients'

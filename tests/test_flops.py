@@ -2,8 +2,9 @@
 
 import numpy as np
 
+from gem_jax.tasks.ranking import RankingTask
 from gem_jax.train.flops import nvidia_hstu_flops, train_step_flops, train_step_flops_by_group
-from tests.helpers import small_config
+from tests.helpers import small_config, stacks
 
 
 def test_attention_term_follows_sum_of_squares():
@@ -74,3 +75,18 @@ def test_nvidia_count_matches_their_published_step():
     ours = train_step_flops_by_group(c, offsets, np.zeros(32))
     hstu_ours = ours["gemm hstu"] + ours["attention fwd"] + ours["attention bwd"]
     np.testing.assert_allclose(hstu_ours, 63.89e12, rtol=1e-2)
+
+
+def test_nvidia_count_only_where_its_formula_applies():
+    """NVIDIA's count assumes full attention over every history; the long-history tower computes block
+    attention over most of it (gem_long's mfu_nvidia read 314%). There it is not reported at all."""
+    long = small_config(
+        "model.num_layers=1", "model.long_history=true", "model.recent_len=4", "model.block_size=8"
+    )
+    offsets, targets = np.array([0, 103], np.int32), np.array([1], np.int32)
+    assert nvidia_hstu_flops(long, offsets, targets) is None
+    assert nvidia_hstu_flops(small_config("model.num_layers=1"), offsets, targets) > 0
+    task = RankingTask.__new__(RankingTask)  # batch_counts reads only the config
+    task.config = long
+    stack = next(iter(stacks(long, shards=1)))
+    assert set(task.batch_counts(stack)) == {"examples", "tokens", "flops"}  # no flops_nvidia: no mfu_nvidia

@@ -442,6 +442,7 @@ def test_gem_model_gemms_with_fp8_on(gemms):
 # ----------------------------------------------------------------------------- the global-max rule
 
 
+@pytest.mark.slow
 def test_amax_history_gets_the_global_max_over_packs_and_shards():
     """The trainer's step shape: a loss vmapped over 2 packs per device, shard_mapped over 8 devices,
     gradients psum'ed. With per-pack probes reduced by max, every history gets the exact amax over

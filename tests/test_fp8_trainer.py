@@ -37,6 +37,7 @@ def _state(workdir: Path, config):
 BACKWARD = ("precision.fp8_gemms=backward", "model.norm_implementation=interpret")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gemms", [(), BACKWARD], ids=["all", "backward"])
 def test_histories_roll_with_the_global_amax_on_8_devices(gemms):
     """Two steps on 8 fake devices: every FP8 layer's history gets one new, positive amax per step
@@ -99,6 +100,7 @@ def _lowered_step(*overrides: str):
     return trainer.train_step.lower(state, batch), state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gemms", [(), BACKWARD], ids=["all", "backward"])
 def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters(gemms):
     """XLA rewrote a dot into a cuBLASLt FP8 GEMM on the H200 only when its dequantisation scales were
@@ -128,6 +130,7 @@ def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters(g
     assert sorted(seen) == sorted((layer, f) for layer in layers for f in gemm_formats)  # each GEMM once
 
 
+@pytest.mark.slow
 def test_current_scaling_computes_its_scales_in_the_step():
     """What the current recipe cannot do (and the check above can fail): its scales come from the
     tensors themselves, and under the packs' vmap they are not even rank 0, so no FP8 dot of its

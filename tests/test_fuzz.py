@@ -16,6 +16,7 @@ from tests.helpers import run_cli
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_interpreted_kernel_passes_a_few_cases():
     report = fuzz.fuzz(seconds=600, max_cases=3, max_families=1, log=lambda line: None)
     assert report.failures == [] and report.cases == 3
@@ -66,6 +67,7 @@ def test_a_wrong_kernel_is_caught_with_a_replayable_case(monkeypatch, how, words
     assert replay.cases == 1 and replay.failures[0] == report.failures[0]
 
 
+@pytest.mark.slow
 def test_cli_prints_the_table_and_exit_code():
     r = run_cli(
         "fuzz",

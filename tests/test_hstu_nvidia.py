@@ -49,6 +49,7 @@ def test_full_size_tables_fit_one_h200():
     assert 45 * 2**30 < used <= budget  # two 50M x 128 fp32 tables and their accumulators: 48 GiB
 
 
+@pytest.mark.slow
 def test_lengths_follow_their_zipf_draw():
     """Their T = 2 S + 3, S ~ Zipf(1.2) cut at 4096: mean 1735, median 39, 17% at the cut; ours adds one
     candidate token. The median of 2 S is 36; that of 2,000 draws falls in 30-44."""

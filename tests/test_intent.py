@@ -1,4 +1,4 @@
-"""ICLRec's intent contrastive loss and the contrastive options of issue 31: k-means finds planted
+"""ICLRec's intent contrastive loss and the contrastive options (docs/results.md, round 4): k-means finds planted
 clusters, the de-noised InfoNCE against a direct computation, mean pooling, the centroids are computed
 at epoch starts only (and a resumed run recomputes the same ones), the loss wiring, and the new keys'
 validation."""
@@ -111,6 +111,7 @@ def test_off_by_default_the_model_and_packs_are_as_before(tmp_path):
     assert pack.views is not None
 
 
+@pytest.mark.slow
 def test_centroids_are_refreshed_at_epoch_starts_only(tmp_path):
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     config = small(data, *INTENT, "retrieval.intent_every_epochs=2", "retrieval.epochs=6")

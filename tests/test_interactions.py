@@ -259,6 +259,7 @@ README_NUMBERS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, fmt, interactions, users, items", README_NUMBERS)
 def test_real_files_match_readme(name, fmt, interactions, users, items):
     path = public_data_file(name)

@@ -109,11 +109,11 @@ class _Base:
             err = _rel(a, b)
             assert err < tol, f"{self.IMPLEMENTATION} {activation} {name}: rel err {err:.2e} >= {tol}"
 
-    @pytest.mark.parametrize("activation", ["silu", "softmax"])
+    @pytest.mark.parametrize("activation", ["silu", pytest.param("softmax", marks=pytest.mark.slow)])
     def test_plain_float32(self, activation):
         self._case(1, activation, jnp.float32, targets=False, window=0, bias=False)
 
-    @pytest.mark.parametrize("activation", ["silu", "softmax"])
+    @pytest.mark.parametrize("activation", ["silu", pytest.param("softmax", marks=pytest.mark.slow)])
     def test_targets_window_bias_float32(self, activation):
         self._case(2, activation, jnp.float32, targets=True, window=20, bias=True)
 
@@ -218,6 +218,7 @@ class TestInterpretGPU(_Base):
             options=KernelOptions(pos_expanded=False),
         )
 
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         "options, num_pos, sorted_ts",
         [
@@ -359,6 +360,7 @@ class TestInterpretGPU(_Base):
             assert _rel(a, b) < 1e-2, f"{name}: rel err {_rel(a, b):.2e}"
 
 
+@pytest.mark.slow
 class TestInterpretTPU(_Base):
     IMPLEMENTATION = "tpu_interpret"
 

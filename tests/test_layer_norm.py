@@ -91,6 +91,7 @@ def test_bad_shapes_name_the_argument():
         layer_norm(x, jnp.ones(64), jnp.zeros(64), implementation="interpret", rows_per_block=3)
 
 
+@pytest.mark.slow
 def test_the_hstu_model_runs_the_kernel_with_the_same_function():
     """model.norm_implementation = "interpret" puts the kernels into every HSTU layer (widths 32 and 16;
     float32, so the gate's one rounding less does not show): the logits and the gradients of every

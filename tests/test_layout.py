@@ -15,7 +15,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the reverse. `gem_jax` alone is the package's __init__.
 FLOORS = (
     ("pallas_kernels",),
-    ("gem_jax.dtypes", "gem_jax.typing"),  # dtypes: the one dtype table the config's choices come from
+    # dtypes: the one dtype table the config's choices come from; paths: where a relative path points
+    ("gem_jax.dtypes", "gem_jax.paths", "gem_jax.typing"),
     ("gem_jax.config",),
     ("gem_jax", "gem_jax.data", "gem_jax.distributed", "gem_jax.parallel", "gem_jax.precision"),
     ("gem_jax.embeddings",),
@@ -126,3 +127,145 @@ def test_nothing_a_user_gets_points_outside_the_repository(where):
             if any(pointer in line for pointer in OUTSIDE_POINTERS):
                 hits.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not hits, "pointers to files users do not have:\n" + "\n".join(hits)
+
+
+# ----------------------------------------------------------------------------- the import graph
+
+
+def project_modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path]:
+    """module name -> file, for every module of the three packages."""
+    paths = [p for folder in PACKAGES for p in (root / folder).rglob("*.py")]
+    return {module_name(p, root): p for p in sorted(paths)}
+
+
+PACKAGES = ("gem_jax", "pallas_kernels", "experiments")
+
+
+def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """module -> the project modules it imports, anywhere in the file. `from a import b` is an edge to
+    module a.b where that is a module, else to a (the package's __init__ holds the name)."""
+    modules = project_modules(root)
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for _, module in imported_modules(path, root):
+            while module and module not in modules:
+                module = module.rpartition(".")[0]
+            if module and module != name:
+                targets.add(module)
+        graph[name] = targets
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan), each sorted: the import circles."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def test_no_import_circles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "modules that import each other (move the shared piece down a floor):\n" + "\n".join(
+        " <-> ".join(c) for c in cycles
+    )
+
+
+def test_the_circle_check_finds_a_circle_closed_in_a_function(tmp_path):
+    package = tmp_path / "experiments"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "main.py").write_text("from experiments import data\nDEFAULT = 1\n")
+    (package / "data.py").write_text(
+        "def f():\n    from experiments.main import DEFAULT\n    return DEFAULT\n"
+    )
+    (package / "other.py").write_text("from experiments import data\n")
+    assert import_cycles(import_graph(tmp_path)) == [["experiments.data", "experiments.main"]]
+
+
+# An import inside a function body hides what a module needs and can close an import circle. It is
+# allowed only where it guards an optional dependency (an extra of pyproject.toml) or a backend that loads
+# on one platform only, and the line (or the one above it) says which.
+WHY_INSIDE = ("optional dependency", "platform-only")
+# The jagged attention kernels are being rewritten apart from this check (their imports of the Mosaic GPU
+# backend are platform-only ones that do not say so yet).
+NOT_YET_CHECKED = ("pallas_kernels/jagged_attention/",)
+
+
+def unexplained_function_imports(paths, root: pathlib.Path = ROOT) -> list[str]:
+    bad = []
+    for path in paths:
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), str(path))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Import | ast.ImportFrom):
+                    said = " ".join(lines[max(0, inner.lineno - 2) : inner.end_lineno])
+                    if not any(why in said for why in WHY_INSIDE):
+                        bad.append(
+                            f"{path.relative_to(root)}:{inner.lineno}: {lines[inner.lineno - 1].strip()}"
+                        )
+    return sorted(set(bad))
+
+
+def test_imports_inside_functions_say_why():
+    paths = [
+        p
+        for p in source_files(*PACKAGES, "scripts")
+        if not str(p.relative_to(ROOT)).startswith(NOT_YET_CHECKED)
+    ]
+    bad = unexplained_function_imports(paths)
+    assert not bad, (
+        "imports inside functions (move them to the top, or say `# optional dependency: ...` or "
+        "`# platform-only: ...`):\n" + "\n".join(bad)
+    )
+
+
+def test_the_function_import_check(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text(
+        "def f():\n    import json\n"
+        "def g():\n    import matplotlib  # optional dependency: the plots extra\n"
+        "def h():\n    # platform-only: the Triton backend\n    from x import gpu\n"
+    )
+    assert unexplained_function_imports([path], tmp_path) == ["m.py:2: import json"]
+
+
+def test_ci_runs_the_readme_commands_and_both_test_tiers():
+    """CI runs what the README tells a newcomer to run: the lint and both tiers (`-m slow` replaces
+    pyproject's `-m "not slow"`, so together they run every test)."""
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command in (
+        "ruff check . && ruff format --check .",
+        "python3 -m pytest\n",
+        "python3 -m pytest -m slow",
+    ):
+        assert command in ci, command
+        assert command.strip() in readme, command
+    assert "-m 'not slow'" in (ROOT / "pyproject.toml").read_text()

@@ -130,6 +130,7 @@ def _split_reference(q, k, v, ts, offsets, hist, targets, recent_len, block_size
     return out
 
 
+@pytest.mark.slow
 def test_split_matches_per_example_references_and_has_gradients():
     offsets, hist, targets, t = _jagged(np.random.default_rng(5), 6, 40, 3)
     q, k, v, ts = _qkv(5, t)
@@ -165,6 +166,7 @@ def _model_and_pack(*overrides):
     return c, run, (graphdef, params), first_pack(next(stacks(c, 1)))
 
 
+@pytest.mark.slow
 def test_tower_option_runs_and_is_differentiable():
     """Layer 0 runs on the full layout, layer 1 on the pyramid's half: both get gradients, and the
     rows a pyramid layer drops keep the value the layer before gave them."""
@@ -203,6 +205,7 @@ def test_tower_option_runs_and_is_differentiable():
     np.testing.assert_allclose(full[dropped], after0[dropped], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_candidates_do_not_see_each_other():
     """Target invariance holds through the long-history layers (full layout, then the pyramid)."""
     _, model, _, pack = _model_and_pack(
@@ -218,6 +221,7 @@ def test_candidates_do_not_see_each_other():
     assert not np.allclose(out[b, 2], base[b, 2])
 
 
+@pytest.mark.slow
 def test_older_history_changes_only_through_its_rows():
     """An event older than the recent part must still matter (block attention + history summary)."""
     _, model, _, pack = _model_and_pack()

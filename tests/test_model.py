@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from gem_jax.embeddings import HashedEmbedding, hash_ids, segment_ids
@@ -40,6 +41,7 @@ def test_padding_does_not_change_real_examples():
     np.testing.assert_allclose(out[valid], base[valid], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_candidates_do_not_see_each_other():
     """Target invariance: changing one candidate must not change another candidate's score."""
     c, model, pack = _model_and_pack("data.num_candidates=3", "data.tokens_per_shard=320")

@@ -233,6 +233,7 @@ def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
     _same_run(tmp_path / "one", workdir, total=end)
 
 
+@pytest.mark.slow
 def test_a_signal_before_the_first_step_ends_every_process(tmp_path):
     """SIGTERM to process 1 while the processes compile: both end at once with 128 + SIGTERM, each with
     one line (process 0 names process 1), as one process does; nothing is saved."""

@@ -73,6 +73,7 @@ def _attention_case():
     return q, kk, v, jnp.array([0, 5, 12])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_attention_weight_dropout_is_unbiased_and_random(activation):
     q, k, v, offsets = _attention_case()
@@ -95,6 +96,7 @@ def test_attention_weight_dropout_is_unbiased_and_random(activation):
         jagged_attention_reference(q, k, v, offsets, **kw, weight_dropout=0.3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", ["model.layer=hstu", "model.layer=sasrec"])
 def test_attention_dropout_changes_training_only(tmp_path, layer):
     """With `model.attention_dropout`, a training call (rng given) depends on the rng; evaluation
@@ -112,6 +114,7 @@ def test_attention_dropout_changes_training_only(tmp_path, layer):
     assert not np.allclose(a[:7], b[:7], atol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
     [

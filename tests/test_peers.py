@@ -151,7 +151,8 @@ def test_signals_that_end_a_process_at_once_end_every_process(case, message, sta
     store = Store()
     zero, one, exit0, _ = _two(store)
     zero.start()
-    monkeypatch.setattr(peers, "WATCH", one)  # this process is process 1
+    monkeypatch.setattr(peers, "WATCH", one)  # this process is process 1,
+    monkeypatch.setattr(interrupt, "_TELL_OTHERS", one.tell_others)  # as peers.watch would set it
     monkeypatch.setattr(interrupt, "_EXITING", threading.Lock())
     codes = []
 

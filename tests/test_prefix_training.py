@@ -41,6 +41,7 @@ def test_prefix_data_holds_the_all_positions_pairs(tmp_path):
     assert prefixes.eval_sets["valid"].histories[0].tolist() == every.eval_sets["valid"].histories[0].tolist()
 
 
+@pytest.mark.slow
 def test_causal_model_loss_over_prefixes_equals_the_all_positions_loss(tmp_path):
     """A causal model's vector at a prefix's last token is its vector at that position of the whole
     sequence, so both modes give the same loss sums for one user (the filter off, no dropout). Without

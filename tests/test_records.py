@@ -23,7 +23,7 @@ from gem_jax.data.records.schema import RecordSchema, ShardInfo, ShardSet, Spars
 from gem_jax.data.records.synthetic import synthetic_records, synthetic_schema
 from gem_jax.data.records.writer import ShardJob, _sha256, even_ranges, shard_name, write_shards
 from gem_jax.data.synthetic import SyntheticAds
-from tests.helpers import small_config
+from tests.helpers import public_data_file, small_config
 
 SCHEMA = RecordSchema(
     tasks=("click", "conversion"),
@@ -456,23 +456,23 @@ def test_movielens_layouts_become_time_ordered_records_without_future_history(tm
     assert like.sparse[names.index("year")][0] == 95
 
 
-def _shared_ml100k() -> Path | None:
-    for root in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2]):
-        d = root.parent / "shared" / "data" / "movielens" / "ml-100k"
-        if (d / "u.data").exists():
-            return d
-    return None
+def _ml100k() -> Path | None:
+    """The GroupLens ML-100K folder, looked up as every public data file is (tests/helpers.py)."""
+    u_data = public_data_file("movielens/ml-100k/u.data")
+    return None if u_data is None else u_data.parent
 
 
-@pytest.mark.skipif(_shared_ml100k() is None, reason="the shared ML-100K files are absent")
+@pytest.mark.skipif(
+    _ml100k() is None, reason='ML-100K is absent (README, "Public data": data/movielens/ml-100k)'
+)
 def test_real_ml100k_loads_with_its_published_counts():
-    data = movielens.load(_shared_ml100k())
+    data = movielens.load(_ml100k())
     assert (len(data.users), len(set(data.users.tolist())), len(set(data.items.tolist()))) == (
         100_000,
         943,
         1682,
     )
-    assert abs(float((data.ratings >= 4).mean()) - 0.554) < 0.001  # the README's 55.4%
+    assert abs(float((data.ratings >= 4).mean()) - 0.554) < 0.001  # 55.4% of all 100,000 ratings are 4 or 5
     p = movielens.prepare(data, max_history=64)
     assert {k: b - a for k, (a, b) in p.splits.items()} == {"train": 80_000, "valid": 10_000, "test": 10_000}
     last_train = data.times[p.order[p.splits["train"][1] - 1]]

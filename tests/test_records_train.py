@@ -72,6 +72,7 @@ def _sets(overrides: list[str]) -> list[str]:
     return [x for o in overrides for x in ("--set", o)]
 
 
+@pytest.mark.slow
 def test_cli_trains_on_records_and_logs_the_data_counters(shards, tmp_path):
     overrides = [
         *SMALL,
@@ -97,6 +98,7 @@ def test_cli_trains_on_records_and_logs_the_data_counters(shards, tmp_path):
     assert run["data"]["kind"] == "records" and len(run["data"]["train"]["shards"]) == 4
 
 
+@pytest.mark.slow
 def test_resume_on_records_is_bitwise(shards, tmp_path):
     """Stopped at step 12 and resumed, a run on records (global shuffle, the feature map from config, more
     than one epoch) ends with the uninterrupted run's parameters and metrics."""
@@ -124,6 +126,7 @@ def test_resume_on_records_is_bitwise(shards, tmp_path):
     assert logs[0][-1]["valid"]["click"] == logs[1][-1]["valid"]["click"]
 
 
+@pytest.mark.slow
 def test_a_bad_record_stops_the_cli_run_with_one_line(shards, tmp_path):
     import shutil
 

@@ -151,6 +151,7 @@ def test_new_run_writes_the_record_and_manifests(trained):
         assert integrity.problem(trained / "checkpoints" / str(step)) is None
 
 
+@pytest.mark.slow
 def test_changed_config_is_refused_and_the_workdir_is_untouched(trained, tmp_path):
     workdir = _copy(trained, tmp_path)
     before = _snapshot(workdir)
@@ -299,6 +300,7 @@ def test_truncated_and_missing_files_and_no_intact_checkpoint(trained, tmp_path,
     }
 
 
+@pytest.mark.slow
 def test_only_unfinished_saves_start_the_run_over(trained, tmp_path, capsys):
     """A run killed before its first save finished leaves steps without a manifest and nothing intact:
     its stop line says "re-run to start over", and the re-run does (the steps are moved aside)."""
@@ -314,6 +316,7 @@ def test_only_unfinished_saves_start_the_run_over(trained, tmp_path, capsys):
     assert _record_keys(workdir) == _record_keys(trained)
 
 
+@pytest.mark.slow
 def test_nan_stop_names_only_an_intact_checkpoint(tmp_path, monkeypatch):
     poison_loss(monkeypatch, from_step=5)
     write = Checkpointer._write_manifest
@@ -329,6 +332,7 @@ def test_nan_stop_names_only_an_intact_checkpoint(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- one trainer per workdir
 
 
+@pytest.mark.slow
 def test_second_trainer_is_refused_while_the_lock_is_held(trained, tmp_path):
     workdir = _copy(trained, tmp_path)
     stale = workdir / "checkpoints" / "30.orbax-checkpoint-tmp-1234"
@@ -506,6 +510,7 @@ def _resumes_from_10_to_the_same_run(workdir: Path, trained: Path, capsys) -> No
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_the_disk_refuses_stops_the_run_and_is_never_restored(
     trained, tmp_path, monkeypatch, capsys
 ):
@@ -536,6 +541,7 @@ def test_a_checkpoint_the_disk_refuses_stops_the_run_and_is_never_restored(
     _resumes_from_10_to_the_same_run(workdir, trained, capsys)
 
 
+@pytest.mark.slow
 def test_a_manifest_the_disk_refuses_leaves_a_step_that_is_never_restored(
     trained, tmp_path, monkeypatch, capsys
 ):
@@ -558,6 +564,7 @@ def test_a_manifest_the_disk_refuses_leaves_a_step_that_is_never_restored(
     _resumes_from_10_to_the_same_run(workdir, trained, capsys)
 
 
+@pytest.mark.slow
 def test_a_metrics_line_the_disk_refuses_ends_the_cli_in_one_line(tmp_path):
     """Through `python -m experiments train`: exit code 2 and one line naming metrics.jsonl and the last
     intact checkpoint; no traceback (nor the prints of orbax's and TensorBoard's threads at shutdown)."""
@@ -610,6 +617,7 @@ def _ends_with_error(stderr: str, line: str) -> None:
 # ----------------------------------------------------------------------------- restarts
 
 
+@pytest.mark.slow
 def test_kill_9_then_a_restart_resumes_with_no_duplicate_metrics(tmp_path):
     """kill -9 of the trainer past a checkpoint, under `--restarts 1`: its supervisor reports it in one
     line and relaunches it; it resumes from the last intact checkpoint, logs the restart in

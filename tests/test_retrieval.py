@@ -164,6 +164,7 @@ def test_user_vectors_are_causal(tmp_path, layer):
 # ----------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow
 def test_train_both_protocols_and_test_scored_once(tmp_path):
     data = write_cyclic_pairs(tmp_path / "cyclic.txt")
     workdir = tmp_path / "run"
@@ -209,6 +210,7 @@ def test_train_both_protocols_and_test_scored_once(tmp_path):
     assert ev["test"] == tests[0]["test"]
 
 
+@pytest.mark.slow
 def test_early_stopping_keeps_first_best(tmp_path):
     """With a zero learning rate every evaluation ties; ties never count as better, so the first
     evaluation stays best and `patience` later ones stop the run."""
@@ -378,6 +380,7 @@ def _final_params(workdir: Path, config) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(state.params)]
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_gives_identical_parameters(tmp_path):
     """Stopped in the middle of an epoch (the data iterator's position is in the checkpoint) and
     resumed, a run ends with the same parameters, bit for bit, as one that never stopped."""

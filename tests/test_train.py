@@ -30,6 +30,7 @@ def _params(workdir, config):
     return step, jax.tree.map(np.asarray, state.params)
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_parameters(tmp_path):
     c = small_config("train.steps=40", "train.checkpoint_every=10")
     loop.train(make_task(c), tmp_path / "one")
@@ -58,6 +59,7 @@ def test_resume_gives_identical_parameters(tmp_path):
     assert events and events[0].stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
     poison_loss(monkeypatch, from_step=5)
     c = small_config("train.steps=20", "train.checkpoint_every=2", "train.log_every=100")
@@ -68,6 +70,7 @@ def test_nan_loss_stops_without_overwriting_last_good(tmp_path, monkeypatch):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compute", ["float32", "bfloat16"])
 def test_sharded_step_equals_single_device(compute):
     """Three steps on 8 devices (one pack each) and on 1 device (the 8 packs vmapped) give the same
@@ -98,6 +101,7 @@ def test_sharded_step_equals_single_device(compute):
     assert losses[1][2] < losses[1][0] - 0.05, "the model learns (the later steps are not vacuous)"
 
 
+@pytest.mark.slow
 def test_two_axis_mesh_runs():
     c = small_config(
         "parallel.mesh_axes=['dcn','data']",
@@ -123,6 +127,7 @@ def test_two_axis_mesh_runs():
     assert np.isfinite(float(m["loss"]))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint(tmp_path):
     args = [
         "train",

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
+
 from gem_jax.train.watchdog import STALLED_EXIT, Watchdog
 from tests.helpers import SMALL, run_cli
 
@@ -41,6 +43,7 @@ def test_the_first_step_has_its_own_allowance_and_zero_turns_a_bound_off():
     assert calls == [] and dog._thread is None
 
 
+@pytest.mark.slow
 def test_a_stalled_first_step_ends_the_cli_with_its_line_and_the_stacks(tmp_path):
     """A first-step allowance far below the step's compile time: the run stops as a stalled one would."""
     workdir = tmp_path / "run"

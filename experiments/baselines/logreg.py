@@ -17,15 +17,19 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+
+from gem_jax.data.records import codec
+from gem_jax.data.records.reader import ShardSource
+from gem_jax.data.records.schema import ShardSet
+from gem_jax.train.metrics import auc, normalized_entropy
 
 
 def load_split(directory: Path, history: bool, high_action: int, max_history: int):
     """(feature index rows as CSR: offsets, indices, values; labels [N, K]; field sizes) of one split."""
-    from gem_jax.data.records import codec
-    from gem_jax.data.records.reader import ShardSource
-    from gem_jax.data.records.schema import ShardSet
-
     shard_set = ShardSet.open(str(directory))
     schema = shard_set.schema
     source = ShardSource(shard_set)
@@ -82,12 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-history", type=int, default=128, help="most recent events used (as the model)")
     args = parser.parse_args(argv)
-
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    from gem_jax.train.metrics import auc, normalized_entropy
 
     root = Path(args.data)
     splits = {

@@ -22,6 +22,12 @@ import time
 
 import numpy as np
 
+from gem_jax.config import load_config
+from gem_jax.data.balance import ATTENTION_TILE, attention_work, balance_stack, pack_work
+from gem_jax.data.pipeline import example_range, packed_dataset
+from gem_jax.data.records.dataset import RecordsData
+from gem_jax.data.synthetic import SyntheticAds
+
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments bench balance")
@@ -30,12 +36,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--shards", type=int, default=8, help="packs per step (data-parallel devices)")
     parser.add_argument("--steps", type=int, default=50)
     args = parser.parse_args(argv)
-
-    from gem_jax.config import load_config
-    from gem_jax.data.balance import ATTENTION_TILE, attention_work, balance_stack, pack_work
-    from gem_jax.data.pipeline import example_range, packed_dataset
-    from gem_jax.data.records.dataset import RecordsData
-    from gem_jax.data.synthetic import SyntheticAds
 
     config = load_config(args.config, args.overrides)
     d, m = config.data, config.model

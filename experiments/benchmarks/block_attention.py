@@ -33,6 +33,7 @@ import numpy as np
 from experiments.benchmarks import shapes
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.block_attention import block_attention
+from pallas_kernels.jagged_attention import jagged_attention
 
 
 def _offsets(lengths) -> np.ndarray:
@@ -216,11 +217,6 @@ def flatness(args, results) -> None:
 
 
 def crossover(args, results) -> None:
-    try:
-        from pallas_kernels.jagged_attention import jagged_attention
-    except Exception as e:  # noqa: BLE001
-        print(f"\n== crossover skipped: jagged_attention not importable ({e})")
-        return
     heads, d, bs, s = args.heads, args.dim, args.block_size, args.suffix
     impl = _kernel_impl()
     print(

@@ -217,7 +217,7 @@ def _update_rel_err(got, want, before, block: int = 1 << 20) -> float:
 
 def bench_torch(a, ids) -> dict[str, float] | None:
     try:
-        import torch
+        import torch  # optional dependency: the torch baseline, when installed
     except ImportError:
         print("torch not importable: skipping the torch baseline")
         return None

@@ -24,6 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+
+from gem_jax.config import load_config
+from gem_jax.tasks import make_task
+
 
 @dataclasses.dataclass
 class PipelineTiming:
@@ -99,11 +104,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rss-every", type=float, default=5.0, help="seconds between memory samples")
     parser.add_argument("--rss-out", default=None, help="CSV of the memory samples")
     args = parser.parse_args(argv)
-
-    import jax
-
-    from gem_jax.config import load_config
-    from gem_jax.tasks import make_task
 
     config = load_config(args.config, args.overrides)
     task = make_task(config)

@@ -37,7 +37,7 @@ from gem_jax.data.interactions import (
     sample_negatives,
 )
 from gem_jax.data.packing import greedy_groups, stack_packs
-from gem_jax.data.paths import REPO_ROOT, resolve_data_path
+from gem_jax.paths import REPO_ROOT, in_repository
 
 MIN_LEN = 3  # leave-one-out: 1 training + validation + test item
 
@@ -121,7 +121,7 @@ def missing_file_hint(path: str) -> str:
 
 
 def _load(config: Config) -> Interactions:
-    path = resolve_data_path(config.data.path)
+    path = in_repository(config.data.path)
     try:
         return load_interactions(path, format=config.retrieval.format)
     except FileNotFoundError:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
@@ -54,7 +55,6 @@ def _gather_rows(local: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], d
     where this process's lie among them."""
     if jax.process_count() == 1 or not local:
         return local, dict.fromkeys(local, slice(None))
-    from jax.experimental import multihost_utils
 
     names = sorted(local)
     sizes = [len(local[t]) for t in names]

@@ -29,6 +29,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 
+import jax
 import numpy as np
 
 from gem_jax.config import ConfigError, TableConfig
@@ -125,8 +126,6 @@ def _devices_text(p: Placement, sizes: dict[str, int]) -> str:
 
 def device_memory_bytes(device=None) -> int:
     """The device's memory limit (GPU/TPU report one), else 16 GiB."""
-    import jax
-
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats() or {}

@@ -43,9 +43,7 @@ class AttentionSpec:
         gib = config.attention_bias_rows_gib
         return cls(
             activation=activation or config.activation,
-            implementation=None
-            if config.attention_implementation == "auto"
-            else config.attention_implementation,
+            implementation=config.attention_kernel,
             max_attn_len=config.max_attn_len,
             weight_dropout=config.attention_dropout,
             kernel_options=KernelOptions(bias_rows=gib > 0, bias_rows_max_bytes=int(gib * 2**30)),

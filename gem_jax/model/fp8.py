@@ -304,7 +304,7 @@ def update_meta(meta: dict, amaxes: dict, margin: int = 0) -> dict:
 
     `meta` is `nnx.to_pure_dict(nnx.state(model, FP8Meta))`: per layer an "amax_history" leaf and the
     `SCALES` leaves beside it; `amaxes` has the same nesting with an "amax_probe" leaf instead.
-    `margin` is the recipe's (`precision.fp8_margin`).
+    `margin` is the layers' recipe's (`FP8Recipe.margin`, from `precision.fp8_margin`).
     """
     new = {}
     for keys, m, a in _layers(meta, amaxes):

@@ -24,8 +24,11 @@ import sys
 from pathlib import Path
 
 import jax
+from flax import nnx
 
 from gem_jax.config import Config, ConfigError
+from gem_jax.model.gem import GEMModel
+from gem_jax.model.layers import Dense
 
 TABLE = Path(__file__).with_name("fp8_speedups.json")
 # FP8 must beat bf16 by more than noise and than what the layer bench misses: on the H200 (2026-12-03) the
@@ -52,11 +55,6 @@ def layer_gemm_shapes(config: Config) -> dict[str, tuple[int, int, int]]:
     """(M, K, N) of every Dense layer `precision.fp8_layers` names in the ranking model: K and N from the
     model itself (built abstractly), M from the batch: tokens for the HSTU tower, examples x candidates
     for the Wukong stack."""
-    from flax import nnx
-
-    from gem_jax.model.gem import GEMModel
-    from gem_jax.model.layers import Dense
-
     if config.data.kind == "interactions":
         raise ConfigError(
             '`precision.fp8 = "auto"` knows the ranking model\'s GEMMs only; the next-item model takes '

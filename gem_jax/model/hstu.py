@@ -42,7 +42,7 @@ class HSTULayer(nnx.Module):
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
         self.attention_spec = AttentionSpec.from_config(c)
         h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
-        norm = None if c.norm_implementation == "auto" else c.norm_implementation
+        norm = c.norm_kernel
         self.glue_implementation = norm  # the glue kernels: layer norms, the FP8 SiLU backward
         self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs, implementation=norm)
         self.uvqk = Dense(f"{name}/uvqk", c.model_dim, h * (2 * dv + 2 * dqk), policy, rngs=rngs)
@@ -168,8 +168,7 @@ class HSTUTower(nnx.Module):
                 for i in range(config.num_layers)
             ]
         )
-        norm = None if config.norm_implementation == "auto" else config.norm_implementation
-        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs, implementation=norm)
+        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs, implementation=config.norm_kernel)
         # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
         self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))
         self.config = config

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from absl import flags  # grain's workers read absl flags, which a plain script never parses
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
@@ -108,8 +109,6 @@ class RankingTask:
         data = self._dataset("train", process_index=process_index, process_count=process_count)
         workers = self.config.data.num_workers
         if workers:
-            from absl import flags  # grain's workers read absl flags, which a plain script never parses
-
             if not flags.FLAGS.is_parsed():
                 flags.FLAGS.mark_as_parsed()
             data = data.mp_prefetch(
@@ -123,12 +122,15 @@ class RankingTask:
         return data
 
     def batch_counts(self, stack: JaggedBatch) -> dict[str, float]:
-        return {
+        counts = {
             "examples": float((stack.num_targets > 0).sum()),
             "tokens": float(stack.offsets[:, -1].sum()),
             "flops": train_step_flops(self.config, stack.offsets, stack.num_targets),
-            "flops_nvidia": nvidia_hstu_flops(self.config, stack.offsets, stack.num_targets),
         }
+        nvidia = nvidia_hstu_flops(self.config, stack.offsets, stack.num_targets)
+        if nvidia is not None:  # only where NVIDIA's formula applies (the loop then logs mfu_nvidia)
+            counts["flops_nvidia"] = nvidia
+        return counts
 
     # ------------------------------------------------------------------------- loss
 
@@ -185,11 +187,18 @@ class RankingTask:
         return RankingEvaluator(self, trainer)
 
     def summary_lines(self, summary: dict[str, Any]) -> list[str]:
-        return [
-            f"   eval {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
-            f"(positives {m['positive_rate']:.3f} of {m['examples']})"
-            for task, m in (summary.get("eval") or {}).items()
-        ]
+        """Per task the validation metrics ("eval"), then the test split's where the run scored one."""
+        lines = []
+        if best := summary.get("best"):
+            value = f"{best['metric']} {best['value']:.4f}"
+            lines.append(f"   chosen checkpoint: step {best['step']}, {value} on validation")
+        for split in ("eval", "test"):
+            lines += [
+                f"   {split} {task:<10} AUC {m['auc']:.4f}  NE {m['ne']:.4f}  "
+                f"(positives {m['positive_rate']:.3f} of {m['examples']})"
+                for task, m in (summary.get(split) or {}).items()
+            ]
+        return lines
 
 
 class RankingEvaluator:

@@ -41,7 +41,9 @@ from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from gem_jax.config import TrainConfig
 from gem_jax.train import files, integrity
@@ -292,8 +294,6 @@ def _agree(value: int) -> int:
     """Process 0's answer on every process (they read the same files; only process 0 decides)."""
     if jax.process_count() == 1:
         return value
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     return int(multihost_utils.broadcast_one_to_all(np.int32(value)))
 

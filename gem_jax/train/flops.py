@@ -115,7 +115,7 @@ def train_step_flops_by_group(
     }
 
 
-def nvidia_hstu_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarray) -> float:
+def nvidia_hstu_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarray) -> float | None:
     """FLOPs of one train step as NVIDIA recsys-examples count them for their HSTU MFU
     (examples/commons/utils/perf.py, `cal_hstu_flops_single_rank`; their E2E_BENCHMARK.md and
     PERF_ANALYSIS.md quote it), so `mfu_nvidia` compares with their published 31.4%.
@@ -130,10 +130,12 @@ def nvidia_hstu_flops(config: Config, offsets: np.ndarray, num_targets: np.ndarr
     Their D is both the Q/K and the V width; with `attention_dim != value_dim` the QK^T half uses
     attention_dim and the PV half value_dim (4 N D -> 2 N (Dqk + Dv)), as do U, V, Q, K in UVQK. Not
     counted: embeddings, our token/context projections, the Wukong stack and the heads (their prediction
-    head is not counted either). It knows only the plain HSTU layer: `model.long_history` (and its
-    pyramid) is counted as if every layer attended over every token.
+    head is not counted either). It knows only the plain HSTU layer, so with `model.long_history` (block
+    attention over most of the history, and a pyramid) it does not apply: None, and no `mfu_nvidia`.
     """
     m = config.model
+    if m.long_history:
+        return None
     lengths = np.diff(np.asarray(offsets, np.int64), axis=-1).astype(np.float64)
     candidates = np.asarray(num_targets, np.float64)
     context = np.minimum(np.maximum(lengths - candidates, 0), m.num_context_tokens)

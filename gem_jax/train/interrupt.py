@@ -40,7 +40,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -119,6 +119,15 @@ def _say(message: str) -> None:
 
 
 _EXITING = threading.Lock()
+# How `exit_now` tells a multi-process run's other processes (gem_jax/train/peers.py sets it when it starts
+# watching them; None in a one-process run). A hook, so this module needs nothing from peers, which uses it.
+_TELL_OTHERS: Callable[[int, str], None] | None = None
+
+
+def tell_others_with(tell: Callable[[int, str], None] | None) -> None:
+    """Sets how `exit_now` tells the other processes of a run (None: there are none)."""
+    global _TELL_OTHERS
+    _TELL_OTHERS = tell
 
 
 def exit_now(code: int, message: str, *, tell_others: bool = True) -> None:
@@ -127,10 +136,8 @@ def exit_now(code: int, message: str, *, tell_others: bool = True) -> None:
     if not _EXITING.acquire(blocking=False):  # another thread is ending the process already
         while True:
             time.sleep(60)
-    if tell_others:
-        from gem_jax.train import peers  # (peers uses this module)
-
-        peers.tell_others(code, message)
+    if tell_others and _TELL_OTHERS is not None:
+        _TELL_OTHERS(code, message)
     with contextlib.suppress(Exception):
         for child in multiprocessing.active_children():
             os.kill(child.pid, signal.SIGKILL)

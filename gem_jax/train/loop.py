@@ -31,6 +31,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from gem_jax.distributed import agree, wait_for_all
 from gem_jax.model.attention import kernel_summary
@@ -72,7 +73,7 @@ class MetricsWriter:
         with files.writing(self.path):
             self.file = open(self.path, "a")  # noqa: SIM115 (closed in close())
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # optional dependency: the tensorboard extra
 
             with files.writing(workdir / "tensorboard"):
                 self.tb = SummaryWriter(str(workdir / "tensorboard"), purge_step=resume_step + 1)
@@ -269,8 +270,6 @@ def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, pro
     bar = None
     window = TraceWindow(profile_steps, workdir / "profile")
     if tc.progress and jax.process_index() == 0 and will_train:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
     say = _message_printer(bar)
     if will_train and jax.process_index() == 0 and task.config.model.layer in ("hstu", "sasrec"):

@@ -34,6 +34,9 @@ import threading
 import time
 from typing import Any
 
+import jax
+from jax._src import distributed as jax_distributed  # the client has no public accessor
+
 from gem_jax.train import interrupt
 from gem_jax.train.run_status import STATUS
 
@@ -194,8 +197,6 @@ WATCH: Peers | None = None  # this process's watch, in a multi-process run
 def watch(timeout_s: float = DEFAULT_TIMEOUT_S) -> Peers:
     """Starts this process's watch (after jax.distributed.initialize); `finish` runs at exit."""
     global WATCH
-    import jax
-    from jax._src import distributed as jax_distributed  # the client has no public accessor
 
     WATCH = Peers(
         jax_distributed.global_state.client,
@@ -205,10 +206,5 @@ def watch(timeout_s: float = DEFAULT_TIMEOUT_S) -> Peers:
         interval_s=min(1.0, timeout_s / 5),
     ).start()
     atexit.register(WATCH.finish)  # runs before jax's own shutdown (registered earlier, at import)
+    interrupt.tell_others_with(WATCH.tell_others)  # an exit at once reaches the other processes
     return WATCH
-
-
-def tell_others(code: int, message: str) -> None:
-    """`Peers.tell_others` of this process's watch; nothing in a one-process run."""
-    if WATCH is not None:
-        WATCH.tell_others(code, message)

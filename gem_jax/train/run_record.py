@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fnmatch
+import importlib.metadata
 import json
 import os
 import socket
@@ -31,7 +32,12 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from gem_jax.config import Config, ConfigError, DataConfig, load_config, schema_keys
+import jax
+
+from gem_jax.config import Config, ConfigError, DataConfig, config_to_toml, load_config, schema_keys
+from gem_jax.data.records.dataset import records_fingerprint
+from gem_jax.data.synthetic import stream_version
+from gem_jax.paths import in_repository
 from gem_jax.train import files
 from gem_jax.train.workdir_lock import WorkdirError
 
@@ -42,7 +48,7 @@ FORMAT = 1
 
 # The keys that may differ between invocations of one run (`setting(..., may_change=True)` in
 # gem_jax/config.py says why): how long, how often or how verbosely it trains, where it reads identical
-# data, on which devices. Every other key must equal the record. README ("Starting fresh, resuming")
+# data, on which devices. Every other key must equal the record. docs/running.md ("Starting fresh, resuming")
 # lists them; a test checks the list.
 MAY_CHANGE = tuple(key for key, _, f in schema_keys() if f.metadata.get("may_change"))
 # Not `data.num_workers`: grain's worker processes each pack their own slice of the example stream, so
@@ -79,15 +85,10 @@ def data_fingerprint(config: Config) -> dict[str, Any]:
 def _fingerprint(config: Config) -> dict[str, Any]:
     d = config.data
     if d.kind == "interactions":
-        from gem_jax.data.paths import resolve_data_path
-
-        path = resolve_data_path(d.path).resolve()
+        path = in_repository(d.path).resolve()
         return {"kind": d.kind, "path": str(path), "size": path.stat().st_size, "sha256": files.sha256(path)}
     if d.kind == "records":
-        from gem_jax.data.records.dataset import records_fingerprint
-
         return {"kind": d.kind, **records_fingerprint(d)}
-    from gem_jax.data.synthetic import stream_version
 
     settings = {k: v for k, v in dataclasses.asdict(d).items() if k not in _NOT_DATA_IDENTITY}
     return {"kind": d.kind, "generator": settings, "stream": stream_version(d)}
@@ -95,10 +96,6 @@ def _fingerprint(config: Config) -> dict[str, Any]:
 
 def code_version() -> dict[str, Any]:
     """Package version, git commit (and whether the tree had uncommitted changes), jax version."""
-    import importlib.metadata
-
-    import jax
-
     try:
         package = importlib.metadata.version("gem-jax")
     except importlib.metadata.PackageNotFoundError:
@@ -266,8 +263,6 @@ class RunRecord:
 
         `restart`: this invocation is a supervisor's relaunch (its attempt, of how many, after what);
         a line is appended for it even when the run starts over (no checkpoint was saved before)."""
-        from gem_jax.config import config_to_toml
-
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         code = code_version()
         if plan.new or plan.record is None:

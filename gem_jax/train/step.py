@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 from gem_jax.embeddings.offload import host_device
 from gem_jax.model import fp8
 from gem_jax.parallel import batch_sharding, shard_axes, state_shardings
+from gem_jax.precision import PrecisionPolicy
 from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from gem_jax.train.task import Task
 
@@ -65,6 +66,8 @@ class Trainer:
         self.config = config = task.config
         self.mesh = mesh
         self.embeddings = task.embeddings  # an EmbeddingCollection, or None (the model owns its tables)
+        # FP8's settings as the layers get them (one object, built from the config by the policy)
+        self.fp8_recipe = PrecisionPolicy.from_config(config.precision).fp8
         self.axes = shard_axes(config.parallel)
         self.batch_spec = P(self.axes if self.axes else None)
         abstract_model = nnx.eval_shape(task.build_model)
@@ -311,8 +314,7 @@ class Trainer:
             updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             # Roll the histories and compute the scales the next step's GEMMs will multiply by.
-            margin = self.config.precision.fp8_margin
-            fp8_meta = fp8.update_meta(state.fp8, amaxes, margin) if state.fp8 else state.fp8
+            fp8_meta = fp8.update_meta(state.fp8, amaxes, self.fp8_recipe.margin) if state.fp8 else state.fp8
         with jax.named_scope("metrics"):
             metrics = {
                 "loss": loss,

@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from gem_jax.train import interrupt
+
 STALLED_EXIT = 76
 
 
@@ -86,7 +88,6 @@ def exit_stalled(workdir: Path, process: int, start: int, first_s: float, step_s
     """The trainer's `on_stall`: writes the stacks, says so in one line, ends the run (module docstring)."""
 
     def on_stall(step: int | None, waited: float) -> None:
-        from gem_jax.train import interrupt
 
         path = Path(workdir) / f"stalled-{process}.txt"
         with contextlib.suppress(OSError), open(path, "w") as f:

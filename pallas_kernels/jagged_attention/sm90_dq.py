@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -78,7 +79,6 @@ def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False):
         sums = jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
         hist_ref[:, 0] = hist_ref[:, 0] + sums
         return
-    import numpy as np  # noqa: PLC0415  (inline Mosaic GPU code: only where the kernel lowers for a GPU)
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental.mosaic.gpu import utils as mgpu_utils

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float
 
 from pallas_kernels import implementations
+from pallas_kernels.layer_norm import gpu
+from pallas_kernels.layer_norm.gpu import NormParams
 from pallas_kernels.layer_norm.reference import layer_norm_reference
 
 # Elements of x per program: rows of width D in registers, with 4 warps for up to 4096 and 8 beyond.
@@ -80,7 +82,6 @@ def layer_norm(
     if kernel == "reference" or not kernel_applies(width):
         y = layer_norm_reference(x, scale, bias, gate, eps=eps, out_dtype=out_dtype)
         return (x, y) if with_input else y
-    from pallas_kernels.layer_norm.gpu import NormParams
 
     rows = x.size // width
     block = rows_per_block or block_rows(rows, width)
@@ -106,7 +107,6 @@ def layer_norm(
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused(x, scale, bias, gate, params):
-    from pallas_kernels.layer_norm import gpu
 
     y = gpu.forward(x, scale, bias, gate, params)
     return (x, y) if params.has_residual else y
@@ -117,7 +117,6 @@ def _fused_fwd(x, scale, bias, gate, params):
 
 
 def _fused_bwd(params, residuals, d_out):
-    from pallas_kernels.layer_norm import gpu
 
     x, scale, bias, gate = residuals
     d_residual, dy = d_out if params.has_residual else (None, d_out)

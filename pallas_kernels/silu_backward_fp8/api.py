@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from pallas_kernels import implementations
+from pallas_kernels.silu_backward_fp8 import gpu
+from pallas_kernels.silu_backward_fp8.gpu import Tiles
 from pallas_kernels.silu_backward_fp8.reference import silu_backward_fp8_reference
 
 _BLOCK_ROWS, _BLOCK_COLS = 64, 128  # 64 rows: the transposed store writes 64 contiguous bytes per row
@@ -22,7 +24,6 @@ def _tiles(rows: int, width: int, interpret: bool, block_rows, block_cols, num_w
     bm, bn = block_rows or bm, block_cols or bn
     if rows % bm or width % bn:
         return None
-    from pallas_kernels.silu_backward_fp8.gpu import Tiles
 
     return Tiles(block_rows=bm, block_cols=bn, num_warps=num_warps or 4, interpret=interpret)
 
@@ -58,7 +59,6 @@ def silu_backward_fp8(
         tiles = _tiles(z.shape[0], widths.pop(), interpret, block_rows, block_cols, num_warps)
     if tiles is None:
         return silu_backward_fp8_reference(dys, z, scale)
-    from pallas_kernels.silu_backward_fp8 import gpu
 
     inv_scale = 1.0 / jnp.asarray(scale, jnp.float32)
     q, qt, col_max, col_sum = gpu.silu_backward_fp8(dys, z, inv_scale, tiles)

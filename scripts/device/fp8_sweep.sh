@@ -2,8 +2,8 @@
 # The FP8 table `precision.fp8 = "auto"` reads: every FP8 GEMM shape of the GPU configs and a sweep of widths,
 # FP8 (with its quantisation passes) vs bf16, forward + backward of one Dense layer. Rows print as measured.
 #   bash scripts/device/fp8_sweep.sh        then copy $OUT/fp8_speedups.json to gem_jax/model/
-set -u
-python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1
+set -u  # on a GPU host with the package installed: pip install -e '.[cuda]'
+OUT=${OUT:-runs/fp8_sweep}; mkdir -p "$OUT"  # where the logs go
 export PYTHONPATH=$PWD
 cp gem_jax/model/fp8_speedups.json "$OUT/fp8_speedups.json" 2>/dev/null || echo '{}' > "$OUT/fp8_speedups.json"
 timeout -k 10 "${LIMIT:-400}" python3 -m experiments bench fp8 \

@@ -2,8 +2,9 @@
 # Next-item variants (docs/results.md) trained at the same time on one GPU, each to its early stop or to
 # $MIN minutes; logs and a table packed into $OUT/next_item.tgz.
 #   bash scripts/device/next_item_variants.sh beauty:freq:0 sports:freq:0 beauty:r2:1 ...   (set:variant:seed)
-set -u  # one file comes back: the device tool returns only a few files per call
-python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1; python3 -c "import grain" || { cat /tmp/pip.log; exit 1; }
+# On a GPU host with the package installed: pip install -e '.[cuda]'.
+set -u  # the logs and the table end in one archive
+OUT=${OUT:-runs/next_item_variants}; mkdir -p "$OUT"  # where the logs go
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 MIN=${MIN:-6.6}; LIMIT=${LIMIT:-555}
 L=/tmp/next_item; R=/tmp/runs; mkdir -p $L $R

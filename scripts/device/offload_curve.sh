@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gem_h200 with a 16M-row (8 GiB) item table: in HBM, and offloaded to host memory with an HBM cache of the
 # given fractions of its rows. A long warm-up of fresh batches fills the small caches, so their timed steps
-# evict (the steady state of a long run). One device call; each point is one process, its log in $OUT.
+# evict (the steady state of a long run). Each point is one process, its log in $OUT.
 #   bash scripts/device/offload_curve.sh hbm 0.1 0.05:300   (points: "hbm" or cache fractions; ":W" sets that
 #   point's warm-up steps, default $W). ROWS (default 16777216: 8 GiB) sizes the item table of every point;
 #   HBM_GIB caps the offloaded points' whole device memory (XLA_PYTHON_CLIENT_MEM_FRACTION of the H200's
@@ -9,8 +9,8 @@
 #   ROWS=125829120 HBM_GIB=16 PROCESS_GIB=56 is a 60 GiB table under a 16 GiB table budget, in a process that
 #   may not hold more than 56 GiB (gem_h200's step alone needs ~35 GiB of activations).
 # then, here: python -m experiments.plots offload DIR/*.log --out docs/offload_curve.png
-set -u
-python3 -m pip install -q --no-deps .whl/*.whl > /tmp/pip.log 2>&1  # few files come back from a call: $OUT holds the points
+set -u  # on a GPU host with the package installed: pip install -e '.[cuda]'
+OUT=${OUT:-runs/offload_curve}; mkdir -p "$OUT"  # where the logs go
 export PYTHONPATH=$PWD
 W=${W:-100}; S=${S:-16}; LIMIT=${LIMIT:-270}; ROWS=${ROWS:-16777216}; HBM_GIB=${HBM_GIB:-}
 PROCESS_GIB=${PROCESS_GIB:-$HBM_GIB}

@@ -165,7 +165,7 @@ def load(directory: str | Path) -> MovieLens:
 
 def _read_ratings_csv(path: Path):
     try:
-        import pyarrow.csv as pcsv
+        import pyarrow.csv as pcsv  # optional dependency: the data extra (Parquet)
 
         t = pcsv.read_csv(path)
         cols = {name: t.column(name).to_numpy() for name in ("userId", "movieId", "rating", "timestamp")}

@@ -36,8 +36,8 @@ HISTORY = ("history_items", "history_actions", "history_timestamps")
 
 def _pyarrow():
     try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+        import pyarrow as pa  # optional dependency: the data extra (Parquet)
+        import pyarrow.parquet as pq  # optional dependency: the data extra (Parquet)
     except ImportError:
         raise ImportError("Parquet needs pyarrow: pip install -e '.[data]'") from None
     return pa, pq

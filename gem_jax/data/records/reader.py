@@ -21,6 +21,7 @@ from typing import Any
 
 import grain
 import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader
 
 from gem_jax.data.records.codec import Invalid, check, parse
 from gem_jax.data.records.errors import BadRecord, BadShard, TooManyBadRecords
@@ -53,7 +54,6 @@ class ShardSource:
         reader = self._readers[shard]
         if reader is not None:
             return reader
-        from array_record.python.array_record_module import ArrayRecordReader
 
         with self._lock:
             if self._readers[shard] is None:

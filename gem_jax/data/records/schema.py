@@ -20,8 +20,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from gem_jax.data.paths import resolve_data_path
 from gem_jax.data.records.errors import BadShard
+from gem_jax.paths import in_repository
 
 SCHEMA_FILE = "schema.json"
 SHARD_SUFFIX = ".array_record"
@@ -233,7 +233,7 @@ class ShardSet:
 def _matching(path: str) -> dict[Path, list[str] | None]:
     """Directory -> shard file names matched in it (None: every shard its schema lists)."""
     if any(ch in path for ch in "*?["):
-        pattern = path if Path(path).is_absolute() or glob.glob(path) else str(resolve_data_path(path))
+        pattern = path if Path(path).is_absolute() or glob.glob(path) else str(in_repository(path))
         files = sorted(Path(f) for f in glob.glob(pattern) if f.endswith(SHARD_SUFFIX))
         if not files:
             raise FileNotFoundError(f"no shard files ({SHARD_SUFFIX}) match {path}")
@@ -241,10 +241,14 @@ def _matching(path: str) -> dict[Path, list[str] | None]:
         for f in files:
             out.setdefault(f.parent, []).append(f.name)
         return out
-    directory = resolve_data_path(path)
+    directory = in_repository(path)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"no shard directory {path}" + ("" if Path(path).is_absolute() else f" (also tried {directory})")
+            f"no shard directory {path}"
+            + ("" if Path(path).is_absolute() else f" (also tried {directory})")
+            + ": write the shards first with `python -m experiments data convert SRC --out DIR` (DIR/train, "
+            "DIR/valid, ...; docs/data.md), from your Parquet logs or the MovieLens files (README, "
+            '"Public data")'
         )
     return {directory: None}
 

@@ -13,6 +13,7 @@ from typing import Any
 from gem_jax.config import Config
 from gem_jax.data.records.codec import Record
 from gem_jax.data.records.schema import RecordSchema, SparseFeature
+from gem_jax.data.synthetic import SyntheticAds
 
 
 def synthetic_schema(config: Config) -> RecordSchema:
@@ -56,8 +57,6 @@ def synthetic_records(
 
     `context` is (config, distinct): with `distinct` K, request i holds the generator's example i mod K
     (a volume test's shards, e.g. tens of GB of long histories, without generating every example)."""
-    from gem_jax.data.synthetic import SyntheticAds
-
     config, distinct = context
     key = id(config)
     if key not in _generators:  # one generator per worker process (building it draws the item factors)

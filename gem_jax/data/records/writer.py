@@ -23,6 +23,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from array_record.python.array_record_module import ArrayRecordWriter
+from tqdm import tqdm
+
 from gem_jax.data.records.codec import Invalid, Record, check_record
 from gem_jax.data.records.errors import BadRecord
 from gem_jax.data.records.schema import SHARD_SUFFIX, RecordSchema, RecordStats, ShardInfo, write_schema
@@ -47,7 +50,6 @@ class ShardWriter:
     """Writes one shard: every record checked against the schema, statistics kept, renamed on close."""
 
     def __init__(self, path: Path, schema: RecordSchema, compression: str = "none"):
-        from array_record.python.array_record_module import ArrayRecordWriter
 
         self.path = Path(path)
         self.schema = schema
@@ -168,8 +170,6 @@ def write_shards(
     t0 = time.perf_counter()
     bar = None
     if progress:
-        from tqdm import tqdm
-
         bar = tqdm(total=total, desc=desc, unit="rec", dynamic_ncols=True, file=sys.stderr)
     args = (directory, schema, records_fn, skip_bad, compression)
     try:
