@@ -43,16 +43,16 @@ def _lowered(f, *args) -> str:
 
 
 @pytest.mark.parametrize(
-    "activation,d,block_k,stages,n,num_ctas,half_diag,window,targets,bias",
+    "activation,d,block_k,stages,n,num_ctas,window,targets,bias",
     [
-        ("silu", 128, 128, 2, 1024, 132, True, 0, False, False),
-        ("silu", 128, 64, 3, 4096, None, False, 100, True, True),
-        ("softmax", 128, 128, 2, 4096, 132, False, 0, False, True),
-        ("softmax", 64, 64, 2, 200, None, True, 0, True, False),
-        ("silu", 256, None, None, 1024, 132, False, 300, True, True),
+        ("silu", 128, 128, 2, 1024, 132, 0, False, False),
+        ("silu", 128, 64, 3, 4096, None, 100, True, True),
+        ("softmax", 128, 128, 2, 4096, 132, 0, False, True),
+        ("softmax", 64, 64, 2, 200, None, 0, True, False),
+        ("silu", 256, None, None, 1024, 132, 300, True, True),
     ],
 )
-def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, half_diag, window, targets, bias):
+def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, window, targets, bias):
     """The whole Pallas -> Mosaic GPU lowering (layouts, shared-memory plan, the inline gathers) succeeds: a
     construct Mosaic GPU rejects raises here."""
     t, h, b = 3000, 4, 7
@@ -63,7 +63,7 @@ def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, half_
     params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **bias_fields)
     text = _lowered(
         lambda *a: mosaic_gpu.forward_mosaic_gpu(
-            *a, params=params, block_k=block_k, stages=stages, num_ctas=num_ctas, half_diag=half_diag
+            *a, params=params, block_k=block_k, stages=stages, num_ctas=num_ctas
         ),
         *args,
     )
@@ -136,10 +136,10 @@ def test_not_wanted_off_hopper():
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "activation,d,block_k,pingpong,half_diag,window,bias",
-    [("silu", 64, 64, False, False, 40, True), ("softmax", 128, 128, True, True, 0, False)],
+    "activation,d,block_k,pingpong,window,bias",
+    [("silu", 64, 64, False, 40, True), ("softmax", 128, 128, True, 0, False)],
 )
-def test_interpret_matches_reference(activation, d, block_k, pingpong, half_diag, window, bias):
+def test_interpret_matches_reference(activation, d, block_k, pingpong, window, bias):
     """One persistent CTA (num_ctas=1) walks every item (the K/V ring and barrier phases run on across items).
 
     The one-CTA-per-item grid (num_ctas=None) is only lowered here: the interpreter runs its many mostly idle
@@ -175,7 +175,7 @@ def test_interpret_matches_reference(activation, d, block_k, pingpong, half_diag
     with gp.force_gpu_interpret_mode(interpret):
         o, lse = mosaic_gpu.forward_mosaic_gpu(
             *inputs, params=params, block_k=block_k, stages=2, num_ctas=1, pingpong=pingpong,
-            half_diag=half_diag, interpret=True,
+            interpret=True,
         )  # fmt: skip
     want = jagged_attention_reference(
         q, k, v, jnp.asarray(offsets), max_seq_len=n, activation=activation, num_targets=targets,

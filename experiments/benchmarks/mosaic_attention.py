@@ -67,7 +67,7 @@ def _kernel_inputs(q, k, v, off, s, targets=None, extra=None):
 
 
 def _mosaic(s, knobs: dict):
-    """knobs: forward_mosaic_gpu keyword options (block_k, stages, pingpong, half_diag, num_ctas)."""
+    """knobs: forward_mosaic_gpu keyword options (block_k, stages, pingpong, num_ctas)."""
     return jax.jit(lambda inputs: mosaic_gpu.forward_mosaic_gpu(*inputs, params=s, **knobs))
 
 
@@ -181,11 +181,11 @@ CASES = {
 
 def _knob_sets(args) -> dict:
     base = dict(block_k=args.block_k or None, stages=args.stages or None, pingpong=bool(args.pingpong))
-    base.update(half_diag=bool(args.half_diag), num_ctas=args.num_ctas or None)
+    base.update(num_ctas=args.num_ctas or None)
     sets = {"default": base}
-    for spec in filter(None, args.sweep.split(",")):  # bk:stages:half_diag
-        bk, stages, half = (int(x) for x in spec.split(":"))
-        sets[spec] = {**base, "block_k": bk or None, "stages": stages, "half_diag": bool(half)}
+    for spec in filter(None, args.sweep.split(",")):  # bk:stages
+        bk, stages = (int(x) for x in spec.split(":"))
+        sets[spec] = {**base, "block_k": bk or None, "stages": stages}
     return sets
 
 
@@ -199,7 +199,6 @@ def main(argv: list[str]) -> int:
     p.add_argument("--block-k", type=int, default=0, help="key-tile rows; 0: the kernel's default for D")
     p.add_argument("--stages", type=int, default=0, help="K/V ring slots; 0: the kernel's default")
     p.add_argument("--pingpong", type=int, default=1)
-    p.add_argument("--half-diag", type=int, default=0, help="half-width last key tile where it suffices")
     p.add_argument(
         "--num-ctas", type=int, default=mosaic_gpu.NUM_SMS, help="persistent grid size; 0: one CTA per item"
     )
@@ -207,7 +206,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--sweep",
         default="",
-        help="extra Mosaic knob sets, comma list of bk:stages:half_diag (bk 0: default)",
+        help="extra Mosaic knob sets, comma list of bk:stages (bk 0: default)",
     )
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--no-check", action="store_true")

@@ -36,8 +36,7 @@ Design:
   tables from shared memory (one ld.shared each, through inline Mosaic GPU code: Pallas has no gather).
   Key tiles wholly past the position table's last bucket add that bucket's value as a scalar instead.
 * Ping-pong (FA3): the two consumers meet on a barrier twice per key tile so that one's activation runs
-  while the other's wgmmas do. half_diag: a consumer whose last visible key lies in the first half of
-  its last 128-key tile (the first consumer's diagonal tile) uses half-width wgmmas there.
+  while the other's wgmmas do.
 * SiLU: with h = z / 2, silu(z) = h + h * tanh(h) (tanh.approx via approx_math); 1/max_seq_len is applied
   once to the accumulator.
 * Softmax: base-2 online softmax; a row that has seen no visible key yet keeps m = -inf and subtracts 0, so
@@ -150,7 +149,6 @@ def _kernel(
     interpret: bool,
     pingpong: bool,
     num_ctas: int | None,
-    half_diag: bool,
 ):
     wg = lax.axis_index("wg")
     buffers, (k_bar, v_bar, q_bar), (k_free, v_free), sched = scoped
@@ -264,25 +262,21 @@ def _kernel(
             if params.has_pos:
                 copy_table(pos_ref.at[h], pos_smem2.at[wg], q_bar.at[wg])
 
-    def bias_tile(q_lo, step, width, ts_rows, slot, pos_scalar):
-        """float32 [bq, width] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
+    def bias_tile(q_lo, step, ts_rows, slot, pos_scalar):
+        """float32 [bq, bk] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
         bias = None
         if params.has_pos:
             if pos_scalar is not None:
                 bias = pos_scalar
             else:
-                rel = (q_lo - step * bk) + iota(interpret, (bq, width), 0) - iota(interpret, (bq, width), 1)
+                rel = (q_lo - step * bk) + iota(interpret, (bq, bk), 0) - iota(interpret, (bq, bk), 1)
                 bias = gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
         if params.has_time:
             # the gap from the timestamps' float32 halves (tiling.split_timestamps): exact, rounded once as the
             # int -> float conversion would be, without that conversion (a quarter-rate instruction) per cell
-            cols = [
-                tsk_smem.at[slot, i] if width == bk else tsk_smem.at[slot, i, pl.ds(0, width)] for i in (0, 1)
-            ]
-            hi_k, lo_k = (
-                lax.broadcast_in_dim(load_vector(interpret, c, COL), (bq, width), [1]) for c in cols
-            )
-            hi_q, lo_q = (lax.broadcast_in_dim(r, (bq, width), [0]) for r in ts_rows)
+            cols = [tsk_smem.at[slot, i] for i in (0, 1)]
+            hi_k, lo_k = (lax.broadcast_in_dim(load_vector(interpret, c, COL), (bq, bk), [1]) for c in cols)
+            hi_q, lo_q = (lax.broadcast_in_dim(r, (bq, bk), [0]) for r in ts_rows)
             x = jnp.maximum((hi_q - hi_k) * 65536.0 + (lo_q - lo_k), 1.0)
             # log(x) / 0.301 as log2(x) times a constant (no division); it is >= 0, so the int cast (truncation)
             # is the floor of the reference's bucket formula
@@ -330,12 +324,9 @@ def _kernel(
         def _():
             plgpu.barrier_wait(k_bar.at[slot_at(lo)])
 
-        def body(step, carry, masked: bool, width: int = bk, pos_far: bool = False):
-            # width < bk: only the first `width` keys of the tile are visible to this consumer (its diagonal
-            # tile when its rows start the tile): half-size QK and PV wgmmas on the leading rows of the slot.
+        def body(step, carry, masked: bool, pos_far: bool = False):
             slot = slot_at(step)
-            k_tile = k_smem.at[slot] if width == bk else k_smem.at[slot, pl.ds(0, width)]
-            v_tile = v_smem.at[slot] if width == bk else v_smem.at[slot, pl.ds(0, width)]
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
 
             def qk_scope(acc_ref):
                 plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_tile, (1, 0)))
@@ -348,18 +339,14 @@ def _kernel(
                 )
                 sync()
             else:
-                sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, width), jnp.float32))
-            bias = (
-                bias_tile(q_lo, step, width, ts_rows, slot, pos_last if pos_far else None)
-                if has_bias
-                else None
-            )
+                sc = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), jnp.float32))
+            bias = bias_tile(q_lo, step, ts_rows, slot, pos_last if pos_far else None) if has_bias else None
             plgpu.barrier_arrive(k_free.at[slot])  # the key tile and its timestamps have been read
             z = sc * params.alpha if bias is None else sc * params.alpha + bias
             mask = None
             if masked:
-                rows = (q_lo - d) + iota(interpret, (bq, width), 0)  # sequence positions
-                cols = (step * bk - d) + iota(interpret, (bq, width), 1)
+                rows = (q_lo - d) + iota(interpret, (bq, bk), 0)  # sequence positions
+                cols = (step * bk - d) + iota(interpret, (bq, bk), 1)
                 mask = tiling.allowed_2d(rows, cols, length, first_target, params) & (cols >= 0)
             if params.activation == "silu":
                 (acc,) = carry
@@ -423,17 +410,7 @@ def _kernel(
         if params.has_pos:  # far from the diagonal: the position bias is the last bucket's scalar
             carry = lax.fori_loop(f_lo, p_end, functools.partial(body, masked=False, pos_far=True), carry)
         carry = lax.fori_loop(p_end, f_hi, functools.partial(body, masked=False), carry)
-        if half_diag and bk >= 128:  # (wgmma needs K >= 64 with the 128-byte swizzle)
-            # the last tile needs only its first bk / 2 keys when the rows' last visible key is in that half
-            half_ok = jnp.minimum(q_lo + bq, d + length) - (hi - 1) * bk <= bk // 2
-            masked_half = functools.partial(body, masked=True, width=bk // 2)
-
-            def masked_step(step, carry):
-                return lax.cond(half_ok & (step == hi - 1), masked_half, masked, step, carry)
-
-            carry = lax.fori_loop(f_hi, hi, masked_step, carry)  # diagonal, targets, sequence end
-        else:
-            carry = lax.fori_loop(f_hi, hi, masked, carry)
+        carry = lax.fori_loop(f_hi, hi, masked, carry)  # diagonal, targets, sequence end
         pl.loop(hi, cta_hi)(drain)
         pl.when(wg == 0)(sync)
         load_q(i + 1)  # the last QK wgmma has read q_smem: fetch the next item's rows during this epilogue
@@ -598,7 +575,6 @@ def forward_mosaic_gpu(
     stages: int | None = None,
     pingpong: bool = True,
     num_ctas: int | None = NUM_SMS,
-    half_diag: bool = False,
     interpret: bool = False,
 ):
     """(o [T, H, Dv], lse float32 [H, T]) from gpu.to_kernel_layout's inputs, as gpu.forward (see supports()).
@@ -698,7 +674,6 @@ def forward_mosaic_gpu(
                 interpret=interpret,
                 pingpong=pingpong,
                 num_ctas=num_ctas,
-                half_diag=half_diag,
             ),
             smem,
             loaded,
