@@ -294,11 +294,11 @@ def _attention_loss(implementation, t, h, d, bias: bool):
     return jax.grad(loss, argnums=(0, 1, 2, 5, 6) if bias else (0, 1, 2)), args
 
 
-@pytest.mark.parametrize("t", [1001, 1003, 1024])
-def test_any_token_count_runs_mosaic(t):
+def test_any_token_count_runs_mosaic():
     """implementation="mosaic" lowers both Mosaic GPU kernels, the relative bias's table gradients included, for
-    a token count of any residue mod 8 (gpu.to_kernel_layout pads the rows; no Triton kernel in the graph);
-    "triton" lowers the Triton ones."""
+    a token count that is not a multiple of 8 (gpu.to_kernel_layout pads the rows; no Triton kernel in the
+    graph); "triton" lowers the Triton ones. (T % 8 == 0 is every other lowering test's case.)"""
+    t = 1001
     grad, args = _attention_loss("mosaic", t, 2, 128, bias=True)
     text = _lowered(grad, *args)
     assert (
