@@ -211,9 +211,6 @@ def test_the_circle_check_finds_a_circle_closed_in_a_function(tmp_path):
 # allowed only where it guards an optional dependency (an extra of pyproject.toml) or a backend that loads
 # on one platform only, and the line (or the one above it) says which.
 WHY_INSIDE = ("optional dependency", "platform-only")
-# The jagged attention kernels are being rewritten apart from this check (their imports of the Mosaic GPU
-# backend are platform-only ones that do not say so yet).
-NOT_YET_CHECKED = ("pallas_kernels/jagged_attention/",)
 
 
 def unexplained_function_imports(paths, root: pathlib.Path = ROOT) -> list[str]:
@@ -234,12 +231,7 @@ def unexplained_function_imports(paths, root: pathlib.Path = ROOT) -> list[str]:
 
 
 def test_imports_inside_functions_say_why():
-    paths = [
-        p
-        for p in source_files(*PACKAGES, "scripts")
-        if not str(p.relative_to(ROOT)).startswith(NOT_YET_CHECKED)
-    ]
-    bad = unexplained_function_imports(paths)
+    bad = unexplained_function_imports(source_files(*PACKAGES, "scripts"))
     assert not bad, (
         "imports inside functions (move them to the top, or say `# optional dependency: ...` or "
         "`# platform-only: ...`):\n" + "\n".join(bad)

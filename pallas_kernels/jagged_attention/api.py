@@ -225,7 +225,7 @@ def _plan(
     )
     if kernel != "gpu" or family == "triton":
         return kernel, params
-    # Mosaic GPU: imported only where it may run
+    # platform-only: the Mosaic GPU backend is imported only where a GPU kernel may run
     from pallas_kernels.jagged_attention import gpu_sm90, gpu_sm90_backward
 
     forward = (family == "mosaic" or gpu_sm90.wanted(options.hopper_forward)) and gpu_sm90.supports(

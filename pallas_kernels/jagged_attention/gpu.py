@@ -583,7 +583,7 @@ def forward(inputs, params: KernelParams):
     if (
         params.hopper_forward
     ):  # the Mosaic GPU forward computes the bias itself; the array serves the backward
-        from pallas_kernels.jagged_attention import gpu_sm90
+        from pallas_kernels.jagged_attention import gpu_sm90  # platform-only: Mosaic GPU, on Hopper
 
         o, lse = gpu_sm90.forward(inputs, params)
         return o, (*inputs, o, lse, bias)
@@ -893,7 +893,7 @@ def backward(residuals, d_out, params: KernelParams):
     the Mosaic GPU kernels of gpu_sm90_backward.py when KernelParams.hopper_backward, the Triton ones here
     otherwise."""
     if params.hopper_backward:
-        from pallas_kernels.jagged_attention import gpu_sm90_backward
+        from pallas_kernels.jagged_attention import gpu_sm90_backward  # platform-only: Mosaic GPU, on Hopper
 
         return gpu_sm90_backward.backward(residuals, d_out, params)
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias = residuals

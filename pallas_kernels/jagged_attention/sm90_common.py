@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir  # Mosaic GPU's own API, for the inline code Pallas has no primitive for
+from jax._src.lib.mlir.dialects import arith, memref
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -70,8 +72,6 @@ def gather(interpret: bool, table_ref, idx):
     GPU has no gather, so the loads are written in Mosaic GPU's own API, inline)."""
     if interpret:
         return table_ref[...][idx]
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA),

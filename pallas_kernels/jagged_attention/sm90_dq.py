@@ -8,7 +8,10 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.lib.mlir import ir  # Mosaic GPU's own API, for the inline code Pallas has no primitive for
+from jax._src.lib.mlir.dialects import arith, llvm, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.common import cdiv
@@ -79,9 +82,6 @@ def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False):
         sums = jnp.sum(jnp.where(onehot, vals.reshape(-1, 1), 0.0), axis=0)
         hist_ref[:, 0] = hist_ref[:, 0] + sums
         return
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, vector
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
     def scatter(ctx, hist, cells, values):
