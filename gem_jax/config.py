@@ -8,7 +8,9 @@ Every default lives here once, and every rule of a key lives beside its field:
 * `setting(..., may_change=True)`: the key may differ when a run resumes (the run record refuses a
   change of any other key, gem_jax/train/run_record.py);
 * `setting(..., fingerprint=False)` (data.* only): the key does not decide which examples the
-  synthetic generator produces, so it stays out of the run record's data fingerprint.
+  synthetic generator produces, so it stays out of the run record's data fingerprint;
+* an optional type (`tuple[str, ...] | None`): None is "not decided yet": the run decides when it starts
+  and its run record keeps the decision (TOML has no null: an unset key is left out of the file).
 
 `load_config` checks all of them as it reads each value, then the rules between keys (`validate`), so
 the Python API refuses what the CLI refuses. A TOML file names only what it changes; an unknown key
@@ -28,6 +30,7 @@ import json
 import math
 import re
 import tomllib
+import types
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -347,9 +350,13 @@ class PrecisionConfig:
     # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on
     # sensitive layers: task heads, logit layers; LayerNorms and embeddings are not Dense). Their output
     # dtype stays the layer's compute dtype. "auto": only the named layers whose GEMM shapes measured faster
-    # in FP8 on this GPU kind (gem_jax/model/fp8_auto.py; the task resolves it to true/false and exact names).
+    # in FP8 on this GPU kind; each layer asks the precision policy as it is built (gem_jax/precision.py).
     fp8: Literal[False, True, "auto"] = False
     fp8_layers: tuple[str, ...] = ("hstu/", "wukong/")  # HSTU U/V/Q/K and output projections, Wukong MLPs
+    # What "auto" chose: the exact names of the layers it put in FP8. Unset, the measured table decides; the
+    # trainer writes the choice into the run record (config.toml) when a run starts, so a resume or `eval`
+    # builds the same layers on any GPU (an unset value takes the recorded one; a different one is refused).
+    fp8_auto_choice: tuple[str, ...] | None = None
     fp8_recipe: Literal["delayed", "current"] = "delayed"  # amax history, or this step's amax
     fp8_amax_history: int = setting(1024, AT_LEAST_1)  # steps of amax history (delayed recipe)
     # Binades of headroom: scale = amax * 2^margin / fp8_max. 1 (2x headroom for an amax that outgrows the
@@ -509,6 +516,9 @@ def _check_value(value: Any, annotation: Any, key: str, source: str, valid: Rang
     of a tuple. Floats must be finite (TOML allows nan and inf).
     """
     origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):  # `T | None`: None is "not decided yet"
+        (decided,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return None if value is None else _check_value(value, decided, key, source, valid)
     # Module-level helpers, not closures: the test suite's shape checker wraps each function definition
     # as it executes, so a closure here would be wrapped again for every value (milliseconds each).
     fail = functools.partial(_must_be, value=value, key=key, source=source)
@@ -798,11 +808,22 @@ def _validate_embeddings(config: Config, source: str) -> None:
 
 
 def _validate_precision(config: Config, source: str) -> None:
-    """`precision.fp8_layers`: no empty prefix; "auto" only with every GEMM in FP8."""
+    """`precision.fp8_layers`: no empty prefix; "auto" only for the ranking model with every GEMM in FP8, and
+    a recorded choice only with "auto"."""
     p = config.precision
     for i, prefix in enumerate(p.fp8_layers):
         if not prefix:
             raise ConfigError(f"{source}: `precision.fp8_layers[{i}]` is empty (it would name every layer)")
+    if p.fp8_auto_choice is not None and p.fp8 != "auto":
+        raise ConfigError(
+            f'{source}: `precision.fp8_auto_choice` is what `precision.fp8 = "auto"` chose; with fp8 = '
+            f"{str(p.fp8).lower()} name the layers in `precision.fp8_layers` instead"
+        )
+    if p.fp8 == "auto" and config.data.kind == "interactions":
+        raise ConfigError(
+            f'{source}: `precision.fp8 = "auto"` knows the ranking model\'s GEMMs only; the next-item model '
+            "takes true or false"
+        )
     if p.fp8 == "auto" and p.fp8_gemms != "all":
         raise ConfigError(
             f'{source}: `precision.fp8 = "auto"` reads speedups measured with every GEMM in FP8; '
@@ -907,6 +928,8 @@ def config_to_toml(config: Config) -> str:
         lines.append(f"[{section}]")
         tables = {}
         for k, v in values.items():
+            if v is None:  # not decided yet (TOML has no null)
+                continue
             if isinstance(v, dict):
                 tables[k] = v
             else:
