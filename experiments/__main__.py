@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             config_path = Path(args.config) if args.config else DEFAULT_CONFIG
             config = load_config(config_path, args.overrides)
             workdir = Path(args.workdir) if args.workdir else Path("runs") / config_path.stem
-            task = make_task(config)
+            task = make_task(RunRecord(workdir).with_run_choices(config))
             summary = train(
                 task,
                 workdir,

@@ -15,6 +15,10 @@ under shard_map) and counts its FP8 GEMMs per recipe. Exit code 1 if any check f
 prints as it is measured. `--write-table [PATH]` merges the first recipe's times into the table that
 `precision.fp8 = "auto"` reads (gem_jax/model/fp8_auto.py), under this GPU's kind, each shape as soon as it is
 measured and its checks passed.
+The model's GEMM shapes come from the layers themselves: an abstract build of the model with every
+`precision.fp8_layers` layer in FP8, whose Dense layers each keep their (M, K, N) (`Dense.fp8_decision`,
+`model_gemm_shapes`). That build only reads shapes; which layers "auto" puts in FP8 is decided by the
+precision policy as each layer of the trained model is built (gem_jax/precision.py), never here.
 `--small`: the largest configs/tiny.toml GEMM and a 128^3 square, seconds on CPU (a test runs it).
 """
 
@@ -32,13 +36,41 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from experiments.benchmarks.timing import median_seconds
-from gem_jax.config import PrecisionConfig, load_config
+from gem_jax.config import Config, ConfigError, PrecisionConfig, load_config
 from gem_jax.model import fp8, fp8_auto
-from gem_jax.model.fp8_auto import GemmShape, model_gemm_shapes
-from gem_jax.model.layers import Dense
+from gem_jax.model.gem import GEMModel
+from gem_jax.model.layers import Dense, fp8_decisions
 from gem_jax.precision import RECIPES, PrecisionPolicy
 
 CUBLAS_FP8 = 'custom_call_target="__cublas$lt$matmul$f8"'
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """One FP8 GEMM shape: Y[M, N] = X[M, K] W[K, N], and the model's layers that have it."""
+
+    layers: str  # the model's layers with this shape, comma-separated
+    m: int
+    k: int
+    n: int
+
+    @property
+    def flops(self) -> float:  # forward + backward: three GEMMs of 2 M K N
+        return 3 * 2.0 * self.m * self.k * self.n
+
+
+def model_gemm_shapes(config: Config) -> list[GemmShape]:
+    """The distinct (M, K, N) of the ranking model's `precision.fp8_layers` layers, with the layers of each, as
+    the layers record them when built (module docstring)."""
+    if config.data.kind == "interactions":
+        raise ConfigError("bench fp8 knows the ranking model's GEMMs only")
+    precision = dataclasses.replace(config.precision, fp8=True, fp8_auto_choice=None)
+    config = dataclasses.replace(config, precision=precision)
+    model = nnx.eval_shape(lambda: GEMModel(config, rngs=nnx.Rngs(0)))
+    groups: dict[tuple[int, int, int], list[str]] = {}
+    for d in fp8_decisions(model):
+        groups.setdefault((d.m, d.k, d.n), []).append(d.layer)
+    return [GemmShape(", ".join(sorted(names)), *mkn) for mkn, names in sorted(groups.items())]
 
 
 def _dense_pair(recipe: str, k: int, n: int) -> tuple[Dense, Dense]:

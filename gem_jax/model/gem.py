@@ -18,6 +18,7 @@ from jaxtyping import ArrayLike, Float, Int
 from gem_jax.config import Config, DataConfig
 from gem_jax.data.batch import JaggedBatch
 from gem_jax.embeddings import FeatureIds, segment_ids
+from gem_jax.model import fp8_auto
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.layers import Dense
 from gem_jax.model.wukong import WukongStack
@@ -86,10 +87,29 @@ def embedding_ids(batch: JaggedBatch, groups: dict[str, tuple[int, ...]]) -> dic
     return ids
 
 
+def gemm_rows(data: DataConfig) -> dict[str, int]:
+    """The rows per pack (M) of each Dense layer's GEMM, by layer-name prefix: tokens for the token
+    projection and the HSTU tower, examples for the per-example inputs, examples x candidates from the
+    sequence summaries on (the precision policy decides `precision.fp8 = "auto"` layers by them)."""
+    tokens, examples = data.tokens_per_shard, data.examples_per_shard
+    candidates = examples * data.num_candidates
+    return {
+        "input/token": tokens,
+        "hstu/": tokens,
+        "input/dense": examples,
+        "cross/context": examples,
+        "cross/summary": candidates,
+        "wukong/": candidates,
+        "head/": candidates,
+    }
+
+
 class GEMModel(nnx.Module):
     def __init__(self, config: Config, *, rngs: nnx.Rngs):
         e, m, d = config.embeddings, config.model, config.data
-        policy = PrecisionPolicy.from_config(config.precision)
+        policy = PrecisionPolicy.from_config(
+            config.precision, gemm_rows=gemm_rows(d), fp8_speedups=fp8_auto.speedups(config.precision)
+        )
         self.config = config
         self.token_proj = Dense("input/token", e.dim, m.model_dim, policy, rngs=rngs)
         self.candidate_marker = param(

@@ -10,7 +10,7 @@ from jaxtyping import Array, ArrayLike, Float
 from gem_jax.model.fp8 import FP8Matmul
 from gem_jax.model.fp8_silu import dense_silu_split, split_widths
 from gem_jax.parallel import param
-from gem_jax.precision import PrecisionPolicy
+from gem_jax.precision import FP8Decision, PrecisionPolicy
 from pallas_kernels.layer_norm import layer_norm
 
 
@@ -20,7 +20,8 @@ class Dense(nnx.Module):
     Our own module rather than `nnx.Linear` so that the layer's name selects its precision and FP8
     recipe from the policy, and its weights carry logical axis names. Where the policy says FP8,
     the GEMM is `self.fp8` (e4m3/e5m2 with per-tensor scales, f32 accumulation) and the output is
-    still cast to the compute dtype.
+    still cast to the compute dtype. `self.fp8_decision` keeps what the policy decided for the layer
+    (None: `precision.fp8_layers` does not name it, or FP8 is off).
     """
 
     def __init__(
@@ -43,7 +44,8 @@ class Dense(nnx.Module):
             if use_bias
             else None
         )
-        recipe = policy.fp8_recipe(name, sensitive=sensitive)
+        self.fp8_decision = policy.fp8_decision(name, d_in, d_out, sensitive=sensitive)
+        recipe = None if self.fp8_decision is None else self.fp8_decision.recipe
         self.fp8 = FP8Matmul(recipe) if recipe is not None else None
 
     def __call__(self, x: Float[ArrayLike, "... din"]) -> Float[ArrayLike, "... dout"]:
@@ -79,6 +81,16 @@ class Dense(nnx.Module):
             compute_dtype=self.compute_dtype,
             implementation=implementation,
         )
+
+
+def fp8_decisions(model: nnx.Module) -> list[FP8Decision]:
+    """What the policy decided for each of `model`'s Dense layers that `precision.fp8_layers` names, in
+    graph order (an abstract model from nnx.eval_shape will do): the FP8 layers are those with a recipe."""
+    return [
+        node.fp8_decision
+        for _, node in nnx.iter_graph(model)
+        if isinstance(node, Dense) and node.fp8_decision is not None
+    ]
 
 
 class LayerNorm(nnx.Module):

@@ -5,7 +5,6 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from gem_jax.config import Config
-from gem_jax.model import fp8_auto
 from gem_jax.parallel import make_mesh
 from gem_jax.tasks.next_item import NextItemTask
 from gem_jax.tasks.ranking import RankingTask
@@ -16,9 +15,7 @@ TASKS = {"synthetic": RankingTask, "records": RankingTask, "interactions": NextI
 
 
 def make_task(config: Config, mesh: Mesh | None = None) -> Task:
-    """The task for `config.data.kind` on `mesh` (default: the config's mesh over all devices), with
-    `precision.fp8 = "auto"` resolved to the layers whose FP8 GEMMs measured faster on this GPU kind."""
-    config = fp8_auto.resolve(config)
+    """The task for `config.data.kind` on `mesh` (default: the config's mesh over all devices)."""
     return TASKS[config.data.kind](config, mesh if mesh is not None else make_mesh(config.parallel))
 
 

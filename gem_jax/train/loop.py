@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gem_jax.distributed import agree, wait_for_all
+from gem_jax.model import fp8_auto
 from gem_jax.model.attention import kernel_summary
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt, watchdog
@@ -228,23 +229,40 @@ def train(
             latest = checkpoints.newest_intact()
             if best is not None:
                 best.newest_intact(required=False)
+            t_start = time.perf_counter()
+            trainer = Trainer(task, task.mesh)  # builds the model: "auto" FP8 layers decide here
             if jax.process_index() == 0:
-                record.write(plan, task.config, fingerprint, resumed_from=latest, restart=restart)
-            return _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps)
+                # A new "auto" run records the layers its model chose (a resume's config holds them already).
+                config = fp8_auto.recorded_choice(task.config, trainer.fp8_decisions)
+                record.write(plan, config, fingerprint, resumed_from=latest, restart=restart)
+            return _train(
+                task,
+                trainer,
+                workdir,
+                checkpoints,
+                best,
+                latest,
+                interrupts,
+                stop_after,
+                profile_steps,
+                t_start,
+            )
         finally:
             checkpoints.close()
             if best is not None:
                 best.close()
 
 
-def _train(task, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps) -> dict[str, Any]:
-    t_start = time.perf_counter()
+def _train(
+    task, trainer, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps, t_start
+) -> dict[str, Any]:
     tc = task.config.train
     if jax.process_index() == 0:
         _line(describe_mesh(task.mesh, task.config.parallel))
+        if task.config.precision.fp8 == "auto":
+            _line(fp8_auto.describe(task.config.precision, trainer.fp8_decisions))
     if task.describe():
         _line(task.describe())
-    trainer = Trainer(task, task.mesh)
     evaluate = task.evaluator(trainer)
     total = task.total_steps()
     with interrupt.blocked():  # grain worker processes start in here: Ctrl-C must not reach them

@@ -2,7 +2,8 @@
 
 Files (all written atomically):
 
-* `config.toml`: the resolved config of the run, written once when the run starts.
+* `config.toml`: the resolved config of the run, written once when the run starts, with what the run
+  decided then (`precision.fp8_auto_choice`: the layers `precision.fp8 = "auto"` put in FP8).
 * `run.json`: written once beside it: the data fingerprint (synthetic data: its generator settings;
   an interactions file: its path, size and sha256; records: every shard's name, size and sha256 as its
   schema.json lists them), the code version (package version, git commit
@@ -12,7 +13,9 @@ Files (all written atomically):
   overrides; `eval --workdir` applies the last line's); for a supervisor's relaunch (`--restarts`),
   `restart`: the attempt, of how many, and the line that reported the end before it.
 
-A re-run compares its config and data with the record before anything in the workdir is written.
+A re-run first takes those decisions from the record where its own config leaves them open
+(`with_run_choices`: the stored choice wins over what this machine would choose), then compares its config
+and data with the record before anything in the workdir is written.
 Any difference outside `MAY_CHANGE`, or data whose content changed, is refused with one line naming
 the differing keys (`RecordMismatch`, exit code 2): a changed model would fail to restore, changed
 data or a changed optimizer would silently continue a different run. A workdir with no checkpoint
@@ -217,6 +220,23 @@ class RunRecord:
                 changes = [f"{k}={json.dumps(v[1])}" for k, v in last.get("changed", {}).items()]
                 break
         return load_config(self.config_path, [*changes, *overrides])
+
+    def with_run_choices(self, config: Config) -> Config:
+        """`config` with the FP8 layers the recorded run chose, where `config` asks for "auto" and leaves the
+        choice open: a resumed run keeps its layers whatever GPU it resumes on. Anything else as is (a
+        changed key is `check`'s to refuse)."""
+        p = config.precision
+        if p.fp8 != "auto" or p.fp8_auto_choice is not None or not self.has_run():
+            return config
+        try:
+            recorded = load_config(self.config_path).precision
+        except ConfigError:  # `check` says why the record does not load
+            return config
+        if recorded.fp8 != "auto":
+            return config
+        return dataclasses.replace(
+            config, precision=dataclasses.replace(p, fp8_auto_choice=recorded.fp8_auto_choice)
+        )
 
     def check(self, config: Config, fingerprint: dict[str, Any]) -> Plan:
         """Compares with the record (reads only); raises RecordMismatch naming every refused key."""

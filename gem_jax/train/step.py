@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from gem_jax.embeddings.offload import host_device
 from gem_jax.model import fp8
+from gem_jax.model.layers import fp8_decisions
 from gem_jax.parallel import batch_sharding, shard_axes, state_shardings
 from gem_jax.precision import PrecisionPolicy
 from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
@@ -71,6 +72,9 @@ class Trainer:
         self.axes = shard_axes(config.parallel)
         self.batch_spec = P(self.axes if self.axes else None)
         abstract_model = nnx.eval_shape(task.build_model)
+        # What each FP8-named layer decided as it was built (FP8 or not, and why): the loop records and
+        # reports the "auto" choice from these.
+        self.fp8_decisions = fp8_decisions(abstract_model)
         self.graphdef, abstract_params, _, abstract_probes = nnx.split(
             abstract_model, nnx.Param, fp8.FP8Meta, fp8.AmaxProbe
         )
