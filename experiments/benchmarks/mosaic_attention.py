@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmarks import shapes
-from experiments.benchmarks.attention import fwd_flops
+from experiments.benchmarks.jagged_calls import fwd_flops
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
