@@ -4,7 +4,8 @@ Checks the Pallas kernel against the float32 reference on fresh random inputs fi
 and backward (median of many reps after warm-up) for the shapes in shapes.py, against the padded XLA reference
 and, for softmax, cuDNN. TFLOP/s use the usual count (docs/design.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
 backward = 2.5 x forward; backward times exclude the forward pass (residuals are computed once before timing);
-"useful" means the same count whatever the implementation computes.
+"useful" means the same count whatever the implementation computes. --preset runs issue 47's table instead
+(attention_presets.py: Mosaic, Triton, cuDNN and tokamax side by side).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.benchmarks import shapes
+from experiments.benchmarks import attention_presets, shapes
 from experiments.benchmarks.jagged_calls import (
     compare,
     fwd_bwd,
@@ -260,10 +261,26 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--write", default="", help="append the markdown table to this file (e.g. docs/benchmarks.md)"
     )
+    p.add_argument(
+        "--preset",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="only issue 47's table rows (attention_presets.py), every implementation side by side; 'all': "
+        f"every row. NAMEs: {', '.join(shapes.ATTENTION_PRESETS)}. With --quick: shrunk (B, N, H <= 2, 64, 2)",
+    )
     args = p.parse_args(argv)
-    rng = np.random.default_rng(int(time.time()))
+    seed = int(time.time())
+    rng = np.random.default_rng(seed)
     device = jax.devices()[0].device_kind
     print(f"device={device} jax={jax.__version__}", flush=True)
+    if args.preset:
+        names = list(shapes.ATTENTION_PRESETS) if args.preset == "all" else args.preset.split(",")
+        unknown = [name for name in names if name not in shapes.ATTENTION_PRESETS]
+        if unknown or args.write:
+            p.error(f"unknown --preset {unknown}" if unknown else "--write goes with the default tables only")
+        return attention_presets.run(
+            names, quick_shapes=args.quick, reps=args.reps, checked=not args.no_check, seed=seed
+        )
     try:
         checks = (
             []
@@ -391,7 +408,7 @@ def main(argv: list[str]) -> int:
             ref_batch=128,
         )
         if jax.default_backend() == "gpu":
-            rows += bench_cudnn(shapes.SOFTMAX_DENSE, rng, args.reps)
+            rows += bench_cudnn(shapes.DENSE_H16, rng, args.reps)
     header = (
         "| case | implementation | fwd TFLOP/s | bwd TFLOP/s | fwd ms | bwd ms |\n"
         "| --- | --- | --- | --- | --- | --- |"

@@ -56,7 +56,7 @@ CASES = {
     "d64": ("silu full N=16384 B=16 D=64", shapes.NVIDIA_D64, "silu", None),
     "d256": ("silu full N=4096 B=64 D=256", shapes.NVIDIA_D256, "silu", None),
     "bias1024": ("silu N=1024 B=512 + pos 128 + time 64", shapes.PEER_N1024, "silu", shapes.GEM_H200_BIAS),
-    "softmax": ("softmax dense B=8 T=4096 H=16 D=128", shapes.SOFTMAX_DENSE, "softmax", None),
+    "softmax": ("softmax dense B=8 T=4096 H=16 D=128", shapes.DENSE_H16, "softmax", None),
 }
 
 
