@@ -3,6 +3,8 @@ the rest n/a), and its correctness check refusing a wrong implementation."""
 
 import contextlib
 import io
+import pathlib
+import subprocess
 
 import jax.numpy as jnp
 import numpy as np
@@ -89,3 +91,10 @@ def test_unknown_presets_are_refused(capsys):
     with pytest.raises(SystemExit):
         attention.main(["--preset", "u1k,nope"])
     assert "nope" in capsys.readouterr().err
+
+
+def test_the_device_script_parses_and_runs_every_preset():
+    script = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "device" / "attention_presets.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    presets = next(line for line in script.read_text().splitlines() if line.startswith("PRESETS="))
+    assert set(presets.split(":-")[1].rstrip("}").split()) == set(shapes.ATTENTION_PRESETS)
