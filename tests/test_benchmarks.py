@@ -21,7 +21,7 @@ def test_every_benchmark_answers_help_under_its_cli_name(name, capsys):
 
 def test_every_benchmark_module_is_registered():
     registered = {module for module, _ in BENCHMARKS.values()}
-    helpers = {"__init__", "shapes", "timing"}
+    helpers = {"__init__", "shapes", "timing", "jagged_calls", "attention_presets"}
     for path in BENCH_DIR.glob("*.py"):
         if path.stem not in helpers:
             assert f"experiments.benchmarks.{path.stem}" in registered, f"{path} is not in BENCHMARKS"

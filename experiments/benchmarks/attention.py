@@ -4,7 +4,8 @@ Checks the Pallas kernel against the float32 reference on fresh random inputs fi
 and backward (median of many reps after warm-up) for the shapes in shapes.py, against the padded XLA reference
 and, for softmax, cuDNN. TFLOP/s use the usual count (docs/design.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
 backward = 2.5 x forward; backward times exclude the forward pass (residuals are computed once before timing);
-"useful" means the same count whatever the implementation computes.
+"useful" means the same count whatever the implementation computes. --preset runs issue 47's table instead
+(attention_presets.py: Mosaic, Triton, cuDNN and tokamax side by side).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import sys
 import time
 
@@ -20,25 +20,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.benchmarks import shapes
+from experiments.benchmarks import attention_presets, shapes
+from experiments.benchmarks.jagged_calls import (
+    compare,
+    fwd_bwd,
+    fwd_flops,
+    inputs,
+    jagged,
+    time_bwd,
+)
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu_sm90, jagged_attention
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
-
-
-def _inputs(lengths, h, d, rng, dtype=jnp.bfloat16):
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    # token capacity: the tokens rounded up to a multiple of 8 (a packed batch's capacity is; the Mosaic GPU
-    # forward needs it, and without it the GPU backend quietly runs the Triton forward)
-    t = -(-int(offsets[-1]) // 8) * 8
-    keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
-    q, k, v, do = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys)
-    return q, k, v, do, jnp.asarray(offsets)
-
-
-def fwd_flops(lengths, h, dqk, dv) -> float:
-    return float(sum(2 * h * (dqk + dv) * int(l) ** 2 / 2 for l in lengths))
 
 
 def _time(fn, *args, reps: int) -> float:
@@ -63,48 +57,17 @@ def _forwards(options: KernelOptions | None) -> list[tuple[str, KernelOptions | 
     ]
 
 
-def _fwd_bwd(impl, n, activation, block_sizes=None, options=None, **kw):
-    f = functools.partial(
-        jagged_attention,
-        max_seq_len=n,
-        activation=activation,
-        implementation=impl,
-        block_sizes=block_sizes,
-        options=options,
-        **kw,
-    )
-    fwd = jax.jit(f)
-
-    @jax.jit
-    def residuals(q, k, v, off):
-        return jax.vjp(lambda q, k, v: f(q, k, v, off), q, k, v)[1]
-
-    pullback = jax.jit(lambda vjp, do: vjp(do))
-    return fwd, (residuals, pullback)
-
-
-def _time_bwd(bwd, q, k, v, off, do, reps):
-    """Median seconds of the backward pass alone (residuals computed once, outside the timed region)."""
-    residuals, pullback = bwd
-    vjp = jax.block_until_ready(residuals(q, k, v, off))
-    return _time(pullback, vjp, do, reps=reps)
-
-
-# rel. L2 error bar of a bf16-input kernel against the float32 reference (the CPU tests' bar for bf16)
-CHECK_BAR = 1e-2
-
-
 def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
     """Rel. L2 errors of the Pallas kernel vs the float32 reference (bf16 inputs), forward and grads.
 
-    Each row ends in "OK" (every error < CHECK_BAR, no NaN/inf) or "FAIL".
+    Each row ends in "OK" (every error < jagged_calls.CHECK_BAR, no NaN/inf) or "FAIL".
     """
     h, d, n, b = shape.heads, shape.head_dim, shape.max_seq_len, shape.batch
     rows = []
     lengths = np.concatenate([[0, 1, n, n - 1], rng.integers(1, n, size=b - 4)])
     for activation in ("silu", "softmax"):
         for extras in ({"targets": True},) if bias_only else ({}, {"targets": True}):
-            q, k, v, do, off = _inputs(lengths, h, d, rng)
+            q, k, v, do, off = inputs(lengths, h, d, rng)
             kw = {}
             if extras:
                 kw = dict(
@@ -140,16 +103,10 @@ def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
                 names = ["out", "dq", "dk", "dv", "dpos", "dtime"]
                 vals = [got[1]] + list(got[0])
                 refs = [want[1]] + list(want[0])
-                errs, ok = [], True
-                for name, a, r in zip(names, vals, refs):
-                    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
-                    e = np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30)
-                    finite = bool(np.isfinite(a).all())
-                    ok = ok and finite and e < CHECK_BAR
-                    errs.append(f"{name}={e:.1e}" + ("" if finite else "(NaN!)"))
+                ok, errs = compare(names, vals, refs)
                 rows.append(
                     f"check {activation:7s} {'targets+window+bias' if kw else 'plain':20s} [{label}] "
-                    + " ".join(errs)
+                    + errs
                     + (" -> OK" if ok else " -> FAIL")
                 )
                 print(rows[-1], flush=True)
@@ -173,7 +130,7 @@ def bench_case(
 ):
     n = int(max(lengths))
     n = 1 << (n - 1).bit_length() if n not in (1024, 4096) else n
-    q, k, v, do, off = _inputs(lengths, h, d, rng)
+    q, k, v, do, off = inputs(lengths, h, d, rng)
     flops = fwd_flops(lengths, h, d, d)
     out = []
     kw = {}
@@ -183,18 +140,18 @@ def bench_case(
     if num_pos:
         kw["pos_bias"] = jnp.asarray(rng.standard_normal((h, num_pos)) * 0.1, jnp.float32)
     for label, opts in _forwards(options):
-        fwd, bwd = _fwd_bwd(_kernel_impl(), n, activation, block_sizes, opts, **kw)
+        fwd, bwd = fwd_bwd(jagged(_kernel_impl(), n, activation, block_sizes, opts, **kw))
         tf = _time(fwd, q, k, v, off, reps=reps)
-        tb = _time_bwd(bwd, q, k, v, off, do, reps=reps)
+        tb = time_bwd(bwd, q, k, v, off, do, reps=reps)
         out.append((name, label, flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
         del fwd, bwd
     if with_ref:  # padded reference; memory B*H*N^2*4 bytes, so maybe on a sub-batch
         sub = lengths if ref_batch is None else lengths[:ref_batch]
-        q2, k2, v2, do2, off2 = _inputs(sub, h, d, rng)
+        q2, k2, v2, do2, off2 = inputs(sub, h, d, rng)
         fl2 = fwd_flops(sub, h, d, d)
-        fwd, bwd = _fwd_bwd("reference", n, activation)
+        fwd, bwd = fwd_bwd(jagged("reference", n, activation))
         tf = _time(fwd, q2, k2, v2, off2, reps=max(3, reps // 4))
-        tb = _time_bwd(bwd, q2, k2, v2, off2, do2, reps=max(3, reps // 4))
+        tb = time_bwd(bwd, q2, k2, v2, off2, do2, reps=max(3, reps // 4))
         out.append(
             (
                 name,
@@ -304,10 +261,26 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--write", default="", help="append the markdown table to this file (e.g. docs/benchmarks.md)"
     )
+    p.add_argument(
+        "--preset",
+        default="",
+        metavar="NAME[,NAME...]",
+        help="only issue 47's table rows (attention_presets.py), every implementation side by side; 'all': "
+        f"every row. NAMEs: {', '.join(shapes.ATTENTION_PRESETS)}. With --quick: shrunk (B, N, H <= 2, 64, 2)",
+    )
     args = p.parse_args(argv)
-    rng = np.random.default_rng(int(time.time()))
+    seed = int(time.time())
+    rng = np.random.default_rng(seed)
     device = jax.devices()[0].device_kind
     print(f"device={device} jax={jax.__version__}", flush=True)
+    if args.preset:
+        names = list(shapes.ATTENTION_PRESETS) if args.preset == "all" else args.preset.split(",")
+        unknown = [name for name in names if name not in shapes.ATTENTION_PRESETS]
+        if unknown or args.write:
+            p.error(f"unknown --preset {unknown}" if unknown else "--write goes with the default tables only")
+        return attention_presets.run(
+            names, quick_shapes=args.quick, reps=args.reps, checked=not args.no_check, seed=seed
+        )
     try:
         checks = (
             []
@@ -435,7 +408,7 @@ def main(argv: list[str]) -> int:
             ref_batch=128,
         )
         if jax.default_backend() == "gpu":
-            rows += bench_cudnn(shapes.SOFTMAX_DENSE, rng, args.reps)
+            rows += bench_cudnn(shapes.DENSE_H16, rng, args.reps)
     header = (
         "| case | implementation | fwd TFLOP/s | bwd TFLOP/s | fwd ms | bwd ms |\n"
         "| --- | --- | --- | --- | --- | --- |"

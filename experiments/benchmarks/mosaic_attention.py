@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmarks import shapes
-from experiments.benchmarks.attention import fwd_flops
+from experiments.benchmarks.jagged_calls import fwd_flops
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
@@ -168,7 +168,7 @@ CASES = {
     "heavy": ("silu heavy-tailed N=4096 B=2048 H=4 D=128", shapes.HEAVY_TAIL, "silu", None),
     "d256": ("silu full N=4096 B=64 H=4 D=256", shapes.NVIDIA_D256, "silu", None),
     "d64": ("silu full N=16384 B=16 H=4 D=64", shapes.NVIDIA_D64, "silu", None),
-    "softmax": ("softmax T=4096 B=8 H=16 D=128", shapes.SOFTMAX_DENSE, "softmax", None),
+    "softmax": ("softmax T=4096 B=8 H=16 D=128", shapes.DENSE_H16, "softmax", None),
     "bias1024": ("silu N=1024 B=512 + pos 128 + time 64", shapes.PEER_N1024, "silu", shapes.GEM_H200_BIAS),
     "biasheavy": (
         "silu heavy-tailed N=4096 + pos 128 + time 64",

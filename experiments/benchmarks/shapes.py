@@ -52,6 +52,18 @@ class RelativeBias:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionPreset:
+    """A row of issue 47's table (`bench attention --preset NAME`): a shape, its activation, and the targets in
+    TFLOP/s, or as the name of an implementation timed in the same call ("cudnn", "tokamax"). A row without a
+    backward target times the forward only."""
+
+    shape: JaggedShape
+    activation: str
+    target_fwd: float | str
+    target_bwd: float | str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockShape:
     """BlockAttention: ~total_tokens per batch cut into histories of each length, H heads of D features."""
 
@@ -71,11 +83,25 @@ HEAVY_TAIL = JaggedShape(batch=2048, max_seq_len=4096, heads=4, head_dim=128, le
 # NVIDIA's CUTLASS HSTU kernel's published H100 shapes (full-length sequences): D=256 at N=4096, D=64 at N=16384
 NVIDIA_D256 = JaggedShape(batch=64, max_seq_len=4096, heads=4, head_dim=256, lengths="equal")
 NVIDIA_D64 = JaggedShape(batch=16, max_seq_len=16384, heads=4, head_dim=64, lengths="equal")
-# dense causal softmax, equal lengths: the cuDNN comparison (B=8 T=4096 H=16)
-SOFTMAX_DENSE = JaggedShape(batch=8, max_seq_len=4096, heads=16, head_dim=128, lengths="equal")
+# dense causal, equal lengths (B=8 T=4096 H=16): the cuDNN and tokamax comparison, SiLU and softmax
+DENSE_H16 = JaggedShape(batch=8, max_seq_len=4096, heads=16, head_dim=128, lengths="equal")
+# dense causal softmax at D=256, equal lengths (B=4 T=8192 H=4): where tokamax leads cuDNN (issue 47)
+DENSE_D256 = JaggedShape(batch=4, max_seq_len=8192, heads=4, head_dim=256, lengths="equal")
 # the relative bias of configs/gem_h200.toml (num_position_buckets, num_time_buckets), and a wide one
 GEM_H200_BIAS = RelativeBias(num_pos=128, num_time=64)
 WIDE_BIAS = RelativeBias(num_pos=1024, num_time=64)
+# issue 47's table, a row a preset (H200, bf16, causal; docs/benchmarks.md): the peer's shapes, the dense
+# rows where cuDNN and tokamax (softmax) are the anchors, and NVIDIA's CUTLASS shapes at full length
+ATTENTION_PRESETS = {
+    "u1k": AttentionPreset(PEER_N1024, "silu", 330),
+    "u4k": AttentionPreset(PEER_N4096, "silu", 480),
+    "h4k": AttentionPreset(HEAVY_TAIL, "silu", 375),
+    "dense8x4k_h16d128": AttentionPreset(DENSE_H16, "silu", 500),
+    "b64n4k_d256": AttentionPreset(NVIDIA_D256, "silu", 580),
+    "b16n16k_d64": AttentionPreset(NVIDIA_D64, "silu", 480),
+    "softmax8x4k_h16d128": AttentionPreset(DENSE_H16, "softmax", "cudnn", "cudnn"),
+    "b4n8k_d256": AttentionPreset(DENSE_D256, "softmax", "tokamax"),
+}
 # the jagged benchmark's correctness check on fresh inputs (before timing); QUICK: its --quick variant
 CHECK = JaggedShape(batch=24, max_seq_len=512, heads=4, head_dim=128)
 CHECK_QUICK = JaggedShape(batch=8, max_seq_len=64, heads=4, head_dim=128)

@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.benchmarks import shapes
-from experiments.benchmarks.attention import _fwd_bwd, _inputs, _time_bwd, fwd_flops
+from experiments.benchmarks import jagged_calls, shapes
+from experiments.benchmarks.jagged_calls import fwd_flops
 from pallas_kernels.jagged_attention import gpu, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
@@ -56,7 +56,7 @@ CASES = {
     "d64": ("silu full N=16384 B=16 D=64", shapes.NVIDIA_D64, "silu", None),
     "d256": ("silu full N=4096 B=64 D=256", shapes.NVIDIA_D256, "silu", None),
     "bias1024": ("silu N=1024 B=512 + pos 128 + time 64", shapes.PEER_N1024, "silu", shapes.GEM_H200_BIAS),
-    "softmax": ("softmax dense B=8 T=4096 H=16 D=128", shapes.SOFTMAX_DENSE, "softmax", None),
+    "softmax": ("softmax dense B=8 T=4096 H=16 D=128", shapes.DENSE_H16, "softmax", None),
 }
 
 
@@ -152,7 +152,7 @@ def check(only: list[int] | None = None) -> bool:
         cases if only in (None, []) else [cases[i] for i in only]
     ):
         t0 = time.perf_counter()
-        q, k, v, do, off = _inputs(np.asarray(lengths), 2, d, rng)
+        q, k, v, do, off = jagged_calls.inputs(np.asarray(lengths), 2, d, rng)
         extra_rows = 24  # capacity past offsets[B]: those rows must come out zero
         pad = lambda x: jnp.pad(x, ((0, extra_rows), (0, 0), (0, 0)))
         q, k, v, do = pad(q), pad(k), pad(v), pad(do)
@@ -179,7 +179,7 @@ def time_case(case: str, reps: int) -> bool:
     rng = np.random.default_rng(int(time.time()))
     lengths = shape.sample_lengths(rng)
     h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
-    q, k, v, do, off = _inputs(lengths, h, d, rng)
+    q, k, v, do, off = jagged_calls.inputs(lengths, h, d, rng)
     kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
     flops = 2.5 * fwd_flops(lengths, h, d, d)
     # the check: the Mosaic backward against the Triton one on this shape's fresh inputs
@@ -201,8 +201,8 @@ def time_case(case: str, reps: int) -> bool:
         if label.startswith("mosaic") and not ok:
             tflops[label] = float("nan")
             continue
-        fwd, bwd = _fwd_bwd("pallas", n, activation, None, options, **extra)
-        sec = _time_bwd(bwd, q, k, v, off, do, reps)
+        fwd, bwd = jagged_calls.fwd_bwd(jagged_calls.jagged("pallas", n, activation, None, options, **extra))
+        sec = jagged_calls.time_bwd(bwd, q, k, v, off, do, reps)
         tflops[label] = flops / sec / 1e12
         print(f"{name} {label} bwd: {sec * 1e3:.3f} ms {tflops[label]:.1f} TFLOP/s", flush=True)
         del fwd, bwd
@@ -226,7 +226,7 @@ def _one_forward(case: str):
     rng = np.random.default_rng(int(time.time()))
     lengths = shape.sample_lengths(rng)
     h, d, n = shape.heads, shape.head_dim, shape.max_seq_len
-    q, k, v, do, off = _inputs(lengths, h, d, rng)
+    q, k, v, do, off = jagged_calls.inputs(lengths, h, d, rng)
     kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
     fields = dict(num_pos=bias.num_pos, num_time=bias.num_time) if bias else {}
     params = KernelParams.build(n, activation, d, options=MOSAIC, **fields)
@@ -255,7 +255,7 @@ def sweep(case: str, reps: int) -> bool:
         ok, errs = (True, "(the reference knobs)") if want is None else _compare(got, want, int(off[-1]))
         want = got if want is None else want
         ok_all = ok_all and ok
-        sec = _time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
+        sec = jagged_calls.time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
         print(
             f"SWEEP | {name} | {label} | {flops / sec / 1e12:.1f} TFLOP/s | {sec * 1e3:.3f} ms | {errs} |",
             flush=True,
@@ -275,7 +275,7 @@ def meet(case: str, reps: int) -> bool:
         ok, errs = (True, "(the reference setting)") if want is None else _compare(got, want, int(off[-1]))
         want = got if want is None else want
         ok_all = ok_all and ok
-        sec = _time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
+        sec = jagged_calls.time_bwd((lambda *_: residuals, f), q, k, v, off, do, reps) if ok else float("nan")
         print(
             f"MEET | {name} | {flag} | {flops / sec / 1e12:.1f} TFLOP/s | {sec * 1e3:.3f} ms | {errs} |",
             flush=True,
