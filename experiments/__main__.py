@@ -64,6 +64,7 @@ BENCHMARKS = {
         "sparse lookup + row-wise update (GPU; --small: CPU)",
     ),
     "norm": ("experiments.benchmarks.norm", "the fused layer-norm kernels vs XLA's (GPU; --quick: CPU)"),
+    "norm_gemm": ("experiments.benchmarks.norm_gemm", "LN + GEMM + SiLU in one Hopper kernel vs XLA's route"),
     "silu_fp8": (
         "experiments.benchmarks.silu_fp8",
         "SiLU's backward with FP8 output vs XLA (GPU; --quick: CPU)",

@@ -1,0 +1,118 @@
+"""The public entry point: picks the Hopper kernel or the reference, binds the backward.
+
+`norm_silu_gemm(x, gamma, beta, w, b, widths)` is split(SiLU(LayerNorm(x) * gamma + beta) W + b), widths) as
+reference.py specifies. Implementation names as every kernel package (pallas_kernels/implementations.py):
+the Mosaic GPU kernel runs on a Hopper GPU when its tiles fit the shape ("gpu", None), in the Mosaic GPU
+interpreter with "gpu_interpret"/"interpret" (CPU tests); everything else runs the reference, which XLA
+compiles to its layer norm, cuBLAS and SiLU fusions, and which autodiff differentiates.
+
+The kernel's backward is written out here in jnp (XLA compiles it to cuBLAS GEMMs and fusions) from the z the
+forward kept: dz = dy * SiLU'(z), the bias gradient its column sums, dW = xn^T dz with xn recomputed from the
+row statistics, dxn = dz W^T, then LayerNorm's backward. It is autodiff's backward of the reference, without
+re-running the forward GEMM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float
+
+from pallas_kernels import implementations
+from pallas_kernels.jagged_attention.sm90_common import is_hopper
+from pallas_kernels.norm_gemm.gpu_sm90 import Tiles, norm_silu_gemm_sm90
+from pallas_kernels.norm_gemm.reference import EPS, norm_silu_gemm_reference, normalize, row_stats
+
+# The interpreter's tiles: one CTA, small tiles, so a CPU test runs in seconds.
+INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
+
+
+def _interpreter():
+    """Mosaic GPU's CPU interpreter (a private jax module, only reachable this way; tests and "interpret")."""
+    # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+
+    return interpret_params.force_gpu_interpret_mode(
+        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
+    )
+
+
+def kernel_for(
+    implementation: str | None, x_shape, widths, tiles: Tiles | None = None
+) -> tuple[str, Tiles | None]:
+    """("gpu" | "gpu_interpret" | "reference", tiles): what a call runs."""
+    kernel = implementations.resolve(implementation)
+    m, k = x_shape
+    if kernel == "gpu_interpret":
+        tiles = tiles or INTERPRET_TILES
+    elif kernel == "gpu" and is_hopper():
+        tiles = tiles or Tiles()
+    else:
+        return "reference", None
+    return (kernel, tiles) if tiles.applies(m, k, widths) else ("reference", None)
+
+
+def norm_silu_gemm(
+    x: Float[ArrayLike, "M K"],
+    gamma: Float[ArrayLike, " K"],
+    beta: Float[ArrayLike, " K"],
+    w: Float[ArrayLike, "K N"],
+    b: Float[ArrayLike, " N"],
+    widths: tuple[int, ...],
+    *,
+    implementation: str | None = None,
+    tiles: Tiles | None = None,
+) -> tuple[Float[Array, "M _"], ...]:
+    """split(SiLU(LN(x) W + b), widths) in W's dtype; `tiles` (benchmarks) overrides the kernel's."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+        raise ValueError(f"norm_silu_gemm: x must be [M, K] and w [K, N], got {x.shape} and {w.shape}")
+    if sum(widths) != w.shape[1]:
+        raise ValueError(f"norm_silu_gemm: widths {widths} must add up to w's {w.shape[1]} columns")
+    kernel, tiles = kernel_for(implementation, x.shape, widths, tiles)
+    if kernel == "reference":
+        return norm_silu_gemm_reference(x, gamma, beta, w, b, widths)[0]
+    return _fused(x, gamma, beta, w, b, tuple(widths), kernel, tiles)
+
+
+def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
+    stats = row_stats(x, EPS)
+    affine = jnp.stack([jnp.asarray(gamma, jnp.float32), jnp.asarray(beta, jnp.float32)])
+    interpret = kernel == "gpu_interpret"
+    with _interpreter() if interpret else contextlib.nullcontext():
+        pieces, z = norm_silu_gemm_sm90(x, stats, affine, w, b, widths, tiles, interpret=interpret)
+    return pieces, (x, stats, gamma, beta, w, z)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _fused(x, gamma, beta, w, b, widths, kernel, tiles):
+    return _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)[0]
+
+
+def _fused_fwd(x, gamma, beta, w, b, widths, kernel, tiles):
+    pieces, residuals = _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)
+    return pieces, (residuals, jnp.asarray(b).dtype)
+
+
+def _fused_bwd(widths, kernel, tiles, saved, d_pieces):
+    (x, stats, gamma, beta, w, z), b_dtype = saved
+    z32 = z.astype(jnp.float32)
+    sig = jax.nn.sigmoid(z32)
+    dz = (jnp.concatenate(d_pieces, axis=1).astype(jnp.float32) * sig * (1 + z32 * (1 - sig))).astype(w.dtype)
+    db = jnp.sum(dz.astype(jnp.float32), axis=0).astype(b_dtype)
+    xn = normalize(x, stats, gamma, beta, w.dtype)
+    dw = jnp.dot(xn.T, dz, preferred_element_type=jnp.float32).astype(w.dtype)
+    dxn = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
+    y = (jnp.asarray(x, jnp.float32) - stats[0][:, None]) * stats[1][:, None]  # the normalised rows
+    gamma32 = jnp.asarray(gamma, jnp.float32)
+    dgamma = jnp.sum(dxn * y, axis=0).astype(jnp.asarray(gamma).dtype)
+    dbeta = jnp.sum(dxn, axis=0).astype(jnp.asarray(beta).dtype)
+    dy = dxn * gamma32
+    dx = stats[1][:, None] * (dy - dy.mean(-1, keepdims=True) - y * (dy * y).mean(-1, keepdims=True))
+    return dx.astype(x.dtype), dgamma, dbeta, dw, db
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
