@@ -24,7 +24,7 @@ from jaxtyping import Array, ArrayLike, Float
 from pallas_kernels import implementations
 from pallas_kernels.jagged_attention.sm90_common import is_hopper
 from pallas_kernels.norm_gemm.gpu_sm90 import Tiles, norm_silu_gemm_sm90
-from pallas_kernels.norm_gemm.reference import EPS, norm_silu_gemm_reference, normalize, row_stats
+from pallas_kernels.norm_gemm.reference import EPS, norm_silu_gemm_reference, row_stats
 
 # The interpreter's tiles: one CTA, small tiles, so a CPU test runs in seconds.
 INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
@@ -103,11 +103,11 @@ def _fused_bwd(widths, kernel, tiles, saved, d_pieces):
     sig = jax.nn.sigmoid(z32)
     dz = (jnp.concatenate(d_pieces, axis=1).astype(jnp.float32) * sig * (1 + z32 * (1 - sig))).astype(w.dtype)
     db = jnp.sum(dz.astype(jnp.float32), axis=0).astype(b_dtype)
-    xn = normalize(x, stats, gamma, beta, w.dtype)
+    y = (jnp.asarray(x, jnp.float32) - stats[0][:, None]) * stats[1][:, None]  # the normalised rows, once
+    gamma32 = jnp.asarray(gamma, jnp.float32)
+    xn = (y * gamma32 + jnp.asarray(beta, jnp.float32)).astype(w.dtype)  # reference.normalize, from y
     dw = jnp.dot(xn.T, dz, preferred_element_type=jnp.float32).astype(w.dtype)
     dxn = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
-    y = (jnp.asarray(x, jnp.float32) - stats[0][:, None]) * stats[1][:, None]  # the normalised rows
-    gamma32 = jnp.asarray(gamma, jnp.float32)
     dgamma = jnp.sum(dxn * y, axis=0).astype(jnp.asarray(gamma).dtype)
     dbeta = jnp.sum(dxn, axis=0).astype(jnp.asarray(beta).dtype)
     dy = dxn * gamma32
