@@ -273,6 +273,16 @@ class ModelConfig:
     norm_implementation: Literal["auto", "reference", "pallas", "interpret"] = setting(
         "auto", may_change=True
     )
+    # The HSTU layer's input norm, uvqk GEMM, bias, SiLU and split as one kernel (pallas_kernels.norm_gemm: the
+    # norm applied to the GEMM's A tile in shared memory, bias + SiLU + split in its epilogue; its backward's
+    # dX GEMM takes SiLU's derivative in). "off" (the default until measured on a GPU): the norm kernel, XLA's
+    # GEMM, then SiLU. "auto": the Mosaic GPU kernel on Hopper where its tiles fit the pack, else "off";
+    # "reference" / "pallas" / "interpret" as the other kernel settings. The same function, so a run may
+    # resume on another. Layers whose uvqk GEMM runs FP8, and model.frequency_mix (which reads the normalised
+    # rows), keep the unfused path.
+    uvqk_implementation: Literal["off", "auto", "reference", "pallas", "interpret"] = setting(
+        "off", may_change=True
+    )
     max_attn_len: int = setting(0, AT_LEAST_0)
     num_position_buckets: int = setting(64, AT_LEAST_0)  # 0 disables the relative position bias
     num_time_buckets: int = setting(32, AT_LEAST_0)  # 0 disables the relative time bias
@@ -311,6 +321,11 @@ class ModelConfig:
     @property
     def norm_kernel(self) -> str | None:
         return None if self.norm_implementation == "auto" else self.norm_implementation
+
+    @property
+    def uvqk_kernel(self) -> str | None:
+        """norm_gemm's `implementation=` for `uvqk_implementation` (not "off")."""
+        return None if self.uvqk_implementation == "auto" else self.uvqk_implementation
 
 
 @dataclass(frozen=True)
@@ -661,6 +676,12 @@ def validate(config: Config, source: str) -> Config:
         )
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
+    if m.uvqk_implementation not in ("off", "auto") and (m.frequency_mix > 0 or m.layer != "hstu"):
+        raise ConfigError(
+            f"{source}: `model.uvqk_implementation = {m.uvqk_implementation!r}` fuses the HSTU layer's input norm "
+            f'into its uvqk GEMM: it needs model.layer = "hstu" (got {m.layer!r}) and no model.frequency_mix '
+            f"(got {m.frequency_mix}), which reads the normalised rows"
+        )
     _validate_long_history(config, source)
     _validate_frequency_filter(config, source)
     _validate_embeddings(config, source)

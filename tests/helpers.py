@@ -149,6 +149,26 @@ def first_pack(stack):
     return jax.tree.map(lambda x: x[0], stack)
 
 
+def model_logits_and_grads(config: Config):
+    """The GEM model's logits on the first synthetic pack of `config`, and the gradients of
+    sum(sin(logits)) with respect to every parameter (an nnx.State)."""
+    from flax import nnx
+
+    from gem_jax.model.gem import GEMModel
+
+    model = GEMModel(config, rngs=nnx.Rngs(0))
+    pack = first_pack(next(stacks(config, 1)))
+    embedded = dense_embeddings(config, pack)
+    graph, params = nnx.split(model)
+
+    def loss(params):
+        logits = nnx.merge(graph, params)(pack, embedded)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return model, logits, grads
+
+
 def poison_loss(monkeypatch, from_step: int) -> None:
     """Makes the reported loss NaN for every step whose input state is at `from_step` or later."""
     import jax.numpy as jnp

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gem_jax.model.gem import GEMModel
 from pallas_kernels.layer_norm import layer_norm
 from pallas_kernels.layer_norm.api import block_rows, kernel_applies
 from pallas_kernels.layer_norm.reference import layer_norm_reference
-from tests.helpers import dense_embeddings, first_pack, small_config, stacks
+from tests.helpers import model_logits_and_grads, small_config, stacks
 
 
 def _inputs(seed, shape, dtype):
@@ -99,16 +98,7 @@ def test_the_hstu_model_runs_the_kernel_with_the_same_function():
     results = {}
     for impl in ("reference", "interpret"):
         c = small_config(f'model.norm_implementation="{impl}"', "precision.compute_dtype=float32")
-        model = GEMModel(c, rngs=nnx.Rngs(0))
-        pack = first_pack(next(stacks(c, 1)))
-        embedded = dense_embeddings(c, pack)
-        graph, params = nnx.split(model)
-
-        def loss(params):
-            logits = nnx.merge(graph, params)(pack, embedded)
-            return jnp.sum(jnp.sin(logits)), logits
-
-        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        model, logits, grads = model_logits_and_grads(c)
         results[impl] = (logits, grads)
         if impl == "interpret":
             assert model.tower.layers[0].input_norm.implementation == "interpret"

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from gem_jax.distributed import agree, wait_for_all
 from gem_jax.model import fp8_auto
 from gem_jax.model.attention import kernel_summary
+from gem_jax.model.hstu import uvqk_summary
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
@@ -292,6 +293,8 @@ def _train(
     say = _message_printer(bar)
     if will_train and jax.process_index() == 0 and task.config.model.layer in ("hstu", "sasrec"):
         say(kernel_summary(task.config))
+        if task.config.model.layer == "hstu":
+            say(uvqk_summary(task.config))
 
     def save() -> None:
         nonlocal saved_step

@@ -1,0 +1,80 @@
+"""model.uvqk_implementation: the HSTU layer's input norm + uvqk GEMM + SiLU + split through
+pallas_kernels.norm_gemm. Who decides (hstu.uvqk_fusion), what train says at start-up, the config's refusals,
+and the model's logits and gradients through the fused path against the unfused one."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gem_jax.config import ConfigError
+from gem_jax.model.hstu import uvqk_fusion, uvqk_summary
+from tests.helpers import model_logits_and_grads, small_config
+
+WIDE = ("model.model_dim=64", "model.attention_dim=32", "model.value_dim=32")  # widths of 64: the tiles fit
+
+
+@pytest.mark.parametrize(
+    "setting,dtype,fp8,want",
+    [
+        ("off", jnp.bfloat16, False, None),
+        ("auto", jnp.bfloat16, False, None),  # CPU: no Hopper kernel, so the unfused path
+        ("reference", jnp.bfloat16, False, "reference"),
+        ("interpret", jnp.bfloat16, False, "gpu_interpret"),
+        ("interpret", jnp.float32, False, "reference"),  # the kernel's GEMM is 16-bit
+        ("interpret", jnp.bfloat16, True, None),  # an FP8 uvqk GEMM stays unfused
+    ],
+)
+def test_who_runs_the_uvqk_projection(setting, dtype, fp8, want):
+    m = small_config(*WIDE, f"model.uvqk_implementation={setting}").model
+    assert uvqk_fusion(m, 256, jnp.float32, dtype, fp8=fp8) == want
+
+
+def test_tiles_that_do_not_fit_take_the_reference_or_the_unfused_path():
+    """100 rows are no multiple of the kernel's 2 x 64: an explicit name runs norm_gemm's reference."""
+    m = small_config(*WIDE, "model.uvqk_implementation=interpret").model
+    assert uvqk_fusion(m, 100, jnp.float32, jnp.bfloat16, fp8=False) == "reference"
+
+
+def test_start_up_line_names_the_choice():
+    assert "unfused" in uvqk_summary(small_config())
+    line = uvqk_summary(small_config(*WIDE, "model.uvqk_implementation=interpret", "precision.fp8=true"))
+    assert "norm_gemm gpu_interpret" in line and "FP8" in line
+
+
+def test_the_config_refuses_a_fused_uvqk_without_hstu_layers():
+    with pytest.raises(ConfigError, match="uvqk_implementation"):
+        small_config("model.uvqk_implementation=reference", 'model.layer="sasrec"')
+
+
+def _logits_and_grads(*overrides):
+    _, logits, grads = model_logits_and_grads(small_config(*overrides))
+    return logits, nnx.to_flat_state(grads)
+
+
+def _value(v):
+    return np.asarray(v.get_value() if hasattr(v, "get_value") else v[...], np.float32)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-4), ("bfloat16", 0.05)])
+def test_the_fused_path_is_the_same_function(dtype, rtol):
+    """The model through norm_gemm's reference (the fused path's spec) against the unfused layers: the
+    logits and every parameter's gradient (float32: to rounding; bf16: the fused path adds the bias before
+    its one rounding, the unfused GEMM rounds first)."""
+    common = (*WIDE, f"precision.compute_dtype={dtype}")
+    ref_logits, ref_grads = _logits_and_grads(*common)
+    logits, grads = _logits_and_grads(*common, "model.uvqk_implementation=reference")
+    scale = float(np.abs(np.asarray(ref_logits)).max())
+    np.testing.assert_allclose(logits, ref_logits, rtol=rtol, atol=rtol * scale)
+    checked = 0
+    for (path, a), (_, b) in zip(ref_grads, grads):
+        a, b = _value(a), _value(b)
+        if dtype == "float32":
+            np.testing.assert_allclose(
+                b, a, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(a).max()), err_msg=str(path)
+            )
+        else:  # bf16: relative L2 per array
+            err = np.linalg.norm(b - a) / max(np.linalg.norm(a), 1e-12)
+            assert err < rtol, (path, err)
+        checked += "uvqk" in str(path) or "input_norm" in str(path)
+    assert checked >= 8  # both layers' uvqk kernel and bias, input-norm scale and bias
