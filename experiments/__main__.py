@@ -59,6 +59,10 @@ BENCHMARKS = {
     "pipeline": ("experiments.benchmarks.pipeline", "the input pipeline alone, and its memory (--config C)"),
     "balance": ("experiments.benchmarks.balance", "attention work per device with and without data.balance"),
     "fp8": ("experiments.benchmarks.fp8", "FP8 Dense vs bf16 Dense (GPU; --small: CPU)"),
+    "fp8_out": (
+        "experiments.benchmarks.fp8_out",
+        "FP8 GEMM with a bf16 result: the forms XLA's cuBLASLt rewrite takes (GPU; --small: CPU)",
+    ),
     "embeddings": (
         "experiments.benchmarks.embeddings",
         "sparse lookup + row-wise update (GPU; --small: CPU)",

@@ -99,7 +99,7 @@ def _rel_error(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.sqrt(jnp.sum(jnp.square(a - b)) / jnp.sum(jnp.square(b)))
 
 
-def _rel(a, b) -> float:
+def relative_error(a, b) -> float:
     return float(_rel_error(a, b))
 
 
@@ -148,7 +148,11 @@ def bench_shape(shape: GemmShape, recipe: str, reps: int, seed: int = 0) -> tupl
             (_, _), (_, dprobes, _) = step(params, probes, histories, x, c)
             histories = fp8.update_meta(histories, dprobes)
         (_, y), (dparams, _, dx) = step(params, probes, histories, x, c)
-        row[f"{name}_err"] = [_rel(y, ref[0]), _rel(dx, ref[1]), _rel(dparams["kernel"], ref[2])]
+        row[f"{name}_err"] = [
+            relative_error(y, ref[0]),
+            relative_error(dx, ref[1]),
+            relative_error(dparams["kernel"], ref[2]),
+        ]
         row[f"{name}_s"] = median_seconds(step, params, probes, histories, x, c, reps=reps)
         if name == "fp8":
             row["calls"] = None  # nothing to count on CPU
