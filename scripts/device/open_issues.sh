@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The first device measurements the open kernel work waits for, one PART per device call (each under the 600 s
+# a call may run; every step has its own `timeout -k` and writes its log as it ends). Logs go to $OUT/logs,
+# packed into $OUT/PART.tgz at the end (a call brings back at most 8 files); $OUT/PART.md holds the tables.
+#   bash scripts/device/open_issues.sh glue       norm_gemm forward (+ backward) vs XLA; FP8 GEMM result dtype,
+#                                                 default XLA flags and with the Triton GEMM fusion off
+#   bash scripts/device/open_issues.sh step       bench train_step, gem_h200 and hstu_nvidia, uvqk unfused vs
+#                                                 model.uvqk_implementation=auto (the fused kernel)
+#   bash scripts/device/open_issues.sh bias       the biased Mosaic backward vs Triton (u1k), then the any-T table
+#                                                 (u1k, h4k: bias on/off, default T vs padded)
+#   bash scripts/device/open_issues.sh presets    every attention preset (scripts/device/attention_presets.sh)
+#   bash scripts/device/open_issues.sh fuzz       fuzz attention for FUZZ_S seconds (default 540)
+# Order for a session of 30 device minutes: glue, step, bias (presets and fuzz next). Anywhere, CPU too, the
+# parts run (the kernels' rows then say n/a): `OUT=/tmp/oi QUICK=1 bash scripts/device/open_issues.sh glue`.
+set -u
+PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz}
+OUT=${OUT:-runs/open_issues}
+LOGS=$OUT/logs; mkdir -p "$LOGS"
+export PYTHONPATH=$PWD
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$LOGS/pip.log" 2>&1
+  export PYTHONPATH=$PWD:/tmp/site
+fi
+QUICK=${QUICK:-}
+start=$(date +%s)
+step() {  # step NAME LIMIT_S COMMAND...: one step, its own timeout, its log in $LOGS/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t0; t0=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t0 )) s (at $(( $(date +%s) - start )) s)" | tee -a "$LOGS/times.txt"
+}
+nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$LOGS/smi.txt" 2>&1
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" > "$LOGS/jax.txt" 2>&1
+git log -1 --format='tree %h %s' > "$LOGS/tree.txt" 2>/dev/null
+case $PART in
+  glue)
+    small=; [ -n "$QUICK" ] && small=--small
+    quick=; [ -n "$QUICK" ] && quick=--quick
+    step norm_gemm 300 python3 -m experiments bench norm_gemm $quick
+    step fp8_out 110 python3 -m experiments bench fp8_out --reps 10 $small
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
+      step fp8_out_no_triton_gemm 110 python3 -m experiments bench fp8_out --reps 10 $small
+    ;;
+  step)
+    configs="configs/gem_h200.toml configs/hstu_nvidia.toml"
+    extra=(--steps 10 --warmup 3)
+    [ -n "$QUICK" ] && configs=configs/tiny.toml && extra=(--steps 2 --warmup 1 --pipeline-steps 2)
+    for c in $configs; do
+      name=$(basename "$c" .toml)
+      for uvqk in off auto; do
+        step "train_step_${name}_$uvqk" 130 python3 -m experiments bench train_step --config "$c" \
+          --set "model.uvqk_implementation=$uvqk" "${extra[@]}"
+      done
+    done
+    ;;
+  bias)
+    step bwd_bias1024 200 python3 scripts/device/attention_bwd_sm90.py time bias1024 10
+    step table_u1k_h4k 300 python3 scripts/device/attention_table.py u1k h4k --reps 10 --no-triton
+    ;;
+  presets)
+    OUT=$LOGS/presets BUDGET=500 step presets 560 bash scripts/device/attention_presets.sh
+    ;;
+  fuzz)
+    step fuzz "$(( ${FUZZ_S:-540} + 40 ))" python3 -m experiments fuzz attention --seconds "${FUZZ_S:-540}" --seed 5
+    ;;
+  *) echo "unknown part $PART (glue, step, bias, presets, fuzz)"; exit 2 ;;
+esac
+{  # the tables and the lines a reader needs first
+  echo "# open_issues.sh $PART, $(date -u +%F), $(head -1 "$LOGS/smi.txt" 2>/dev/null | tail -1), $(cat "$LOGS/jax.txt")"
+  cat "$LOGS/tree.txt" 2>/dev/null; echo
+  cat "$LOGS/times.txt"
+  for f in "$LOGS"/*.log; do
+    echo; echo "## $(basename "$f")"
+    grep -h -E '^\||CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)' "$f" | head -60
+  done
+} > "$OUT/$PART.md" 2>&1
+tar czf "$OUT/$PART.tgz" -C "$OUT" logs 2>/dev/null
+echo "total $(( $(date +%s) - start )) s; $OUT/$PART.md, $OUT/$PART.tgz"
