@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax._src.lib.mlir import ir  # Mosaic GPU's own API, for the inline code Pallas has no primitive for
@@ -33,12 +32,6 @@ SMEM_BYTES = 232448  # the H100/H200's shared memory per block (227 KiB)
 SMEM_SLACK = 8192  # barriers and the swizzled buffers' alignment, not counted by smem_bytes
 ROW = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector laid out like the rows of a wgmma tile
 COL = plgpu.Layout.WGMMA.reduce(0)  # a [bk] vector laid out like its columns
-
-
-def is_hopper() -> bool:
-    """Whether jax's default device is a Hopper GPU (compute capability 9.x: H100, H200)."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
 
 
 def table_width(n: int) -> int:

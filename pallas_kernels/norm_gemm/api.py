@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
 from pallas_kernels import implementations
-from pallas_kernels.jagged_attention.sm90_common import is_hopper
+from pallas_kernels.common import is_hopper
 from pallas_kernels.norm_gemm.gpu_sm90 import Tiles, norm_silu_gemm_sm90
 from pallas_kernels.norm_gemm.reference import EPS, norm_silu_gemm_reference, row_stats
 
