@@ -360,6 +360,10 @@ class PrecisionConfig:
     param_dtype: FloatDtype = "float32"
     compute_dtype: FloatDtype = "bfloat16"
     sensitive_dtype: FloatDtype = "float32"  # heads, losses, LayerNorm statistics
+    # The sequence tower's residual stream (the tokens between layers, and each layer's x + branch): float32,
+    # or bfloat16 to halve the traffic of its adds and norms (issue: quality over 3 seeds before a default).
+    # The norms' statistics stay float32, and the tower's output is float32 either way.
+    residual_dtype: FloatDtype = "float32"
     overrides: dict[str, FloatDtype] = field(default_factory=dict)
     # FP8 GEMMs (gem_jax/model/fp8.py, docs/fp8.md): e4m3 inputs and weights, e5m2 output gradients, one
     # scale per tensor, on the Dense layers whose names start with a prefix in `fp8_layers` (never on

@@ -83,6 +83,7 @@ class PrecisionPolicy:
     fp8_auto_choice: tuple[str, ...] | None = None  # the run's recorded choice: wins over the table
     fp8_speedups: FP8Speedups | None = None  # this GPU kind's measurements ("auto" with no recorded choice)
     gemm_rows: tuple[tuple[str, int], ...] = ()  # (layer-name prefix, rows per pack), longest prefix first
+    residual: DTypeLike = DTYPES["float32"]  # the sequence tower's residual stream (precision.residual_dtype)
 
     @classmethod
     def from_config(
@@ -116,6 +117,7 @@ class PrecisionPolicy:
             fp8_auto_choice=config.fp8_auto_choice,
             fp8_speedups=fp8_speedups,
             gemm_rows=tuple(sorted((gemm_rows or {}).items(), key=lambda kv: -len(kv[0]))),
+            residual=_dtype(config.residual_dtype, "residual_dtype"),
         )
 
     def compute_dtype(self, layer: str, *, sensitive: bool = False) -> DTypeLike:

@@ -97,3 +97,32 @@ def test_attention_function_is_the_kernel_package():
     )
     ref = jagged_attention(q, k, v, offsets, max_seq_len=8, implementation="reference")
     np.testing.assert_allclose(out, ref, rtol=1e-6)
+
+
+def test_a_bf16_residual_stream_keeps_its_dtype_between_layers(monkeypatch):
+    """precision.residual_dtype = "bfloat16": every HSTU layer takes and returns the stream in bf16, the tower's
+    output stays float32, and the logits and gradients are float32's within bf16's rounding of the stream."""
+    from gem_jax.model.hstu import HSTULayer
+    from tests.helpers import model_logits_and_grads
+
+    seen = []
+    call = HSTULayer.__call__
+
+    def recording(self, x, *args, **kwargs):
+        y = call(self, x, *args, **kwargs)
+        seen.append((x.dtype, y.dtype))
+        return y
+
+    monkeypatch.setattr(HSTULayer, "__call__", recording)
+    _, ref_logits, ref_grads = model_logits_and_grads(small_config())
+    assert seen and all(d == (jnp.float32, jnp.float32) for d in seen)
+    seen.clear()
+    _, logits, grads = model_logits_and_grads(small_config("precision.residual_dtype=bfloat16"))
+    assert seen and all(d == (jnp.bfloat16, jnp.bfloat16) for d in seen)
+    assert logits.dtype == jnp.float32
+    err = float(jnp.linalg.norm(logits - ref_logits) / jnp.linalg.norm(ref_logits))
+    assert 0 < err < 0.02, err  # different (the stream is rounded), and close
+    for (path, a), (_, b) in zip(nnx.to_flat_state(ref_grads), nnx.to_flat_state(grads)):
+        a, b = np.asarray(a.get_value(), np.float32), np.asarray(b.get_value(), np.float32)
+        assert np.all(np.isfinite(b)), path
+        assert np.linalg.norm(b - a) <= 0.1 * np.linalg.norm(a) + 1e-6, path

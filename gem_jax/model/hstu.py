@@ -141,11 +141,11 @@ class HSTULayer(nnx.Module):
             y = self.attn_norm(a.reshape(t, h * dv), gate=u)
             attended = dropout(self.out(y), c.dropout, rng)
         if self.frequency is None:
-            return x + attended
+            return (x + attended).astype(x.dtype)  # the residual stream keeps its dtype
         with jax.named_scope(f"{self.name}/frequency"):
             filtered = self.frequency(xn, offsets, max_len=max_seq_len).astype(attended.dtype)
             filtered = dropout(filtered, c.dropout, None if rng is None else jax.random.fold_in(rng, 2))
-            return x + c.frequency_mix * filtered + (1.0 - c.frequency_mix) * attended
+            return (x + c.frequency_mix * filtered + (1.0 - c.frequency_mix) * attended).astype(x.dtype)
 
     def fused_uvqk(
         self, x: Float[ArrayLike, "T D"], implementation: str
@@ -223,6 +223,7 @@ class HSTUTower(nnx.Module):
             ]
         )
         self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs, implementation=config.norm_kernel)
+        self.residual_dtype = policy.residual  # the stream between layers (precision.residual_dtype)
         # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
         self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))
         self.config = config
@@ -238,6 +239,7 @@ class HSTUTower(nnx.Module):
         rng: jax.Array | None = None,
     ):
         c = self.config
+        x = x.astype(self.residual_dtype)
         for start, stop, fraction in self.stages:
             if fraction < 1.0:  # pyramid: run on the kept suffix, scatter back (dropped rows freeze)
                 with jax.named_scope("hstu/pyramid"):
@@ -263,7 +265,7 @@ class HSTUTower(nnx.Module):
             else:
                 x = xs
         with jax.named_scope("hstu/final_norm"):
-            return self.final_norm(x)
+            return self.final_norm(x, out_dtype=jnp.float32)
 
 
 def _runs(values):

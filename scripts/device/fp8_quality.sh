@@ -4,6 +4,7 @@
 # $PARALLEL (2: ~35 GiB of activations each) runs at a time on the one GPU (quality only: their wall times mean
 # nothing); then the table of scripts/device/fp8_quality.py. Logs, metrics and the table in $OUT/fp8_quality.tgz.
 #   RECIPES="bf16 delayed margin1 current" SEEDS="0 1 2" bash scripts/device/fp8_quality.sh
+#   RECIPES="bf16 bf16res uvqk" bash scripts/device/fp8_quality.sh   (other variants below: same table, vs bf16)
 # ("delayed" is the delayed recipe with no headroom, fp8_margin = 0; "margin1" the default, one binade.)
 # A run takes ~100 s of wall (2026-12-03, two at a time: four runs in 280 s). The seeds may be split over several
 # invocations: unpack every archive into one directory and run the table on it.
@@ -28,6 +29,9 @@ V[margin1]="--set precision.fp8=true --set precision.fp8_margin=1"
 V[current]="--set precision.fp8=true --set precision.fp8_recipe=\"current\""
 # Not FP8: bf16 with the HSTU norms in plain jnp (the quality check of the fused layer-norm kernels).
 V[refnorm]="--set model.norm_implementation=\"reference\""
+# Not FP8 either: the quality checks of the bf16 residual stream and of the fused uvqk kernel (issue 49).
+V[bf16res]="--set precision.residual_dtype=\"bfloat16\""
+V[uvqk]="--set model.uvqk_implementation=\"auto\""
 # Seed-major, so a run cut short still holds every recipe of its first seeds (pairs against bf16).
 for seed in ${SEEDS:-0 1 2}; do
   for recipe in ${RECIPES:-bf16 delayed margin1}; do
