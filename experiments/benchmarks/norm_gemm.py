@@ -5,8 +5,13 @@ The HSTU layer's uvqk step, split(SiLU(LN(x) W + b)) with x the float32 residual
 (XLA: the layer-norm fusion, cuBLAS, the SiLU fusion) and "kernel" pallas_kernels.norm_gemm on a Hopper
 GPU, with the default tiles and a few others. Every variant is first checked against the reference on fresh
 inputs (max difference of the pieces, in bf16 units of the reference's magnitude); a wrong one is reported
-and not timed. Times are forward only (the kernel's backward is XLA's in both); TFLOP/s count 2 M K N.
-On CPU the kernel rows say n/a (tests/test_norm_gemm.py checks the kernel in the Mosaic GPU interpreter).
+and not timed. TFLOP/s count 2 M K N.
+
+"backward" rows: the backward's dz = dy * SiLU'(z), dxn = dz W^T and bias-gradient step (api.silu_backward;
+dW and LayerNorm's backward are the same jnp in both): "jnp" is XLA's SiLU-backward fusion, column-sum
+reduction and cuBLAS GEMM, "kernel" the backward kernel (gpu_sm90_backward.py) with the default tiles and a
+few others, checked against the jnp outputs (dz, dxn, db) on fresh inputs before timing.
+On CPU the kernel rows say n/a (tests/test_norm_gemm*.py check the kernels in the Mosaic GPU interpreter).
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import numpy as np
 
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.norm_gemm import norm_silu_gemm
+from pallas_kernels.norm_gemm.api import silu_backward
 from pallas_kernels.norm_gemm.gpu_sm90 import Tiles
+from pallas_kernels.norm_gemm.gpu_sm90_backward import BackwardTiles
 
 # (name, M, K, widths)
 CASES = [("gem_h200 uvqk", 196_608, 512, (512,) * 4), ("hstu_nvidia uvqk", 65_536, 1024, (1024,) * 4)]
@@ -29,6 +36,7 @@ TILES = [
     Tiles(block_n=64, stages=3),
     Tiles(block_k=64, block_n=128, stages=3),
 ]
+BACKWARD_TILES = [BackwardTiles(), BackwardTiles(stages=2), BackwardTiles(block_n=128, stages=4)]
 
 
 def _inputs(m, k, widths, seed):
@@ -60,24 +68,55 @@ def main(argv: list[str]) -> int:
               f"({flops / base / 1e12:.0f} TFLOP/s)", flush=True)  # fmt: skip
         if on_cpu:  # tests/test_norm_gemm.py runs one tile in the interpreter, which stalls under jit
             print("  kernel: n/a (needs a Hopper GPU)", flush=True)
-            continue
-        for t in TILES:
-            label = f"kernel {t or 'default tiles'}"
+        for t in [] if on_cpu else TILES:
             fn = jax.jit(
                 lambda *a, t=t, widths=widths: norm_silu_gemm(*a, widths, implementation="pallas", tiles=t)
             )
-            try:
-                got = [np.asarray(y, np.float32) for y in fn(*arrays)]
-            except Exception as e:  # a tile that does not compile: say so, go on
-                print(f"  {label}: failed ({type(e).__name__}: {str(e)[:160]})", flush=True)
-                ok = False
-                continue
-            err = max(float(np.max(np.abs(g - w)) / (np.max(np.abs(w)) + 1e-6)) for g, w in zip(got, want))
-            if err > 2e-2:
-                print(f"  {label}: WRONG (max difference {err:.3g} of the reference's magnitude)", flush=True)
-                ok = False
-                continue
-            seconds = median_seconds(fn, *arrays, reps=args.reps)
-            print(f"  {label}: {seconds * 1e3:.3f} ms ({flops / seconds / 1e12:.0f} TFLOP/s), "
-                  f"{base / seconds:.2f}x reference; max difference {err:.2g}", flush=True)  # fmt: skip
+            label = f"kernel {t or 'default tiles'}"
+            ok = _check_and_time(label, fn, arrays, want, base, flops, args.reps, "reference") and ok
+        ok = _backward(m, k, widths, seed, args.reps, on_cpu) and ok
     return 0 if ok else 1
+
+
+def _backward(m, k, widths, seed, reps, on_cpu) -> bool:
+    """The backward's dz / dxn / db step: jnp against the kernel (each tile set checked, then timed)."""
+    ks = jax.random.split(jax.random.key(100 + seed), 2 + len(widths))
+    n = sum(widths)
+    z = (2 * jax.random.normal(ks[0], (m, n))).astype(jnp.bfloat16)
+    w = (jax.random.normal(ks[1], (k, n)) / np.sqrt(k)).astype(jnp.bfloat16)
+    d_pieces = tuple(jax.random.normal(key, (m, wd)).astype(jnp.bfloat16) for key, wd in zip(ks[2:], widths))
+    flops = 2.0 * m * k * n
+    ref = jax.jit(lambda dp, z, w: silu_backward(dp, z, w, "reference"))
+    want = [np.asarray(y, np.float32) for y in ref(d_pieces, z, w)]
+    base = median_seconds(ref, d_pieces, z, w, reps=reps)
+    print(f"  backward dz/dxn/db jnp: {base * 1e3:.3f} ms ({flops / base / 1e12:.0f} TFLOP/s)", flush=True)
+    if on_cpu:
+        print("  backward kernel: n/a (needs a Hopper GPU)", flush=True)
+        return True
+    ok = True
+    for t in BACKWARD_TILES:
+        label = f"backward kernel {t}"
+        if not t.applies(m, k, widths):
+            print(f"  {label}: does not fit the shape", flush=True)
+            continue
+        fn = jax.jit(lambda dp, z, w, t=t: silu_backward(dp, z, w, "gpu", t))
+        ok = _check_and_time(label, fn, (d_pieces, z, w), want, base, flops, reps, "jnp") and ok
+    return ok
+
+
+def _check_and_time(label, fn, args, want, base, flops, reps, baseline) -> bool:
+    """Runs fn(*args) and compares its outputs with `want` (the largest difference, relative to each output's
+    magnitude); times it if right. False where it failed or was wrong (then not timed)."""
+    try:
+        got = [np.asarray(y, np.float32) for y in fn(*args)]
+    except Exception as e:  # a tile set that does not compile: say so, go on
+        print(f"  {label}: failed ({type(e).__name__}: {str(e)[:160]})", flush=True)
+        return False
+    err = max(float(np.max(np.abs(g - r)) / (np.max(np.abs(r)) + 1e-6)) for g, r in zip(got, want))
+    if err > 2e-2:
+        print(f"  {label}: WRONG (max difference {err:.3g} of the {baseline}'s magnitude)", flush=True)
+        return False
+    seconds = median_seconds(fn, *args, reps=reps)
+    print(f"  {label}: {seconds * 1e3:.3f} ms ({flops / seconds / 1e12:.0f} TFLOP/s), "
+          f"{base / seconds:.2f}x {baseline}; max difference {err:.2g}", flush=True)  # fmt: skip
+    return True

@@ -6,10 +6,11 @@ the Mosaic GPU kernel runs on a Hopper GPU when its tiles fit the shape ("gpu", 
 interpreter with "gpu_interpret"/"interpret" (CPU tests); everything else runs the reference, which XLA
 compiles to its layer norm, cuBLAS and SiLU fusions, and which autodiff differentiates.
 
-The kernel's backward is written out here in jnp (XLA compiles it to cuBLAS GEMMs and fusions) from the z the
-forward kept: dz = dy * SiLU'(z), the bias gradient its column sums, dW = xn^T dz with xn recomputed from the
-row statistics, dxn = dz W^T, then LayerNorm's backward. It is autodiff's backward of the reference, without
-re-running the forward GEMM.
+The kernel's backward, from the z the forward kept: dz = dy * SiLU'(z), the bias gradient its column sums and
+dxn = dz W^T (reference.silu_backward_reference) come from the backward kernel (gpu_sm90_backward.py: dz made
+in the GEMM's prologue, written once, its column sums as partials) where the forward ran a kernel and its tiles
+fit, else from that reference in jnp; dW = xn^T dz (cuBLAS, xn recomputed from the row statistics) and
+LayerNorm's backward are jnp. It is autodiff's backward of the reference, without re-running the forward GEMM.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ from jaxtyping import Array, ArrayLike, Float
 from pallas_kernels import implementations
 from pallas_kernels.common import is_hopper
 from pallas_kernels.norm_gemm.gpu_sm90 import Tiles, norm_silu_gemm_sm90
-from pallas_kernels.norm_gemm.reference import EPS, norm_silu_gemm_reference, row_stats
+from pallas_kernels.norm_gemm.gpu_sm90_backward import BackwardTiles, silu_gemm_backward_sm90
+from pallas_kernels.norm_gemm.reference import (
+    EPS,
+    norm_silu_gemm_reference,
+    row_stats,
+    silu_backward_reference,
+)
 
 # The interpreter's tiles: one CTA, small tiles, so a CPU test runs in seconds.
 INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
+INTERPRET_BACKWARD_TILES = BackwardTiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
 
 
 def _interpreter():
@@ -94,20 +102,48 @@ def _fused(x, gamma, beta, w, b, widths, kernel, tiles):
 
 def _fused_fwd(x, gamma, beta, w, b, widths, kernel, tiles):
     pieces, residuals = _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)
-    return pieces, (residuals, jnp.asarray(b).dtype)
+    return pieces, (residuals, jnp.zeros((0,), jnp.asarray(b).dtype))  # (b's dtype: residuals are arrays)
+
+
+def backward_kernel_for(kernel: str, m: int, k: int, widths) -> tuple[str, BackwardTiles | None]:
+    """("gpu" | "gpu_interpret" | "reference", tiles): what the backward's dz / dxn / db step runs, given what
+    the forward ran (the kernel again where its tiles fit the shape, else jnp)."""
+    if kernel == "gpu_interpret":
+        tiles = INTERPRET_BACKWARD_TILES
+    elif kernel == "gpu" and is_hopper():
+        tiles = BackwardTiles()
+    else:
+        return "reference", None
+    return (kernel, tiles) if tiles.applies(m, k, tuple(widths)) else ("reference", None)
+
+
+def silu_backward(
+    d_pieces: tuple[Float[ArrayLike, "M _"], ...],
+    z: Float[ArrayLike, "M N"],
+    w: Float[ArrayLike, "K N"],
+    kernel: str = "reference",
+    tiles: BackwardTiles | None = None,
+) -> tuple[Float[Array, "M N"], Float[Array, "M K"], Float[Array, " N"]]:
+    """(dz, dxn, db) as reference.silu_backward_reference: the backward kernel (kernel "gpu" or "gpu_interpret",
+    with `tiles`, which must fit) or that reference ("reference")."""
+    if kernel == "reference":
+        return silu_backward_reference(d_pieces, z, w)
+    interpret = kernel == "gpu_interpret"
+    d_pieces, z, w = tuple(jnp.asarray(p) for p in d_pieces), jnp.asarray(z), jnp.asarray(w)
+    with _interpreter() if interpret else contextlib.nullcontext():
+        dxn, dz, partials = silu_gemm_backward_sm90(d_pieces, z, w, tiles, interpret=interpret)
+    return dz, dxn, jnp.sum(partials, axis=0)
 
 
 def _fused_bwd(widths, kernel, tiles, saved, d_pieces):
-    (x, stats, gamma, beta, w, z), b_dtype = saved
-    z32 = z.astype(jnp.float32)
-    sig = jax.nn.sigmoid(z32)
-    dz = (jnp.concatenate(d_pieces, axis=1).astype(jnp.float32) * sig * (1 + z32 * (1 - sig))).astype(w.dtype)
-    db = jnp.sum(dz.astype(jnp.float32), axis=0).astype(b_dtype)
+    (x, stats, gamma, beta, w, z), b_like = saved
+    m, k = x.shape
+    dz, dxn, db = silu_backward(d_pieces, z, w, *backward_kernel_for(kernel, m, k, widths))
+    db = db.astype(jnp.result_type(b_like))  # (b_like: an empty array of b's dtype, or the dtype)
     y = (jnp.asarray(x, jnp.float32) - stats[0][:, None]) * stats[1][:, None]  # the normalised rows, once
     gamma32 = jnp.asarray(gamma, jnp.float32)
     xn = (y * gamma32 + jnp.asarray(beta, jnp.float32)).astype(w.dtype)  # reference.normalize, from y
     dw = jnp.dot(xn.T, dz, preferred_element_type=jnp.float32).astype(w.dtype)
-    dxn = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
     dgamma = jnp.sum(dxn * y, axis=0).astype(jnp.asarray(gamma).dtype)
     dbeta = jnp.sum(dxn, axis=0).astype(jnp.asarray(beta).dtype)
     dy = dxn * gamma32

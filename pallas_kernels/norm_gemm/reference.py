@@ -6,6 +6,12 @@
 
 and z itself, which the backward needs (SiLU's derivative). The kernel (gpu_sm90.py) adds b to the float32
 accumulator before its one rounding, the layer rounds the GEMM's result first: they differ by one rounding.
+
+The backward's dX side (silu_backward_reference, the spec of gpu_sm90_backward.py), from the pieces' cotangents:
+
+    dz  = concat(d_pieces) * SiLU'(z)  in float32 from the rounded z, rounded to W's dtype (the dW GEMM's operand)
+    dxn = dz @ W^T                     accumulated in float32, kept float32 (LayerNorm's backward follows)
+    db  = column sums of dz            float32 sums of the rounded dz
 """
 
 from __future__ import annotations
@@ -51,3 +57,18 @@ def norm_silu_gemm_reference(
     z = jnp.dot(xn, w, preferred_element_type=jnp.float32).astype(w.dtype)
     z = (z.astype(jnp.float32) + jnp.asarray(b, jnp.float32)).astype(w.dtype)
     return split_columns(jax.nn.silu(z), widths), z
+
+
+def silu_backward_reference(
+    d_pieces: tuple[Float[ArrayLike, "M _"], ...],
+    z: Float[ArrayLike, "M N"],
+    w: Float[ArrayLike, "K N"],
+) -> tuple[Float[Array, "M N"], Float[Array, "M K"], Float[Array, " N"]]:
+    """(dz, dxn, db) of split(SiLU(z), widths) with z = xn W + b, given the pieces' cotangents."""
+    w = jnp.asarray(w)
+    z32 = jnp.asarray(z, jnp.float32)
+    sig = jax.nn.sigmoid(z32)
+    dy = jnp.concatenate([jnp.asarray(p, jnp.float32) for p in d_pieces], axis=1)
+    dz = (dy * sig * (1 + z32 * (1 - sig))).astype(w.dtype)
+    dxn = jnp.dot(dz, w.T, preferred_element_type=jnp.float32)
+    return dz, dxn, jnp.sum(dz.astype(jnp.float32), axis=0)
