@@ -30,13 +30,27 @@ from pallas_kernels.norm_gemm.gpu_sm90_backward import BackwardTiles
 
 # (name, M, K, widths)
 CASES = [("gem_h200 uvqk", 196_608, 512, (512,) * 4), ("hstu_nvidia uvqk", 65_536, 1024, (1024,) * 4)]
-TILES = [
-    None,
-    Tiles(block_n=128, stages=2),
-    Tiles(block_n=64, stages=3),
-    Tiles(block_k=64, block_n=128, stages=3),
-]
-BACKWARD_TILES = [BackwardTiles(), BackwardTiles(stages=2), BackwardTiles(block_n=128, stages=4)]
+# Forward tile sets by name; "one_per_cta" is the default tiles on a grid of one CTA per output tile (not
+# persistent: no CTA runs a second tile), a check of the persistent loop's hand-over between tiles.
+TILES = {
+    "default": None,
+    "one_per_cta": "one_per_cta",
+    "n128s2": Tiles(block_n=128, stages=2),
+    "n64s3": Tiles(block_n=64, stages=3),
+}
+BACKWARD_TILES = {
+    "default": BackwardTiles(),
+    "s2": BackwardTiles(stages=2),
+    "n128s4": BackwardTiles(block_n=128, stages=4),
+}
+
+
+def _names(text: str, known: dict) -> list[str]:
+    names = [] if text == "none" else (list(known) if text == "all" else text.split(","))
+    for name in names:
+        if name not in known:
+            raise SystemExit(f"unknown tile set {name!r} (known: {', '.join(known)}, all, none)")
+    return names
 
 
 def _inputs(m, k, widths, seed):
@@ -53,7 +67,12 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments bench norm_gemm", description=__doc__)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="one small case: a smoke test of the command (CPU)")
+    p.add_argument("--forward", default="all", help=f"forward tile sets: {', '.join(TILES)}, all or none")
+    p.add_argument(
+        "--backward", default="all", help=f"backward tile sets: {', '.join(BACKWARD_TILES)}, all, none"
+    )
     args = p.parse_args(argv)
+    forward, backward = _names(args.forward, TILES), _names(args.backward, BACKWARD_TILES)
     on_cpu = jax.default_backend() == "cpu"
     cases = CASES if not args.quick else [("small", 128, 128, (64,))]
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
@@ -68,17 +87,22 @@ def main(argv: list[str]) -> int:
               f"({flops / base / 1e12:.0f} TFLOP/s)", flush=True)  # fmt: skip
         if on_cpu:  # tests/test_norm_gemm.py runs one tile in the interpreter, which stalls under jit
             print("  kernel: n/a (needs a Hopper GPU)", flush=True)
-        for t in [] if on_cpu else TILES:
+        for name in [] if on_cpu else forward:
+            t = TILES[name]
+            if t == "one_per_cta":
+                t = Tiles()
+                t = Tiles(num_ctas=(m // (2 * t.block_m)) * (sum(widths) // t.block_n))
             fn = jax.jit(
                 lambda *a, t=t, widths=widths: norm_silu_gemm(*a, widths, implementation="pallas", tiles=t)
             )
-            label = f"kernel {t or 'default tiles'}"
+            label = f"kernel {name} {t or Tiles()}"
             ok = _check_and_time(label, fn, arrays, want, base, flops, args.reps, "reference") and ok
-        ok = _backward(m, k, widths, seed, args.reps, on_cpu) and ok
+        if backward:
+            ok = _backward(m, k, widths, seed, args.reps, on_cpu, backward) and ok
     return 0 if ok else 1
 
 
-def _backward(m, k, widths, seed, reps, on_cpu) -> bool:
+def _backward(m, k, widths, seed, reps, on_cpu, names) -> bool:
     """The backward's dz / dxn / db step: jnp against the kernel (each tile set checked, then timed)."""
     ks = jax.random.split(jax.random.key(100 + seed), 2 + len(widths))
     n = sum(widths)
@@ -94,8 +118,9 @@ def _backward(m, k, widths, seed, reps, on_cpu) -> bool:
         print("  backward kernel: n/a (needs a Hopper GPU)", flush=True)
         return True
     ok = True
-    for t in BACKWARD_TILES:
-        label = f"backward kernel {t}"
+    for name in names:
+        t = BACKWARD_TILES[name]
+        label = f"backward kernel {name} {t}"
         if not t.applies(m, k, widths):
             print(f"  {label}: does not fit the shape", flush=True)
             continue

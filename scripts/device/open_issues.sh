@@ -36,10 +36,14 @@ case $PART in
   glue)
     small=; [ -n "$QUICK" ] && small=--small
     quick=; [ -n "$QUICK" ] && quick=--quick
-    step norm_gemm 300 python3 -m experiments bench norm_gemm $quick
-    step fp8_out 110 python3 -m experiments bench fp8_out --reps 10 $small
+    step fp8_out 120 python3 -m experiments bench fp8_out --reps 10 $small
     XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" \
-      step fp8_out_no_triton_gemm 110 python3 -m experiments bench fp8_out --reps 10 $small
+      step fp8_out_no_triton_gemm 100 python3 -m experiments bench fp8_out --reps 10 $small
+    # the kernels' first GPU runs: the forward one tile per CTA and the backward first, then the persistent
+    # forward (a CTA's hand-over between tiles), each in its own process so that a hang costs one step
+    step norm_gemm_one_per_cta 160 python3 -m experiments bench norm_gemm --forward one_per_cta $quick
+    step norm_gemm_persistent 160 python3 -m experiments bench norm_gemm --forward default,n128s2,n64s3 \
+      --backward none $quick
     ;;
   step)
     configs="configs/gem_h200.toml configs/hstu_nvidia.toml"
