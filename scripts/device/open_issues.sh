@@ -15,7 +15,7 @@
 set -u
 PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz}
 OUT=${OUT:-runs/open_issues}
-LOGS=$OUT/logs; mkdir -p "$LOGS"
+LOGS=${LOGS:-$OUT/logs}; mkdir -p "$LOGS" "$OUT"  # LOGS=/tmp/x on the device: $OUT brings back at most 8 files
 export PYTHONPATH=$PWD
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$LOGS/pip.log" 2>&1
@@ -78,5 +78,5 @@ esac
     grep -h -E '^\||CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)' "$f" | head -60
   done
 } > "$OUT/$PART.md" 2>&1
-tar czf "$OUT/$PART.tgz" -C "$OUT" logs 2>/dev/null
+tar czf "$OUT/$PART.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
 echo "total $(( $(date +%s) - start )) s; $OUT/$PART.md, $OUT/$PART.tgz"
