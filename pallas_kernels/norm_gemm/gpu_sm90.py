@@ -119,6 +119,17 @@ def norm_silu_gemm_sm90(
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, a_slot, ws)
                     plgpu.wgmma_wait(1)
+
+                    # The pipeline releases step k's ring slot after body(k + 1) (delay_release=1), so it never
+                    # releases the last step's: the producer's quiesce awaits releases up to step k_iters - 2
+                    # only, then starts the next tile's prologue, whose TMA loads overwrite every slot, W's
+                    # slot of the last step included, unawaited. Completing the last wgmma here, before the
+                    # release of step k_iters - 2 that follows this body, keeps that load off W's slot until
+                    # the wgmma has read it. (compute() waits for it right after the pipeline anyway.)
+                    @pl.when(ki == k_iters - 1)
+                    def _():
+                        plgpu.wgmma_wait(0)
+
                     return acc_ref
 
                 def compute(run_pipeline):
