@@ -14,7 +14,13 @@ Design:
   into registers, normalises them ((x - mean) * rstd * gamma + beta), rounds to bf16 and stores them into its
   own swizzled A buffer (two slots, alternating with k), then issues the wgmma on that buffer and W's slot.
   One wgmma stays in flight (wgmma_wait(1)): ring slots are released one step late (delay_release=1), and the
-  A slot written at step k was last read by the wgmma of step k - 2, which has completed.
+  A slot written at step k was last read by the wgmma of step k - 2, which has completed. The last K step
+  waits for its own wgmma (wgmma_wait(0)) before the pipeline releases step k_iters - 2: the pipeline never
+  releases the last step's slot, and once its producer has seen step k_iters - 2 released it starts the
+  next tile's TMA loads into every slot, so without that wait the last wgmma could read W's slot while the
+  next tile's W tile lands in it (a race on the GPU in any persistent loop over this pipeline with
+  delay_release=1; the consumer waits for that wgmma right after the pipeline anyway, so nothing that
+  overlapped is serialised).
 * Row statistics ([mean; rstd], float32 [2, M]) come from one XLA reduction over x (reference.row_stats):
   the kernel's K tiles see a row only piecewise. A consumer TMA-loads its rows' statistics and the tile's bias
   once per output tile (the pipeline carries only inputs that change with k). That pass reads x once more; the
@@ -119,6 +125,17 @@ def norm_silu_gemm_sm90(
                     plgpu.commit_smem()
                     plgpu.wgmma(acc_ref, a_slot, ws)
                     plgpu.wgmma_wait(1)
+
+                    # The pipeline releases step k's ring slot after body(k + 1) (delay_release=1), so it never
+                    # releases the last step's: the producer's quiesce awaits releases up to step k_iters - 2
+                    # only, then starts the next tile's prologue, whose TMA loads overwrite every slot, W's
+                    # slot of the last step included, unawaited. Completing the last wgmma here, before the
+                    # release of step k_iters - 2 that follows this body, keeps that load off W's slot until
+                    # the wgmma has read it. (compute() waits for it right after the pipeline anyway.)
+                    @pl.when(ki == k_iters - 1)
+                    def _():
+                        plgpu.wgmma_wait(0)
+
                     return acc_ref
 
                 def compute(run_pipeline):
