@@ -10,12 +10,20 @@ The kernel's backward is written out here in jnp (XLA compiles it to cuBLAS GEMM
 forward kept: dz = dy * SiLU'(z), the bias gradient its column sums, dW = xn^T dz with xn recomputed from the
 row statistics, dxn = dz W^T, then LayerNorm's backward. It is autodiff's backward of the reference, without
 re-running the forward GEMM.
+
+Interpret mode needs XLA:CPU's thread pool to be larger than the kernel's three warpgroups: the Mosaic GPU
+interpreter runs each warpgroup as an XLA program whose callbacks (a barrier wait among them) XLA may run on
+its intra-op thread pool, and a callback that waits holds its pool thread. The pool has max(PJRT_NPROC or
+NPROC or the schedulable cores, CPU devices) threads; with two (a 2-core machine), two waiting warpgroups
+leave none for the third and the interpreter stops for good. `_interpreter()` refuses a pool smaller than
+INTERPRET_POOL_THREADS, naming the fix (tests/conftest.py's 8 fake CPU devices give 8 threads).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +38,45 @@ from pallas_kernels.norm_gemm.reference import EPS, norm_silu_gemm_reference, ro
 INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
 
 
-def _interpreter():
-    """Mosaic GPU's CPU interpreter (a private jax module, only reachable this way; tests and "interpret")."""
+# The kernel's warpgroups (3), the interpreter's own waiting callback around them, and one thread left over
+# for work that does not wait (the module docstring says why the pool size matters).
+INTERPRET_POOL_THREADS = 5
+
+
+def xla_cpu_pool_threads() -> int:
+    """The threads of XLA:CPU's intra-op pool in this process, as XLA sizes it: PJRT_NPROC, else NPROC, else
+    the schedulable cores, at least the number of CPU devices (xla_force_host_platform_device_count)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for name in ("PJRT_NPROC", "NPROC"):  # xla/pjrt/utils.cc DefaultThreadPoolSize
+        try:
+            cores = max(0, int(os.environ[name]))
+            break
+        except (KeyError, ValueError):
+            continue
+    try:
+        devices = len(jax.devices("cpu"))
+    except RuntimeError:  # no CPU backend in this process
+        devices = 0
+    return max(cores, devices)
+
+
+def _interpreter(detect_races: bool = False):
+    """Mosaic GPU's CPU interpreter (a private jax module, only reachable this way; tests and "interpret").
+    Refuses an XLA:CPU thread pool too small for the kernel's warpgroups, where the interpreter would
+    wait forever. `detect_races`: the interpreter's shared-memory race detector (tests)."""
     # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
+    threads = xla_cpu_pool_threads()
+    if threads < INTERPRET_POOL_THREADS:
+        raise RuntimeError(
+            f"norm_gemm interpret mode: XLA:CPU's thread pool has {threads} threads, the Mosaic GPU "
+            f"interpreter needs {INTERPRET_POOL_THREADS} for this kernel (else its warpgroups wait on each "
+            "other forever); set NPROC=8 or XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax "
+            "starts"
+        )
     return interpret_params.force_gpu_interpret_mode(
-        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
+        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise", detect_races=detect_races)
     )
 
 
@@ -75,7 +115,7 @@ def norm_silu_gemm(
     kernel, tiles = kernel_for(implementation, x.shape, widths, tiles)
     if kernel == "reference":
         return norm_silu_gemm_reference(x, gamma, beta, w, b, widths)[0]
-    return _fused(x, gamma, beta, w, b, tuple(widths), kernel, tiles)
+    return _fused(x, gamma, beta, w, b, tuple(widths), kernel, tiles, jnp.asarray(b).dtype)
 
 
 def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
@@ -87,18 +127,18 @@ def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
     return pieces, (x, stats, gamma, beta, w, z)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fused(x, gamma, beta, w, b, widths, kernel, tiles):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused(x, gamma, beta, w, b, widths, kernel, tiles, b_dtype):
+    """b_dtype: b's, for its gradient (static: residuals must be arrays)."""
     return _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)[0]
 
 
-def _fused_fwd(x, gamma, beta, w, b, widths, kernel, tiles):
-    pieces, residuals = _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)
-    return pieces, (residuals, jnp.asarray(b).dtype)
+def _fused_fwd(x, gamma, beta, w, b, widths, kernel, tiles, b_dtype):
+    return _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)
 
 
-def _fused_bwd(widths, kernel, tiles, saved, d_pieces):
-    (x, stats, gamma, beta, w, z), b_dtype = saved
+def _fused_bwd(widths, kernel, tiles, b_dtype, saved, d_pieces):
+    x, stats, gamma, beta, w, z = saved
     z32 = z.astype(jnp.float32)
     sig = jax.nn.sigmoid(z32)
     dz = (jnp.concatenate(d_pieces, axis=1).astype(jnp.float32) * sig * (1 + z32 * (1 - sig))).astype(w.dtype)

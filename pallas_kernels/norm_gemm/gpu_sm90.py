@@ -33,10 +33,18 @@ Contract: M a multiple of 2 * BLOCK_M, K of BLOCK_K, every width of BLOCK_N (api
 reference otherwise). x float32, W bf16 or fp16.
 
 CPU checks: tests/test_norm_gemm.py lowers the kernel at the shipped configs' shapes
-(`lower(lowering_platforms=("cuda",))`, the shared-memory budget included) and runs one output tile in Mosaic
-GPU interpret mode against the reference. With more tiles, or under jit, jax 0.10.2's interpreter stalls
-(every thread waits; not yet understood), so the persistent loop is first checked on the device, where
-`bench norm_gemm` compares with the reference before timing. Not yet run on a GPU.
+(`lower(lowering_platforms=("cuda",))`, the shared-memory budget included) and runs it in Mosaic GPU
+interpret mode against the reference: one tile; several in M and N over two pieces (race detector on); two
+persistent CTAs looping over nine tiles with more K steps than stages; the api under jit, forward and
+gradient. The interpreter's multi-tile and under-jit "stalls" were not the kernel: the interpreter runs each
+warpgroup as an XLA program whose callbacks XLA:CPU may run on its intra-op thread pool (here it does, from
+the first callback on), and a callback waiting at a barrier holds its pool thread. On a 2-core machine the
+pool has 2 threads: two warpgroups waiting for the third leave it none, and nothing moves again (with one
+tile the run passed only when the producer got a thread first). With a larger pool (NPROC, or the test
+suite's 8 fake CPU devices) every case runs and matches; api._interpreter() refuses a pool that is too
+small. jax's hopper_matmul_mgpu runs on 2 threads because XLA runs its warpgroups' programs inline on the
+interpreter's own threads. The interpreter loads by TMA eagerly and runs wgmma synchronously, so it checks
+barrier counts and phases, not the last-step race above. Not yet run on a GPU.
 """
 
 from __future__ import annotations
