@@ -137,6 +137,6 @@ def test_api_backward_with_the_kernel_matches_autodiff_of_the_reference():
     _, vjp = jax.vjp(lambda *a: norm_silu_gemm_reference(*a, widths)[0], x, gamma, beta, w, b)
     want = vjp(cotangents)
     got = api._fused_bwd(
-        widths, "gpu_interpret", None, ((x, row_stats(x), gamma, beta, w, z), b.dtype), cotangents
+        widths, "gpu_interpret", None, b.dtype, (x, row_stats(x), gamma, beta, w, z), cotangents
     )
     _check_grads(got, want)

@@ -11,12 +11,20 @@ dxn = dz W^T (reference.silu_backward_reference) come from the backward kernel (
 in the GEMM's prologue, written once, its column sums as partials) where the forward ran a kernel and its tiles
 fit, else from that reference in jnp; dW = xn^T dz (cuBLAS, xn recomputed from the row statistics) and
 LayerNorm's backward are jnp. It is autodiff's backward of the reference, without re-running the forward GEMM.
+
+Interpret mode needs XLA:CPU's thread pool to be larger than the kernel's three warpgroups: the Mosaic GPU
+interpreter runs each warpgroup as an XLA program whose callbacks (a barrier wait among them) XLA may run on
+its intra-op thread pool, and a callback that waits holds its pool thread. The pool has max(PJRT_NPROC or
+NPROC or the schedulable cores, CPU devices) threads; with two (a 2-core machine), two waiting warpgroups
+leave none for the third and the interpreter stops for good. `_interpreter()` refuses a pool smaller than
+INTERPRET_POOL_THREADS, naming the fix (tests/conftest.py's 8 fake CPU devices give 8 threads).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,13 +46,45 @@ INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1
 INTERPRET_BACKWARD_TILES = BackwardTiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
 
 
-def _interpreter():
-    """Mosaic GPU's CPU interpreter (a private jax module, only reachable this way; tests and "interpret")."""
+# The kernel's warpgroups (3), the interpreter's own waiting callback around them, and one thread left over
+# for work that does not wait (the module docstring says why the pool size matters).
+INTERPRET_POOL_THREADS = 5
+
+
+def xla_cpu_pool_threads() -> int:
+    """The threads of XLA:CPU's intra-op pool in this process, as XLA sizes it: PJRT_NPROC, else NPROC, else
+    the schedulable cores, at least the number of CPU devices (xla_force_host_platform_device_count)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    for name in ("PJRT_NPROC", "NPROC"):  # xla/pjrt/utils.cc DefaultThreadPoolSize
+        try:
+            cores = max(0, int(os.environ[name]))
+            break
+        except (KeyError, ValueError):
+            continue
+    try:
+        devices = len(jax.devices("cpu"))
+    except RuntimeError:  # no CPU backend in this process
+        devices = 0
+    return max(cores, devices)
+
+
+def _interpreter(detect_races: bool = False):
+    """Mosaic GPU's CPU interpreter (a private jax module, only reachable this way; tests and "interpret").
+    Refuses an XLA:CPU thread pool too small for the kernel's warpgroups, where the interpreter would
+    wait forever. `detect_races`: the interpreter's shared-memory race detector (tests)."""
     # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
     from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
 
+    threads = xla_cpu_pool_threads()
+    if threads < INTERPRET_POOL_THREADS:
+        raise RuntimeError(
+            f"norm_gemm interpret mode: XLA:CPU's thread pool has {threads} threads, the Mosaic GPU "
+            f"interpreter needs {INTERPRET_POOL_THREADS} for this kernel (else its warpgroups wait on each "
+            "other forever); set NPROC=8 or XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax "
+            "starts"
+        )
     return interpret_params.force_gpu_interpret_mode(
-        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
+        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise", detect_races=detect_races)
     )
 
 
@@ -83,7 +123,7 @@ def norm_silu_gemm(
     kernel, tiles = kernel_for(implementation, x.shape, widths, tiles)
     if kernel == "reference":
         return norm_silu_gemm_reference(x, gamma, beta, w, b, widths)[0]
-    return _fused(x, gamma, beta, w, b, tuple(widths), kernel, tiles)
+    return _fused(x, gamma, beta, w, b, tuple(widths), kernel, tiles, jnp.asarray(b).dtype)
 
 
 def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
@@ -95,14 +135,14 @@ def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
     return pieces, (x, stats, gamma, beta, w, z)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _fused(x, gamma, beta, w, b, widths, kernel, tiles):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _fused(x, gamma, beta, w, b, widths, kernel, tiles, b_dtype):
+    """b_dtype: b's, for its gradient (static: residuals must be arrays)."""
     return _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)[0]
 
 
-def _fused_fwd(x, gamma, beta, w, b, widths, kernel, tiles):
-    pieces, residuals = _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)
-    return pieces, (residuals, jnp.zeros((0,), jnp.asarray(b).dtype))  # (b's dtype: residuals are arrays)
+def _fused_fwd(x, gamma, beta, w, b, widths, kernel, tiles, b_dtype):
+    return _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles)
 
 
 def backward_kernel_for(kernel: str, m: int, k: int, widths) -> tuple[str, BackwardTiles | None]:
@@ -135,11 +175,11 @@ def silu_backward(
     return dz, dxn, jnp.sum(partials, axis=0)
 
 
-def _fused_bwd(widths, kernel, tiles, saved, d_pieces):
-    (x, stats, gamma, beta, w, z), b_like = saved
+def _fused_bwd(widths, kernel, tiles, b_dtype, saved, d_pieces):
+    x, stats, gamma, beta, w, z = saved
     m, k = x.shape
     dz, dxn, db = silu_backward(d_pieces, z, w, *backward_kernel_for(kernel, m, k, widths))
-    db = db.astype(jnp.result_type(b_like))  # (b_like: an empty array of b's dtype, or the dtype)
+    db = db.astype(b_dtype)
     y = (jnp.asarray(x, jnp.float32) - stats[0][:, None]) * stats[1][:, None]  # the normalised rows, once
     gamma32 = jnp.asarray(gamma, jnp.float32)
     xn = (y * gamma32 + jnp.asarray(beta, jnp.float32)).astype(w.dtype)  # reference.normalize, from y

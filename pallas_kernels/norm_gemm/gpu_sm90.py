@@ -14,7 +14,13 @@ Design:
   into registers, normalises them ((x - mean) * rstd * gamma + beta), rounds to bf16 and stores them into its
   own swizzled A buffer (two slots, alternating with k), then issues the wgmma on that buffer and W's slot.
   One wgmma stays in flight (wgmma_wait(1)): ring slots are released one step late (delay_release=1), and the
-  A slot written at step k was last read by the wgmma of step k - 2, which has completed.
+  A slot written at step k was last read by the wgmma of step k - 2, which has completed. The last K step
+  waits for its own wgmma (wgmma_wait(0)) before the pipeline releases step k_iters - 2: the pipeline never
+  releases the last step's slot, and once its producer has seen step k_iters - 2 released it starts the
+  next tile's TMA loads into every slot, so without that wait the last wgmma could read W's slot while the
+  next tile's W tile lands in it (a race on the GPU in any persistent loop over this pipeline with
+  delay_release=1; the consumer waits for that wgmma right after the pipeline anyway, so nothing that
+  overlapped is serialised).
 * Row statistics ([mean; rstd], float32 [2, M]) come from one XLA reduction over x (reference.row_stats):
   the kernel's K tiles see a row only piecewise. A consumer TMA-loads its rows' statistics and the tile's bias
   once per output tile (the pipeline carries only inputs that change with k). That pass reads x once more; the
@@ -27,10 +33,18 @@ Contract: M a multiple of 2 * BLOCK_M, K of BLOCK_K, every width of BLOCK_N (api
 reference otherwise). x float32, W bf16 or fp16.
 
 CPU checks: tests/test_norm_gemm.py lowers the kernel at the shipped configs' shapes
-(`lower(lowering_platforms=("cuda",))`, the shared-memory budget included) and runs one output tile in Mosaic
-GPU interpret mode against the reference. With more tiles, or under jit, jax 0.10.2's interpreter stalls
-(every thread waits; not yet understood), so the persistent loop is first checked on the device, where
-`bench norm_gemm` compares with the reference before timing. Not yet run on a GPU.
+(`lower(lowering_platforms=("cuda",))`, the shared-memory budget included) and runs it in Mosaic GPU
+interpret mode against the reference: one tile; several in M and N over two pieces (race detector on); two
+persistent CTAs looping over nine tiles with more K steps than stages; the api under jit, forward and
+gradient. The interpreter's multi-tile and under-jit "stalls" were not the kernel: the interpreter runs each
+warpgroup as an XLA program whose callbacks XLA:CPU may run on its intra-op thread pool (here it does, from
+the first callback on), and a callback waiting at a barrier holds its pool thread. On a 2-core machine the
+pool has 2 threads: two warpgroups waiting for the third leave it none, and nothing moves again (with one
+tile the run passed only when the producer got a thread first). With a larger pool (NPROC, or the test
+suite's 8 fake CPU devices) every case runs and matches; api._interpreter() refuses a pool that is too
+small. jax's hopper_matmul_mgpu runs on 2 threads because XLA runs its warpgroups' programs inline on the
+interpreter's own threads. The interpreter loads by TMA eagerly and runs wgmma synchronously, so it checks
+barrier counts and phases, not the last-step race above. Not yet run on a GPU.
 """
 
 from __future__ import annotations
