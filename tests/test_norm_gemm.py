@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.norm_gemm import api, norm_silu_gemm
-from pallas_kernels.norm_gemm.gpu_sm90 import Tiles, norm_silu_gemm_sm90
+from pallas_kernels.norm_gemm.gpu_sm90 import norm_silu_gemm_sm90
 from pallas_kernels.norm_gemm.reference import norm_silu_gemm_reference, row_stats
+from pallas_kernels.norm_gemm.tiles import Tiles
 
 
 def _inputs(m, k, widths, seed=0):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.norm_gemm import api, norm_silu_gemm
-from pallas_kernels.norm_gemm.gpu_sm90_backward import BackwardTiles, silu_gemm_backward_sm90
+from pallas_kernels.norm_gemm.gpu_sm90_backward import silu_gemm_backward_sm90
 from pallas_kernels.norm_gemm.reference import norm_silu_gemm_reference, row_stats, silu_backward_reference
+from pallas_kernels.norm_gemm.tiles import BackwardTiles
 
 
 def _backward_inputs(m, d, widths, seed=0):

@@ -25,8 +25,7 @@ import numpy as np
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.norm_gemm import norm_silu_gemm
 from pallas_kernels.norm_gemm.api import silu_backward
-from pallas_kernels.norm_gemm.gpu_sm90 import Tiles
-from pallas_kernels.norm_gemm.gpu_sm90_backward import BackwardTiles
+from pallas_kernels.norm_gemm.tiles import BackwardTiles, Tiles
 
 # (name, M, K, widths)
 CASES = [("gem_h200 uvqk", 196_608, 512, (512,) * 4), ("hstu_nvidia uvqk", 65_536, 1024, (1024,) * 4)]

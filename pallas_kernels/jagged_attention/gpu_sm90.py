@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cdiv, cdiv_dyn, is_hopper
+from pallas_kernels.common import NUM_SMS, cdiv, cdiv_dyn, is_hopper
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_common import (
@@ -69,7 +69,6 @@ from pallas_kernels.jagged_attention.sm90_common import (
     COL,
     LOG2_TO_BUCKET,
     LOG2E,
-    NUM_SMS,
     ROW,
     SMEM_BYTES,
     SMEM_SLACK,

@@ -102,7 +102,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cdiv, is_hopper
+from pallas_kernels.common import NUM_SMS, cdiv, is_hopper
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_backward_common import (
@@ -114,7 +114,6 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
 )
 from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
-    NUM_SMS,
     ZERO_TILES,
     table_rows,
     table_width,

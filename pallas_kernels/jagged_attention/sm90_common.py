@@ -23,7 +23,6 @@ from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
 ZERO_TILES = 8  # a tail item zeroes ZERO_TILES * 2 * BLOCK_Q rows past offsets[B]
 LOG2E = 1.4426950408889634
-NUM_SMS = 132  # H100/H200 SXM: the persistent grid's size
 ALIGN = tiling.MOSAIC_ALIGN  # row alignment of a TMA box's start (the module docstring: aligned frames)
 LOG2_TO_BUCKET = math.log(2.0) / LOG_TIME_DIVISOR  # log(x) / LOG_TIME_DIVISOR = log2(x) * this
 TABLE_ALIGN = 32  # floats: each consumer's copy of a bias table starts 128-byte aligned in shared memory

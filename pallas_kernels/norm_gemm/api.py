@@ -32,14 +32,13 @@ from jaxtyping import Array, ArrayLike, Float
 
 from pallas_kernels import implementations
 from pallas_kernels.common import is_hopper
-from pallas_kernels.norm_gemm.gpu_sm90 import Tiles, norm_silu_gemm_sm90
-from pallas_kernels.norm_gemm.gpu_sm90_backward import BackwardTiles, silu_gemm_backward_sm90
 from pallas_kernels.norm_gemm.reference import (
     EPS,
     norm_silu_gemm_reference,
     row_stats,
     silu_backward_reference,
 )
+from pallas_kernels.norm_gemm.tiles import BackwardTiles, Tiles
 
 # The interpreter's tiles: one CTA, small tiles, so a CPU test runs in seconds.
 INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
@@ -127,6 +126,9 @@ def norm_silu_gemm(
 
 
 def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
+    # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
+    from pallas_kernels.norm_gemm.gpu_sm90 import norm_silu_gemm_sm90
+
     stats = row_stats(x, EPS)
     affine = jnp.stack([jnp.asarray(gamma, jnp.float32), jnp.asarray(beta, jnp.float32)])
     interpret = kernel == "gpu_interpret"
@@ -168,6 +170,9 @@ def silu_backward(
     with `tiles`, which must fit) or that reference ("reference")."""
     if kernel == "reference":
         return silu_backward_reference(d_pieces, z, w)
+    # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
+    from pallas_kernels.norm_gemm.gpu_sm90_backward import silu_gemm_backward_sm90
+
     interpret = kernel == "gpu_interpret"
     d_pieces, z, w = tuple(jnp.asarray(p) for p in d_pieces), jnp.asarray(z), jnp.asarray(w)
     with _interpreter() if interpret else contextlib.nullcontext():

@@ -49,7 +49,6 @@ barrier counts and phases, not the last-step race above. Not yet run on a GPU.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -58,27 +57,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.jagged_attention.sm90_common import COL, NUM_SMS, ROW, cast_layout, load_vector
+from pallas_kernels.jagged_attention.sm90_common import COL, ROW, cast_layout, load_vector
+from pallas_kernels.norm_gemm.tiles import Tiles
 
 EPI_N = 64  # accumulator columns written per epilogue step (the staging tile's width: 128-byte swizzle)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tiles:
-    """The kernel's tile sizes; `num_ctas`: the persistent grid (one CTA per SM)."""
-
-    block_m: int = 64  # rows per consumer warpgroup (a wgmma's M)
-    block_n: int = 128
-    block_k: int = 64  # 128 bytes of bf16: the A and W tiles' swizzle
-    stages: int = 3  # 4 exceeds the 227 KiB of shared memory with float32 x tiles
-    num_ctas: int = NUM_SMS
-
-    def applies(self, m: int, k: int, widths: tuple[int, ...]) -> bool:
-        return (
-            m % (2 * self.block_m) == 0
-            and k % self.block_k == 0
-            and all(w % self.block_n == 0 for w in widths)
-        )
 
 
 def _silu(z):
@@ -93,11 +75,12 @@ def norm_silu_gemm_sm90(
     w,
     b,
     widths: tuple[int, ...],
-    tiles: Tiles = Tiles(),
+    tiles: Tiles | None = None,
     *,
     interpret: bool = False,
 ):
     """(split(SiLU(z), widths), z), z = LN(x) W + b; stats: [mean; rstd] [2, M], affine: [gamma; beta] [2, K]."""
+    tiles = tiles or Tiles()
     m, k = x.shape
     n = w.shape[1]
     dtype = w.dtype

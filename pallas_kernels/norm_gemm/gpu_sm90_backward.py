@@ -53,8 +53,6 @@ included. Not yet run on a GPU.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -62,32 +60,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
-from pallas_kernels.jagged_attention.sm90_common import COL, NUM_SMS, load_vector
+from pallas_kernels.jagged_attention.sm90_common import COL, load_vector
+from pallas_kernels.norm_gemm.tiles import BACKWARD_EPI_N, COMPUTE_WGS, BackwardTiles
 
-EPI_N = 32  # accumulator columns stored per epilogue step: 128 bytes of float32 (the staging tile's swizzle)
+EPI_N = BACKWARD_EPI_N  # accumulator columns stored per epilogue step (the staging tile's 128-byte swizzle)
 RED_SCRATCH = (
     1024  # floats of a consumer's reduction scratch: 4 of the column sums' 8 cross-warp exchanges at once
 )
-COMPUTE_WGS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardTiles:
-    """The backward kernel's tile sizes; `num_ctas`: the persistent grid (one CTA per SM)."""
-
-    block_m: int = 64  # rows per consumer warpgroup (a wgmma's M), and per bias partial
-    block_n: int = 256  # output (D) columns: 64 x 256 float32 accumulator = 128 registers a thread
-    block_k: int = 64  # 128 bytes of bf16: the swizzle of the A and W^T tiles
-    stages: int = 3  # 3 x 64 KiB; 4 exceeds the 227 KiB of shared memory
-    num_ctas: int = NUM_SMS
-
-    def applies(self, m: int, d: int, widths: tuple[int, ...]) -> bool:
-        return (
-            m % (COMPUTE_WGS * self.block_m) == 0
-            and d % self.block_n == 0
-            and self.block_n % EPI_N == 0
-            and all(w % self.block_k == 0 for w in widths)
-        )
 
 
 def silu_grad(z):
@@ -100,12 +79,13 @@ def silu_gemm_backward_sm90(
     d_pieces: tuple[Float[Array, "M _"], ...],
     z: Float[Array, "M N"],
     w: Float[Array, "D N"],
-    tiles: BackwardTiles = BackwardTiles(),
+    tiles: BackwardTiles | None = None,
     *,
     interpret: bool = False,
 ) -> tuple[Float[Array, "M D"], Float[Array, "M N"], Float[Array, "P N"]]:
     """(dxn float32 [M, D], dz [M, N] in W's dtype, float32 column-sum partials of dz [M / block_m, N]) from
     the pieces' cotangents (widths adding up to N), the forward's z and W [D, N] (the forward's weight)."""
+    tiles = tiles or BackwardTiles()
     widths = tuple(int(p.shape[1]) for p in d_pieces)
     m, n = z.shape
     d = w.shape[0]
