@@ -22,9 +22,14 @@ class Tiles:
     num_ctas: int = NUM_SMS
 
     def applies(self, m: int, k: int, widths: tuple[int, ...]) -> bool:
+        """Whether the forward kernel takes these shapes. At least two K steps: jax's warp-specialised pipeline
+        (delay_release=1) releases a tile's ring slots only from its second step on, so with one step the
+        producer runs into the next tile's loads without waiting for the consumers (the interpreter reports a
+        barrier completed twice, and wrong values)."""
         return (
             m % (COMPUTE_WGS * self.block_m) == 0
             and k % self.block_k == 0
+            and k >= 2 * self.block_k
             and all(w % self.block_n == 0 for w in widths)
         )
 
