@@ -126,7 +126,7 @@ def test_bench_fp8_out_checks_every_form_and_reads_the_fp8_gemms_result_dtype(ca
 
     assert fp8_out.main(["--small"]) == 0
     out = capsys.readouterr().out
-    for form in ("bf16", "f32_out", "bf16_out", "raw_bf16_out"):
+    for form in ("bf16", "f32_out", "bf16_out", "raw_bf16_out", "raw_bf16_out_f32_scale", "raw_f32_out"):
         assert out.count(f"| {form} |") == 3, out  # tiny.toml's three FP8 GEMM shapes
     line = (
         "  %cublas-gemm.1 = (bf16[128,256]{1,0}, s8[33554432]{0}) custom-call(f8e4m3fn[128,64]{1,0} %p0, "

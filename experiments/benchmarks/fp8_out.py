@@ -9,7 +9,9 @@ there, on every FP8 GEMM shape of the configs' models:
   bf16          bf16 x bf16 -> bf16, the baseline
   f32_out       dot(f32(xq) * sx, f32(wq) * sw) -> f32, then bf16: what the FP8 Dense runs today
   bf16_out      the same dot with preferred_element_type=bf16 (the dot typed bf16)
-  raw_bf16_out  dot_general(xq, wq) -> bf16 on the FP8 arrays themselves, times sx * sw after
+  raw_bf16_out  dot_general(xq, wq) -> bf16 on the FP8 arrays themselves, times sx * sw (rounded to bf16) after
+  raw_bf16_out_f32_scale   the same, the scale applied in float32 to the bf16 result (no rounded scale)
+  raw_f32_out   dot_general(xq, wq) -> f32 on the FP8 arrays, times sx * sw, then bf16
 
 For each: how many `__cublas$lt$matmul$f8` calls the optimised HLO holds and the dtype of their result, the
 fusions around them, the relative error against float32 on fresh random inputs (within
@@ -50,7 +52,23 @@ def _raw_bf16_out(xq, wq, sx, sw):
     return y * (sx * sw).astype(jnp.bfloat16)
 
 
-FP8_FORMS = {"f32_out": _f32_out, "bf16_out": _bf16_out, "raw_bf16_out": _raw_bf16_out}
+def _raw_bf16_out_f32_scale(xq, wq, sx, sw):
+    y = lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    return (y.astype(jnp.float32) * (sx * sw)).astype(jnp.bfloat16)
+
+
+def _raw_f32_out(xq, wq, sx, sw):
+    y = lax.dot_general(xq, wq, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * (sx * sw)).astype(jnp.bfloat16)
+
+
+FP8_FORMS = {
+    "f32_out": _f32_out,
+    "bf16_out": _bf16_out,
+    "raw_bf16_out": _raw_bf16_out,
+    "raw_bf16_out_f32_scale": _raw_bf16_out_f32_scale,
+    "raw_f32_out": _raw_f32_out,
+}
 FP8_RESULT = re.compile(r"=\s*\(?(\w+)\[[^\n]*" + re.escape(CUBLAS_FP8))
 
 
