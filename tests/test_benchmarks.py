@@ -119,7 +119,7 @@ def test_bench_norm_checks_the_kernels_against_xla_before_timing(capsys):
 
 
 def test_bench_fp8_out_checks_every_form_and_reads_the_fp8_gemms_result_dtype(capsys):
-    """`bench fp8_out --small` on CPU: the four forms of the forward GEMM, each checked against float32 within
+    """`bench fp8_out --small` on CPU: every form of the forward GEMM, each checked against float32 within
     its formats' bound (the run exits 0); and the parse of an optimised HLO's cuBLASLt FP8 call (GPU only),
     on a line as XLA writes it."""
     from experiments.benchmarks import fp8_out

@@ -85,7 +85,7 @@ def entry_fusions(hlo: str) -> int:
 
 
 def bench_shape(shape: GemmShape, reps: int, seed: int = 0) -> tuple[list[dict], list[str]]:
-    """Checks, then times, the four forms at one shape; returns one row per form and the failed checks."""
+    """Checks, then times, every form at one shape; returns one row per form and the failed checks."""
     key = jax.random.key(seed)
 
     @jax.jit

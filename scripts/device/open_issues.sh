@@ -31,7 +31,6 @@ step() {  # step NAME LIMIT_S COMMAND...: one step, its own timeout, its log in 
 }
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$LOGS/smi.txt" 2>&1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" > "$LOGS/jax.txt" 2>&1
-git log -1 --format='tree %h %s' > "$LOGS/tree.txt" 2>/dev/null
 case $PART in
   glue)
     small=; [ -n "$QUICK" ] && small=--small
@@ -71,11 +70,10 @@ case $PART in
 esac
 {  # the tables and the lines a reader needs first
   echo "# open_issues.sh $PART, $(date -u +%F), $(head -1 "$LOGS/smi.txt" 2>/dev/null | tail -1), $(cat "$LOGS/jax.txt")"
-  cat "$LOGS/tree.txt" 2>/dev/null; echo
   cat "$LOGS/times.txt"
   for f in "$LOGS"/*.log; do
     echo; echo "## $(basename "$f")"
-    grep -h -E '^\||CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)' "$f" | head -60
+    grep -h -E '^\||^  (kernel|backward)|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)' "$f" | head -60
   done
 } > "$OUT/$PART.md" 2>&1
 tar czf "$OUT/$PART.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
