@@ -275,11 +275,11 @@ class ModelConfig:
     )
     # The HSTU layer's input norm, uvqk GEMM, bias, SiLU and split as one kernel (pallas_kernels.norm_gemm: the
     # norm applied to the GEMM's A tile in shared memory, bias + SiLU + split in its epilogue; its backward's
-    # dX GEMM takes SiLU's derivative in). "off" (the default until measured on a GPU): the norm kernel, XLA's
-    # GEMM, then SiLU. "auto": the Mosaic GPU kernel on Hopper where its tiles fit the pack, else "off";
-    # "reference" / "pallas" / "interpret" as the other kernel settings. The same function, so a run may
-    # resume on another. Layers whose uvqk GEMM runs FP8, and model.frequency_mix (which reads the normalised
-    # rows), keep the unfused path.
+    # dX GEMM takes SiLU's derivative in). "off", the default (on the H200 both kernels ran slower than XLA,
+    # docs/benchmarks.md): the norm kernel, XLA's GEMM, then SiLU. "auto": the Mosaic GPU kernel on Hopper
+    # where its tiles fit the pack, else "off"; "reference" / "pallas" / "interpret" as the other kernel
+    # settings. The same function, so a run may resume on another. Layers whose uvqk GEMM runs FP8, and
+    # model.frequency_mix (which reads the normalised rows), keep the unfused path.
     uvqk_implementation: Literal["off", "auto", "reference", "pallas", "interpret"] = setting(
         "off", may_change=True
     )

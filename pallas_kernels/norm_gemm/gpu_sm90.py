@@ -44,7 +44,8 @@ tile the run passed only when the producer got a thread first). With a larger po
 suite's 8 fake CPU devices) every case runs and matches; api._interpreter() refuses a pool that is too
 small. jax's hopper_matmul_mgpu runs on 2 threads because XLA runs its warpgroups' programs inline on the
 interpreter's own threads. The interpreter loads by TMA eagerly and runs wgmma synchronously, so it checks
-barrier counts and phases, not the last-step race above. Not yet run on a GPU.
+barrier counts and phases, not the last-step race above. On the H200 (2026-12-05) it matches the reference
+and runs 0.56-0.74x XLA's route (docs/benchmarks.md).
 """
 
 from __future__ import annotations

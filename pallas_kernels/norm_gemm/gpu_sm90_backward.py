@@ -48,7 +48,7 @@ Contract: M a multiple of 2 * BLOCK_M, D of BLOCK_N, every width of BLOCK_K (api
 CPU checks: tests/test_norm_gemm_backward.py lowers the kernel at the shipped configs' shapes
 (`lower(lowering_platforms=("cuda",))`, the shared-memory budget included) and runs it in Mosaic GPU interpret
 mode against reference.silu_backward_reference, several output tiles, more tiles than CTAs and several K steps
-included. Not yet run on a GPU.
+included. On the H200 (2026-12-05) it matches the reference and runs 0.70-0.96x XLA's jnp (docs/benchmarks.md).
 """
 
 from __future__ import annotations
