@@ -1,15 +1,12 @@
 """The FP8 GEMMs of a lowered (pre-optimisation) StableHLO program, and where their scales come from.
 
-What XLA needs (xla/service/gpu/transforms/gemm_rewriter.cc: `MatchFp8Param`, `CreateF8CustomCall`):
-each dot operand is `convert(f8 -> wider)`, optionally times (or divided by) `broadcast(scale)` with a
-rank-0 scale, followed only by ops that commute with dequantisation (bitcast, broadcast, copy,
-dynamic-slice, pad, reshape, select with zero, slice, transpose); at least one operand is e4m3; the
-result is f32, bf16, f16 or an f8. The source puts no condition on where the scale comes from (any
-scalar instruction), but on the H200 (jax 0.11.2) the rewrite was only seen to fire when the scales
-were entry parameters of the jitted program (docs/benchmarks.md, "FP8 (H200)"). So we check the
-stronger property: every dequantisation scale *is* a jit argument, reaching the multiply through
-nothing but structure that XLA removes before the rewriter runs (calls, shard_map boundaries,
-sharding annotations, rank-0 reshapes, identity converts).
+The form the FP8 layers write (gem_jax/model/fp8.py, `scaled_dot`): a dot_general of the FP8 arrays
+themselves (at least one e4m3), its result typed bf16 or f32, multiplied after by broadcast(a rank-0
+scale) that is the product of the two operands' scales. On the H200 (jax 0.11.2) XLA compiles that to
+one `__cublas$lt$matmul$f8` writing the dot's type (docs/fp8.md). The delayed recipe's scales are stored
+train state, so each should *be* a jit argument, the layer's own, reaching the product through nothing
+but structure that XLA removes (calls, shard_map boundaries, sharding annotations, rank-0 reshapes,
+converts).
 
 `fp8_dots(lowered)` lists every dot that reads an FP8 tensor, with, per operand, the format and the
 scale's origin: the jit argument's name (its pytree path, e.g. `state.fp8['hstu'][0]['uvqk']['fp8']
@@ -34,9 +31,9 @@ _SHARDING_TARGETS = {"Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
 
 @dataclasses.dataclass(frozen=True)
 class Operand:
-    """One dot operand: `format` the f8 type if it is convert(f8 -> f32) * broadcast(rank-0 f32 scale)
-    (None otherwise); `scale_arg` the jit argument the scale is (None if it is computed), or
-    `scale_op` the op that computes it."""
+    """One dot operand: `format` its f8 type (None if it is not an FP8 tensor); `scale_arg` the jit argument
+    its factor of the scale product the result is multiplied by is (None if computed, or no such product),
+    or `scale_op` the op that computes that factor."""
 
     format: str | None = None
     scale_arg: str | None = None
@@ -49,11 +46,13 @@ class FP8Dot:
     rhs: Operand
     result: str  # element type of the dot's result
 
+    scaled: bool = False  # the result is multiplied by broadcast(scale product)
+
     @property
     def has_pattern(self) -> bool:
-        """Both operands dequantised as cuBLASLt wants, one of them e4m3, result f32."""
+        """Both operands FP8 arrays, one of them e4m3, the result bf16 or f32 and scaled after."""
         formats = (self.lhs.format, self.rhs.format)
-        return all(formats) and "f8E4M3FN" in formats and self.result == "f32"
+        return all(formats) and "f8E4M3FN" in formats and self.result in ("bf16", "f32") and self.scaled
 
     @property
     def scales_are_arguments(self) -> bool:
@@ -134,7 +133,7 @@ class _Module:
 
     def scale_origin(self, value) -> tuple[str | None, str | None]:
         """(argument name, None) if the scalar `value` is a jit argument up to structure, rank-0
-        reshapes and identity converts; else (None, the first op that computes it)."""
+        reshapes and converts; else (None, the first op that computes it)."""
         while True:
             values = self.through_structure(value)
             if len(values) != 1:
@@ -151,36 +150,42 @@ class _Module:
                 return None, f"argument of {_name(parent)}"
             op = value.owner
             name = _name(op)
-            same_type = len(op.operands) == 1 and str(op.operands[0].type) == str(value.type)
-            if (name == "stablehlo.reshape" and _is_scalar(value)) or (
-                name == "stablehlo.convert" and same_type
-            ):
+            if (name == "stablehlo.reshape" and _is_scalar(value)) or name == "stablehlo.convert":
                 value = op.operands[0]
                 continue
             return None, name
 
-    def dequant(self, value) -> Operand:
-        op = self.producer(value)
-        if op is None or _name(op) != "stablehlo.multiply":
-            return Operand()
-        a, b = op.operands
-        for convert, bcast in ((a, b), (b, a)):
-            c, s = self.producer(convert), self.producer(bcast)
+    def format(self, value) -> str | None:
+        """The f8 type of `value` if it is an FP8 tensor (up to structure)."""
+        values = self.through_structure(value)
+        return (
+            _element_type(values[0]) if len(values) == 1 and _F8.fullmatch(_element_type(values[0])) else None
+        )
+
+    def result_scales(self, dot) -> tuple[Operand, Operand] | None:
+        """The origins of the two factors of the scale product `dot`'s result is multiplied by, as
+        `scale_*` of (lhs, rhs) operands; None if the result is not multiplied by such a product."""
+        result = dot.results[0]
+        for use in result.uses:
+            op = use.owner
+            if _name(op) != "stablehlo.multiply":
+                continue
+            bcast = self.producer(op.operands[1 - use.operand_number])
             if (
-                c is None
-                or s is None
-                or _name(c) != "stablehlo.convert"
-                or _name(s) != "stablehlo.broadcast_in_dim"
+                bcast is None
+                or _name(bcast) != "stablehlo.broadcast_in_dim"
+                or not _is_scalar(bcast.operands[0])
             ):
                 continue
-            source, scale = c.operands[0], s.operands[0]
-            if not _F8.fullmatch(_element_type(source)) or _element_type(convert) != "f32":
-                continue
-            if not _is_scalar(scale) or _element_type(scale) != "f32":
-                continue
-            arg, computed = self.scale_origin(scale)
-            return Operand(_element_type(source), arg, computed)
-        return Operand()
+            product = bcast.operands[0]
+            while (p := self.producer(product)) is not None and (
+                _name(p) == "stablehlo.convert" or (_name(p) == "stablehlo.reshape" and _is_scalar(product))
+            ):
+                product = p.operands[0]
+            if p is None or _name(p) != "stablehlo.multiply":
+                return None
+            return tuple(Operand(None, *self.scale_origin(f)) for f in p.operands)
+        return None
 
     def reads_f8(self, value, depth: int = 8) -> bool:
         """Whether `value` is computed from an FP8 tensor by the ops the rewriter looks through
@@ -214,7 +219,12 @@ def fp8_dots(lowered) -> tuple[list[FP8Dot], int]:
         total += 1
         lhs, rhs = op.operands
         if module.reads_f8(lhs) or module.reads_f8(rhs):
-            found.append(FP8Dot(module.dequant(lhs), module.dequant(rhs), _element_type(op.results[0])))
+            scales = module.result_scales(op)
+            lhs_op, rhs_op = (
+                dataclasses.replace(scale, format=module.format(v))
+                for v, scale in zip((lhs, rhs), scales or (Operand(), Operand()))
+            )
+            found.append(FP8Dot(lhs_op, rhs_op, _element_type(op.results[0]), scaled=scales is not None))
     return found, total
 
 

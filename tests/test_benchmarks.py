@@ -119,15 +119,16 @@ def test_bench_norm_checks_the_kernels_against_xla_before_timing(capsys):
 
 
 def test_bench_fp8_out_checks_every_form_and_reads_the_fp8_gemms_result_dtype(capsys):
-    """`bench fp8_out --small` on CPU: every form of the forward GEMM, each checked against float32 within
+    """`bench fp8_out --small` on CPU: every form of a layer's three GEMMs, each checked against float32 within
     its formats' bound (the run exits 0); and the parse of an optimised HLO's cuBLASLt FP8 call (GPU only),
     on a line as XLA writes it."""
     from experiments.benchmarks import fp8_out
 
     assert fp8_out.main(["--small"]) == 0
     out = capsys.readouterr().out
-    for form in ("bf16", "f32_out", "bf16_out", "raw_bf16_out", "raw_bf16_out_f32_scale", "raw_f32_out"):
-        assert out.count(f"| {form} |") == 3, out  # tiny.toml's three FP8 GEMM shapes
+    for form in ("bf16", "f32_out", "raw_bf16_out", "raw_bf16_out_f32_scale", "raw_f32_out"):
+        assert out.count(f"| {form} |") == 3 * 4, out  # tiny.toml's three FP8 GEMM shapes, four GEMMs each
+    assert out.count("| bf16_out |") == 3 * 2, out  # fwd and dx: dW's result is f32 anyway
     line = (
         "  %cublas-gemm.1 = (bf16[128,256]{1,0}, s8[33554432]{0}) custom-call(f8e4m3fn[128,64]{1,0} %p0, "
         'f8e4m3fn[256,64]{1,0} %p1, f32[] %p2, f32[] %p3), custom_call_target="__cublas$lt$matmul$f8"'

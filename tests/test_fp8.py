@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from experiments.fp8_gemms import fp8_dots
 from gem_jax.config import ConfigError, PrecisionConfig, load_config
 from gem_jax.model import fp8
 from gem_jax.model.gem import GEMModel
@@ -36,19 +37,27 @@ def test_history_rolls_newest_first_and_keeps_the_window():
 
 def test_scales_by_hand():
     h = jnp.array([5.0, 4.0, 3.0])
-    # s = amax * 2^margin / fp8_max, with amax the history's max.
-    np.testing.assert_allclose(fp8.scale_from_history(h, fp8.E4M3, 0), 5.0 / 448.0, rtol=1e-7)
-    np.testing.assert_allclose(fp8.scale_from_history(h, fp8.E4M3, 2), 20.0 / 448.0, rtol=1e-7)
-    np.testing.assert_allclose(fp8.scale_from_history(h, fp8.E5M2, 0), 5.0 / 57344.0, rtol=1e-7)
+    # s = amax * 2^margin / fp8_max rounded up to a power of two, with amax the history's max:
+    # 5/448 = 0.0112 -> 2^-6; 20/448 = 0.0446 -> 2^-4; 5/57344 = 8.7e-5 -> 2^-13.
+    assert float(fp8.scale_from_history(h, fp8.E4M3, 0)) == 2.0**-6
+    assert float(fp8.scale_from_history(h, fp8.E4M3, 2)) == 2.0**-4
+    assert float(fp8.scale_from_history(h, fp8.E5M2, 0)) == 2.0**-13
+    # An amax that lands exactly on fp8_max x 2^e keeps that scale (no binade lost), a hair above goes up.
+    assert float(fp8.scale_from_amax(jnp.float32(56.0), fp8.E4M3, 0)) == 2.0**-3
+    assert float(fp8.scale_from_amax(jnp.float32(56.01), fp8.E4M3, 0)) == 2.0**-2
     # First step (all zeros) -> 1; non-finite amaxes (a diverged step) are left out of the max.
     assert float(fp8.scale_from_history(jnp.zeros(4), fp8.E4M3, 0)) == 1.0
-    np.testing.assert_allclose(fp8.scale_from_history(jnp.array([jnp.inf, 2.0, 0.0]), fp8.E4M3, 0), 2.0 / 448)
+    assert float(fp8.scale_from_history(jnp.array([jnp.inf, 2.0, 0.0]), fp8.E4M3, 0)) == 2.0**-7
     assert float(fp8.scale_from_history(jnp.array([jnp.nan, 0.0]), fp8.E4M3, 0)) == 1.0
-    # Current scaling: the tensor's own amax maps to the format's max exactly.
+    # Tiny and huge amaxes stay exact powers of two (gradients reach 1e-10).
+    for a in (1e-10, 3e-30, 7e5):
+        s = float(fp8.scale_from_amax(jnp.float32(a), fp8.E5M2, 0))
+        assert np.log2(s) == round(np.log2(s)) and a / 57344 <= s < 2 * a / 57344, (a, s)
+    # Current scaling: the tensor's own amax lands in the format's top binade, 3 / 2^-7 = 384 (<= 448).
     x = jnp.array([0.5, -3.0, 2.0])
     s = fp8.scale_from_amax(fp8.amax(x), fp8.E4M3, 0)
-    np.testing.assert_allclose(s, 3.0 / 448.0, rtol=1e-7)
-    assert float(fp8.quantize(x, s, fp8.E4M3)[1].astype(jnp.float32)) == -448.0
+    assert float(s) == 2.0**-7
+    assert float(fp8.quantize(x, s, fp8.E4M3)[1].astype(jnp.float32)) == -384.0
 
 
 def test_saturation_counts_the_tensors_clipped_by_more_than_half_an_ulp():
@@ -108,8 +117,9 @@ def test_stale_delayed_scale_saturates_the_layer_without_nan():
     dx, dw = vjp(jnp.full((16, 16), 1e6))
     for t in (y, dx, dw):
         assert np.isfinite(np.asarray(t)).all()
-    # x saturates at 448 * (1/448) = 1.0 per element: y = 16 * 1.0 * 0.5.
-    np.testing.assert_allclose(y, 8.0)
+    # The scale of amax 1 is 2^-8 (1/448 rounded up to a power of two): x saturates at 448 * 2^-8 = 1.75
+    # per element, y = 16 * 1.75 * 0.5.
+    np.testing.assert_allclose(y, 14.0)
 
 
 def _split(layer: nnx.Module):
@@ -135,7 +145,8 @@ def test_delayed_steps_use_the_previous_history():
         probe_grads, _, _ = vjp(g)
         h = np.asarray(histories["amax_history"])
         sx, sw, sg = (
-            h[i].max() / m if h[i].max() > 0 else 1.0 for i, m in enumerate((448.0, 448.0, 57344.0))
+            2.0 ** np.ceil(np.log2(h[i].max() / m)) if h[i].max() > 0 else 1.0
+            for i, m in enumerate((448.0, 448.0, 57344.0))
         )
         # The stored scales are those of the history (computed at the end of the step before).
         np.testing.assert_allclose([histories[k] for k in fp8.SCALES], [sx, sw, sg], rtol=1e-7)
@@ -346,46 +357,13 @@ def test_sensitive_layers_and_bad_fp8_options_are_config_errors():
 
 # ----------------------------------------------------------------------------- the GEMM pattern
 
-_DEF = re.compile(r"^\s*(%[\w.#-]+) = stablehlo\.(\w+)\s*(.*)$")
-_NAME = re.compile(r"%[\w.#-]+")
 
-
-def _dequantized_format(defs: dict, name: str) -> str | None:
-    """ "f8E4M3FN"/"f8E5M2" if `name` is convert(f8 -> f32) * broadcast(rank-0 f32 scale), else None."""
-    op, rest = defs.get(name, ("", ""))
-    if op != "multiply":
-        return None
-    a, b = _NAME.findall(rest.split(" : ")[0])[:2]
-    for convert, broadcast in ((a, b), (b, a)):
-        (cop, crest), (bop, brest) = defs.get(convert, ("", "")), defs.get(broadcast, ("", ""))
-        source = re.search(r"\(tensor<[\dx]*(f8E4M3FN|f8E5M2)>\) -> tensor<[\dx]*f32>", crest)
-        if cop == "convert" and bop == "broadcast_in_dim" and source and "(tensor<f32>)" in brest:
-            return source.group(1)
-    return None
-
-
-def fp8_gemms(lowered_text: str) -> tuple[list[tuple[str, str]], int]:
-    """The (lhs, rhs) FP8 formats of every dot in a lowered StableHLO module that has the shape XLA
-    rewrites to a cuBLASLt FP8 GEMM (both operands dequantised in f32, f32 result), and the number
-    of dots in all.
-
-    SSA names restart in every function and in every isolated region (a shard_map body), so a name
-    resolves to its latest definition above the use: in SSA form that is the one in scope.
-    """
-    found, dots, defs = [], 0, {}
-    for line in lowered_text.splitlines():
-        m = _DEF.match(line)
-        if not m:
-            continue
-        name, op, rest = m.groups()
-        defs[name] = (op, rest)
-        if op == "dot_general":
-            dots += 1
-            lhs, rhs = _NAME.findall(rest.split(" : ")[0])[:2]
-            formats = (_dequantized_format(defs, lhs), _dequantized_format(defs, rhs))
-            if all(formats) and rest.rstrip().endswith("xf32>"):
-                found.append(formats)
-    return found, dots
+def fp8_gemms(lowered) -> tuple[list[tuple[str, str]], int]:
+    """The (lhs, rhs) FP8 formats of every dot of a lowered program in the form XLA compiles to a cuBLASLt
+    FP8 GEMM (`experiments.fp8_gemms`: the dot of the FP8 arrays, its result scaled after), and the number
+    of dots in all."""
+    dots, total = fp8_dots(lowered)
+    return [(d.lhs.format, d.rhs.format) for d in dots if d.has_pattern], total
 
 
 _ONE_LAYER = sorted([("f8E4M3FN", "f8E4M3FN"), ("f8E5M2", "f8E4M3FN"), ("f8E4M3FN", "f8E5M2")])  # Y, dX, dW
@@ -400,13 +378,12 @@ def test_each_fp8_gemm_has_the_cublaslt_fp8_pattern(recipe):
         return jnp.sum(nnx.merge(graphdef, params, histories, probes)(x).astype(jnp.float32))
 
     x = jnp.ones((4, 16, 64), jnp.bfloat16)
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(params, probes, x).as_text()
-    found, dots = fp8_gemms(text)
+    found, dots = fp8_gemms(jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(params, probes, x))
     assert sorted(found) == _ONE_LAYER and dots == 3, (found, dots)
     # And the checker can fail: the bf16 dequantisation XLA does not rewrite is not counted.
     bf16 = jax.jit(lambda a, b: jnp.dot(a.astype(jnp.bfloat16) * 2, b.astype(jnp.bfloat16) * 2))
     a8 = jnp.ones((16, 16), fp8.E4M3)
-    assert fp8_gemms(bf16.lower(a8, a8).as_text()) == ([], 1)
+    assert fp8_gemms(bf16.lower(a8, a8)) == ([], 1)
 
 
 @pytest.mark.slow
@@ -426,7 +403,7 @@ def test_gem_model_gemms_with_fp8_on(gemms):
         return nnx.merge(graphdef, params, histories, probes)(pack, embedded).sum()
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    found, _ = fp8_gemms(step.lower(params, probes, pack).as_text())
+    found, _ = fp8_gemms(step.lower(params, probes, pack))
     per_layer = [f for f in _ONE_LAYER if gemms == "all" or f != ("f8E4M3FN", "f8E4M3FN")]
     assert sorted(found) == sorted(per_layer * len(_fp8_layers(model)))
     value, (grads, amaxes) = step(params, probes, pack)
@@ -487,7 +464,7 @@ def test_amax_history_gets_the_global_max_over_packs_and_shards():
     args = (params, fp8.pack_probes(probes, packs), histories, xs, cs)
     # Under vmap the delayed scales stay rank-0 (histories are not vmapped): still the FP8 pattern.
     # Five GEMMs, not six: nothing asks for the gradient of the input of layer a.
-    found, dots = fp8_gemms(step.lower(*args).as_text())
+    found, dots = fp8_gemms(step.lower(*args))
     expected = sorted(_ONE_LAYER * 2)
     expected.remove(("f8E5M2", "f8E4M3FN"))  # layer a's dX
     assert sorted(found) == expected and dots == 5, found

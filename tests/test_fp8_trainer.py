@@ -132,12 +132,13 @@ def test_every_fp8_gemm_multiplies_by_scales_that_enter_the_step_as_parameters(g
 
 @pytest.mark.slow
 def test_current_scaling_computes_its_scales_in_the_step():
-    """What the current recipe cannot do (and the check above can fail): its scales come from the
-    tensors themselves, and under the packs' vmap they are not even rank 0, so no FP8 dot of its
-    step has the cuBLASLt pattern with parameter scales."""
+    """The check above can fail: the current recipe's scales come from the tensors themselves (under the
+    packs' vmap not even rank 0), so none of its step's FP8 dots multiplies by parameter scales, though
+    each is still a dot of two FP8 arrays."""
     lowered, state = _lowered_step("precision.fp8_recipe=current")
     dots, _ = fp8_dots(lowered)
     assert not state.fp8 and len(dots) == 9
+    assert all(d.lhs.format and d.rhs.format for d in dots)
     assert not any(d.scales_are_arguments for d in dots)
 
 

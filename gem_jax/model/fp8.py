@@ -9,8 +9,13 @@ over packs and shard_mapped over batch shards: JAX sums a replicated input's cot
 scaling math below is the same as flax's and Transformer Engine's; the state and its update are ours.
 
 Scaling. A tensor t is stored as q = saturate(t / s) in an FP8 format and read back as q * s, where s
-(the dequantisation scale; Transformer Engine calls it scale_inv) is amax * 2^margin / fp8_max, so
-that the amax lands `margin` binades below the format's largest value. Saturation clips to
+(the dequantisation scale; Transformer Engine calls it scale_inv) is amax * 2^margin / fp8_max rounded
+up to a power of two, so that the amax lands within the `margin`-th binade below the format's largest
+value. Why powers of two: the GEMM scales its result by the product of two scales in its own output
+dtype (below); a power of two is exact in bf16 and multiplying by it rounds nothing, where an arbitrary
+product rounded to bf16 would scale every output by the same error of up to 2^-9. Division by a power
+of two is exact too, so quantising rounds only once. It costs at most one binade of the format's range
+at the small end (as Transformer Engine's power-of-2 scales and DeepSeek-V3's recipe accept). Saturation clips to
 +-fp8_max before the cast: e4m3fn has no Inf and would turn an overflow into NaN, e5m2 into Inf.
 - "current": amax = max|t| of the tensor itself, now (no state).
 - "delayed": amax = the max of the last N steps' amaxes (the amax history, newest first); a step's
@@ -19,20 +24,24 @@ that the amax lands `margin` binades below the format's largest value. Saturatio
   step) gives s = 1 (TE keeps the previous scale instead). The scale a step uses is computed at the
   end of the step before (from the history after it) and stored in the layer's state.
 
-GEMM pattern. XLA rewrites a dot into a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`) only when each
-operand is `convert(f8 -> f32) * broadcast(rank-0 f32 scale)` and the dot's result is f32; a bf16
-dequantisation silently falls back to a bf16 GEMM. The forward (Y = X W) and both backward GEMMs
-(dX = dY W^T with dY in e5m2 and W in e4m3; dW = X^T dY) are written exactly so (`dequantize`).
+GEMM form (`scaled_dot`). Each GEMM is the dot of the FP8 arrays themselves, typed in the dtype its
+result is used in (bf16 activations and input gradients, f32 weight gradients), times the product of
+the two scales after. On the H200 (jax 0.11.2) XLA compiles that to one cuBLASLt FP8 GEMM
+(`__cublas$lt$matmul$f8`) writing bf16: 1.26-1.46x a bf16 GEMM at the HSTU layers' uvqk shapes
+(docs/benchmarks.md, "FP8 (H200)"). The form XLA's GEMM rewriter documents, a dot of f32 dequantisations
+`convert(f8 -> f32) * scale` with an f32 result, writes f32 there (also when the dot is typed bf16), and
+casting that result back cost more than FP8 saved (docs/fp8.md). The three GEMMs: Y = X W (e4m3 x e4m3,
+cuBLASLt's fast accumulation), dX = dY W^T (e5m2 x e4m3) and dW = X^T dY (e4m3 x e5m2, f32 result).
 With `precision.fp8_gemms = "backward"` the forward GEMM runs in the compute dtype instead and X is stored
-e4m3 and transposed for dW (on the H200 the FP8 GEMM's f32 result costs more than FP8 saves in the forward;
-docs/fp8.md); gem_jax/model/fp8_silu.py does the same for a Dense followed by SiLU with a fused gradient.
+e4m3 and transposed for dW; gem_jax/model/fp8_silu.py does the same for a Dense followed by SiLU with a
+fused gradient.
 
 State and its update (what the trainer does). The delayed recipe keeps, per FP8 layer, an
 `AmaxHistory` f32[3, N] (rows: input, weight, output gradient), three `DequantScale` scalars
 (`x_scale`, `w_scale`, `g_scale`: the scales this step uses) and an `AmaxProbe` f32[3] of zeros.
-The scales are stored, not computed in the step, because XLA's cuBLASLt FP8 rewrite was found to fire
-on the H200 only when each dequantisation scale is an entry parameter of the jitted program: the
-GEMMs multiply by the stored scalars directly, one leaf per operand (docs/fp8.md). The probe's value
+The scales are stored, not computed in the step: the GEMMs multiply by the stored scalars directly, one
+leaf per operand. (With the earlier dequantised GEMM form, XLA's cuBLASLt FP8 rewrite was seen to fire
+on the H200 only when each scale was an entry parameter of the jitted program, docs/fp8.md.) The probe's value
 is never read; its cotangent is defined as the three amaxes this call observed (the gradient's amax
 is only known in the backward pass). The trainer gives every pack its own copy of the probes
 (`pack_probes`, sharded and vmapped like the batch), so no sum over packs or shards ever touches
@@ -105,9 +114,12 @@ def amax(t: Array) -> Float[Array, ""]:
 
 
 def scale_from_amax(a: Float[Array, "..."], dtype, margin: int) -> Float[Array, "..."]:
-    """Dequantisation scale that maps amax `a` to fp8_max / 2^margin; 1 where `a` is 0 or not finite."""
+    """Dequantisation scale: the smallest power of two that maps amax `a` to at most fp8_max / 2^margin;
+    1 where `a` is 0 or not finite."""
     ok = jnp.isfinite(a) & (a > 0)
-    return jnp.where(ok, a * (2.0**margin / fp8_max(dtype)), 1.0).astype(jnp.float32)
+    exact = jnp.where(ok, a.astype(jnp.float32) * (2.0**margin / fp8_max(dtype)), 1.0)
+    mantissa, exponent = jnp.frexp(exact)  # exact = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return jnp.ldexp(jnp.float32(1.0), exponent - (mantissa == 0.5)).astype(jnp.float32)
 
 
 def scale_from_history(history: Float[Array, " hist"], dtype, margin: int) -> Float[Array, ""]:
@@ -137,17 +149,23 @@ def quantize(t: Array, scale: Float[Array, ""], dtype) -> Array:
     return jax.lax.optimization_barrier(q)
 
 
-def dequantize(q: Array, scale: Float[Array, ""]) -> Float[Array, "..."]:
-    """The operand form cuBLASLt FP8 needs: f8 converted to f32, times a rank-0 f32 scale."""
-    return q.astype(jnp.float32) * scale
-
-
-def fp8_dot(a: Array, b: Array, contract: tuple[int, int], precision) -> Array:
-    """A GEMM with f32 result. The precision picks cuBLASLt's FP8 accumulation: DEFAULT turns on its
-    fast accumulation (not periodically promoted to full f32), HIGHEST turns it off. As Transformer
-    Engine and flax do, the forward GEMM accumulates fast and the two gradient GEMMs do not."""
+def scaled_dot(
+    aq: Array,
+    bq: Array,
+    a_scale: Float[Array, ""],
+    b_scale: Float[Array, ""],
+    contract: tuple[int, int],
+    out_dtype,
+    precision,
+) -> Array:
+    """(aq * a_scale) . (bq * b_scale), contracting axis contract[0] of aq with contract[1] of bq, in
+    `out_dtype`: the dot of the FP8 arrays typed `out_dtype`, times the scales' product (a power of two:
+    exact) after (module docstring, "GEMM form"). The precision picks cuBLASLt's FP8 accumulation: DEFAULT
+    turns on its fast accumulation (not periodically promoted to full f32), HIGHEST turns it off. As
+    Transformer Engine and flax do, the forward GEMM accumulates fast and the two gradient GEMMs do not."""
     dims = ((contract[:1], contract[1:]), ((), ()))
-    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    y = jax.lax.dot_general(aq, bq, dims, precision=precision, preferred_element_type=out_dtype)
+    return y * (a_scale * b_scale).astype(out_dtype)
 
 
 # ----------------------------------------------------------------------------- the FP8 GEMM
@@ -182,7 +200,7 @@ def _fp8_matmul_fwd(static: _Static, x, w, scales, probe):
         xq = quantize(x.T, x_scale, E4M3)
     else:
         xq = quantize(x, x_scale, E4M3)
-        y = fp8_dot(dequantize(xq, x_scale), dequantize(wq, w_scale), (1, 0), jax.lax.Precision.DEFAULT)
+        y = scaled_dot(xq, wq, x_scale, w_scale, (1, 0), static.compute_dtype, jax.lax.Precision.DEFAULT)
     # Residuals are the FP8 operands (a quarter of f32), their scales and the forward amaxes.
     return y, (xq, wq, x_scale, w_scale, g_scale, x_amax, w_amax)
 
@@ -195,9 +213,9 @@ def _fp8_matmul_bwd(static: _Static, res, g):
         g_scale = scale_from_amax(g_amax, E5M2, static.recipe.margin)
     gq = quantize(g, g_scale, E5M2)
     hi = jax.lax.Precision.HIGHEST
-    dx = fp8_dot(dequantize(gq, g_scale), dequantize(wq, w_scale), (1, 1), hi)  # dY W^T: [M, K]
+    dx = scaled_dot(gq, wq, g_scale, w_scale, (1, 1), static.x_dtype, hi)  # dY W^T: [M, K]
     x_contract = 1 if static.recipe.gemms == "backward" else 0  # xq is X^T [K, M] there
-    dw = fp8_dot(dequantize(xq, x_scale), dequantize(gq, g_scale), (x_contract, 0), hi)  # X^T dY: [K, N]
+    dw = scaled_dot(xq, gq, x_scale, g_scale, (x_contract, 0), static.w_dtype, hi)  # X^T dY: [K, N]
     if not delayed:
         return dx.astype(static.x_dtype), dw.astype(static.w_dtype), None, None
     probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])
@@ -209,7 +227,7 @@ _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
 class FP8Matmul(nnx.Module):
-    """The FP8 GEMM of one Dense layer (x @ w, f32 result) and, for delayed scaling, its state:
+    """The FP8 GEMM of one Dense layer (x @ w in the compute dtype) and, for delayed scaling, its state:
     `amax_history`, the scales `x_scale`, `w_scale`, `g_scale` and the `amax_probe`."""
 
     def __init__(self, recipe: FP8Recipe):
@@ -227,7 +245,8 @@ class FP8Matmul(nnx.Module):
     def __call__(
         self, x: Float[ArrayLike, "rows din"], w: Float[ArrayLike, "din dout"], compute_dtype=None
     ) -> Float[Array, "rows dout"]:
-        """x @ w: f32 with every GEMM in FP8; in `compute_dtype` (default x's) with only the backward in FP8."""
+        """x @ w in `compute_dtype` (default x's), its GEMMs in FP8 (with `fp8_gemms="backward"` the forward's
+        in `compute_dtype`)."""
         x, w = jnp.asarray(x), jnp.asarray(w)
         if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
             raise ValueError(f"FP8Matmul wants x [rows, din] and w [din, dout], got {x.shape} and {w.shape}")

@@ -1,12 +1,12 @@
 """SiLU(x W + b) split into pieces, with the forward GEMM in the compute dtype and the two gradient GEMMs in
 FP8, the gradient quantised inside SiLU's backward kernel (`precision.fp8_gemms = "backward"`, delayed recipe).
 
-Why this shape: on the H200 (jax 0.11.2) a cuBLASLt FP8 GEMM writes float32, and casting HSTU's uvqk output
-([tokens, 4 x 512] in gem_h200) back to bf16 costs more than FP8 saves on its forward GEMM (docs/fp8.md). The
-backward GEMMs' outputs are small or float32 anyway (dX [tokens, 512], dW [512, 2048]), and their FP8 inputs
-can be written by the ops that produce them: the output gradient, its transpose and its amax come out of one
-Pallas pass over SiLU's backward (`pallas_kernels.silu_backward_fp8`), which also sums the bias gradient,
-where XLA writes the bf16 gradient and then reads it again for the amax, the cast, the transpose and the bias.
+Why this shape: with the FP8 GEMM form XLA turned into a cuBLASLt FP8 GEMM writing float32, casting HSTU's
+uvqk output ([tokens, 4 x 512] in gem_h200) back to bf16 cost more than FP8 saved on its forward GEMM on the
+H200 (docs/fp8.md); the backward GEMMs' FP8 inputs can be written by the ops that produce them: the output
+gradient, its transpose and its amax come out of one Pallas pass over SiLU's backward
+(`pallas_kernels.silu_backward_fp8`), which also sums the bias gradient, where XLA writes the bf16 gradient
+and then reads it again for the amax, the cast, the transpose and the bias.
 The layer input's e4m3 copy is stored transposed ([K, M], the layout dW's GEMM reads) in the forward.
 
 The FP8 state (histories, scales, probe) is the layer's `FP8Matmul`'s, updated by the trainer as for any FP8
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
-from gem_jax.model.fp8 import E4M3, SCALES, amax, dequantize, fp8_dot, quantize
+from gem_jax.model.fp8 import E4M3, SCALES, amax, quantize, scaled_dot
 from pallas_kernels.silu_backward_fp8 import silu_backward_fp8
 
 
@@ -66,8 +66,8 @@ def _dense_silu_bwd(static: _Static, res, dys):
     x_scale, w_scale, g_scale = scales
     gq, gq_t, g_amax, db = silu_backward_fp8(dys, z, g_scale, implementation=static.implementation)
     hi = jax.lax.Precision.HIGHEST  # the gradient GEMMs accumulate without cuBLASLt's fast mode (fp8.py)
-    dx = fp8_dot(dequantize(gq, g_scale), dequantize(wq, w_scale), (1, 1), hi)  # dZ W^T: [M, K]
-    dw = fp8_dot(dequantize(xq_t, x_scale), dequantize(gq_t, g_scale), (1, 1), hi)  # X^T dZ: [K, N]
+    dx = scaled_dot(gq, wq, g_scale, w_scale, (1, 1), static.x_dtype, hi)  # dZ W^T: [M, K]
+    dw = scaled_dot(xq_t, gq_t, x_scale, g_scale, (1, 1), static.w_dtype, hi)  # X^T dZ: [K, N]
     db = None if static.b_dtype is None else db.astype(static.b_dtype)
     no_scale_grads = tuple(jnp.zeros((), jnp.float32) for _ in SCALES)  # scales are state, not parameters
     probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])

@@ -10,10 +10,13 @@
 #                                                 (u1k, h4k: bias on/off, default T vs padded)
 #   bash scripts/device/open_issues.sh presets    every attention preset (scripts/device/attention_presets.sh)
 #   bash scripts/device/open_issues.sh fuzz       fuzz attention for FUZZ_S seconds (default 540)
+#   bash scripts/device/open_issues.sh fp8 [CONFIGS]  every FP8 GEMM form of a layer's three GEMMs (bench fp8_out),
+#                                                 then bench train_step bf16 vs FP8 for each config (default
+#                                                 hstu_nvidia; FP8_GEMMS=0 skips the GEMM forms)
 # Order for a session of 30 device minutes: glue, step, bias (presets and fuzz next). Anywhere, CPU too, the
 # parts run (the kernels' rows then say n/a): `OUT=/tmp/oi QUICK=1 bash scripts/device/open_issues.sh glue`.
 set -u
-PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz}
+PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz|fp8}
 OUT=${OUT:-runs/open_issues}
 LOGS=${LOGS:-$OUT/logs}; mkdir -p "$LOGS" "$OUT"  # LOGS=/tmp/x on the device: $OUT brings back at most 8 files
 export PYTHONPATH=$PWD
@@ -28,6 +31,17 @@ step() {  # step NAME LIMIT_S COMMAND...: one step, its own timeout, its log in 
   local t0; t0=$(date +%s)
   timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t0 )) s (at $(( $(date +%s) - start )) s)" | tee -a "$LOGS/times.txt"
+}
+train_steps() {  # train_steps CONFIGS LIMIT_S KEY VALUE...: bench train_step of each config at each value of KEY
+  local configs=$1 limit=$2 key=$3; shift 3
+  local extra=(--steps 10 --warmup 3)
+  [ -n "$QUICK" ] && configs=configs/tiny.toml && extra=(--steps 2 --warmup 1 --pipeline-steps 2)
+  for c in $configs; do
+    for v in "$@"; do
+      step "train_step_$(basename "$c" .toml)_${key##*.}_$v" "$limit" python3 -m experiments bench train_step \
+        --config "$c" --set "$key=$v" "${extra[@]}"
+    done
+  done
 }
 nvidia-smi --query-gpu=name,utilization.gpu,memory.used --format=csv > "$LOGS/smi.txt" 2>&1
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())" > "$LOGS/jax.txt" 2>&1
@@ -45,16 +59,7 @@ case $PART in
       --backward none $quick
     ;;
   step)
-    configs="configs/gem_h200.toml configs/hstu_nvidia.toml"
-    extra=(--steps 10 --warmup 3)
-    [ -n "$QUICK" ] && configs=configs/tiny.toml && extra=(--steps 2 --warmup 1 --pipeline-steps 2)
-    for c in $configs; do
-      name=$(basename "$c" .toml)
-      for uvqk in off auto; do
-        step "train_step_${name}_$uvqk" 130 python3 -m experiments bench train_step --config "$c" \
-          --set "model.uvqk_implementation=$uvqk" "${extra[@]}"
-      done
-    done
+    train_steps "configs/gem_h200.toml configs/hstu_nvidia.toml" 130 model.uvqk_implementation off auto
     ;;
   bias)
     step bwd_bias1024 200 python3 scripts/device/attention_bwd_sm90.py time bias1024 10
@@ -66,14 +71,19 @@ case $PART in
   fuzz)
     step fuzz "$(( ${FUZZ_S:-540} + 40 ))" python3 -m experiments fuzz attention --seconds "${FUZZ_S:-540}" --seed 5
     ;;
-  *) echo "unknown part $PART (glue, step, bias, presets, fuzz)"; exit 2 ;;
+  fp8)
+    small=; [ -n "$QUICK" ] && small=--small
+    [ "${FP8_GEMMS:-1}" = 1 ] && step fp8_out 170 python3 -m experiments bench fp8_out --reps 5 $small
+    train_steps "${2:-configs/hstu_nvidia.toml}" 150 precision.fp8 false true
+    ;;
+  *) echo "unknown part $PART (glue, step, bias, presets, fuzz, fp8)"; exit 2 ;;
 esac
 {  # the tables and the lines a reader needs first
   echo "# open_issues.sh $PART, $(date -u +%F), $(head -1 "$LOGS/smi.txt" 2>/dev/null | tail -1), $(cat "$LOGS/jax.txt")"
   cat "$LOGS/times.txt"
   for f in "$LOGS"/*.log; do
     echo; echo "## $(basename "$f")"
-    grep -h -E '^\||^  (kernel|backward)|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)' "$f" | head -60
+    grep -h -E '^\||^  (kernel|backward)|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)|"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
   done
 } > "$OUT/$PART.md" 2>&1
 tar czf "$OUT/$PART.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
