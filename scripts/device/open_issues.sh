@@ -10,13 +10,15 @@
 #                                                 (u1k, h4k: bias on/off, default T vs padded)
 #   bash scripts/device/open_issues.sh presets    every attention preset (scripts/device/attention_presets.sh)
 #   bash scripts/device/open_issues.sh fuzz       fuzz attention for FUZZ_S seconds (default 540)
+#   bash scripts/device/open_issues.sh profile CONFIG [KEY=VALUE ...]  `experiments profile` of one config (3 steps):
+#                                                 breakdown.md and the top ops in the summary, all files in the tgz
 #   bash scripts/device/open_issues.sh fp8 [CONFIGS]  every FP8 GEMM form of a layer's three GEMMs (bench fp8_out),
 #                                                 then bench train_step bf16 vs FP8 for each config (default
 #                                                 hstu_nvidia; FP8_GEMMS=0 skips the GEMM forms)
 # Order for a session of 30 device minutes: glue, step, bias (presets and fuzz next). Anywhere, CPU too, the
 # parts run (the kernels' rows then say n/a): `OUT=/tmp/oi QUICK=1 bash scripts/device/open_issues.sh glue`.
 set -u
-PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz|fp8}
+PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz|fp8|profile}
 OUT=${OUT:-runs/open_issues}
 LOGS=${LOGS:-$OUT/logs}; mkdir -p "$LOGS" "$OUT"  # LOGS=/tmp/x on the device: $OUT brings back at most 8 files
 export PYTHONPATH=$PWD
@@ -76,15 +78,22 @@ case $PART in
     [ "${FP8_GEMMS:-1}" = 1 ] && step fp8_out 170 python3 -m experiments bench fp8_out --reps 5 $small
     train_steps "${2:-configs/hstu_nvidia.toml}" 150 precision.fp8 false true
     ;;
-  *) echo "unknown part $PART (glue, step, bias, presets, fuzz, fp8)"; exit 2 ;;
+  profile)
+    c=${2:?profile CONFIG [KEY=VALUE ...]}; shift 2
+    sets=(); for kv in "$@"; do sets+=(--set "$kv"); done
+    name=profile_$(basename "$c" .toml)$(printf '_%s' "${@##*.}" | tr -c 'A-Za-z0-9_=\n' _)
+    steps=3; [ -n "$QUICK" ] && steps=1
+    step "$name" 240 python3 -m experiments profile --config "$c" "${sets[@]}" --steps $steps --out "$LOGS/$name"
+    ;;
+  *) echo "unknown part $PART (glue, step, bias, presets, fuzz, fp8, profile)"; exit 2 ;;
 esac
 {  # the tables and the lines a reader needs first
   echo "# open_issues.sh $PART, $(date -u +%F), $(head -1 "$LOGS/smi.txt" 2>/dev/null | tail -1), $(cat "$LOGS/jax.txt")"
   cat "$LOGS/times.txt"
   for f in "$LOGS"/*.log; do
     echo; echo "## $(basename "$f")"
-    grep -h -E '^\||^  (kernel|backward)|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)|"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
+    grep -h -E '^\||^ +[0-9]+\.[0-9]+  |^  (kernel|backward)|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)|"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
   done
 } > "$OUT/$PART.md" 2>&1
-tar czf "$OUT/$PART.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
+tar czf "$OUT/$PART.tgz" --exclude=trace --exclude="*.prof" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
 echo "total $(( $(date +%s) - start )) s; $OUT/$PART.md, $OUT/$PART.tgz"
