@@ -378,9 +378,10 @@ class PrecisionConfig:
     fp8_auto_choice: tuple[str, ...] | None = None
     fp8_recipe: Literal["delayed", "current"] = "delayed"  # amax history, or this step's amax
     fp8_amax_history: int = setting(1024, AT_LEAST_1)  # steps of amax history (delayed recipe)
-    # Binades of headroom: scale = amax * 2^margin / fp8_max. 1 (2x headroom for an amax that outgrows the
-    # history): on gem_h200 it kept click and conversion NE and AUC within the seed spread of bf16 over 3
-    # seeds, where 0 lost 0.0012 conversion AUC (docs/fp8.md, "Status on the H200").
+    # Binades of headroom: scale = amax * 2^margin / fp8_max, rounded up to a power of two. 1 (2x headroom for
+    # an amax that outgrows the history): on gem_h200 it kept click and conversion NE and AUC within the seed
+    # spread of bf16 over 3 seeds, where 0 lost 0.0012 conversion AUC (docs/fp8.md, "Status on the H200";
+    # measured before the scales were powers of two).
     fp8_margin: int = setting(1, AT_LEAST_0)
     # Which GEMMs of an FP8 layer run in FP8: "all" (Y, dX, dW), or "backward" (dX and dW; the forward GEMM
     # stays in the compute dtype). "backward" exists because the H200's FP8 GEMM writes float32, whose cast
