@@ -12,9 +12,9 @@
 #   bash scripts/device/open_issues.sh fuzz       fuzz attention for FUZZ_S seconds (default 540)
 #   bash scripts/device/open_issues.sh profile CONFIG [KEY=VALUE ...]  `experiments profile` of one config (3 steps):
 #                                                 breakdown.md and the top ops in the summary, all files in the tgz
-#   bash scripts/device/open_issues.sh fp8 [CONFIGS]  every FP8 GEMM form of a layer's three GEMMs (bench fp8_out),
-#                                                 then bench train_step bf16 vs FP8 for each config (default
-#                                                 hstu_nvidia; FP8_GEMMS=0 skips the GEMM forms)
+#   bash scripts/device/open_issues.sh fp8 [CONFIGS]  bench train_step bf16 vs FP8 for each config (default
+#                                                 hstu_nvidia), then every FP8 GEMM form of a layer's three GEMMs
+#                                                 (bench fp8_out; FP8_GEMMS=0 skips it)
 # Order for a session of 30 device minutes: glue, step, bias (presets and fuzz next). Anywhere, CPU too, the
 # parts run (the kernels' rows then say n/a): `OUT=/tmp/oi QUICK=1 bash scripts/device/open_issues.sh glue`.
 set -u
@@ -28,9 +28,14 @@ if [ -d .whl ]; then
 fi
 QUICK=${QUICK:-}
 start=$(date +%s)
+PART_BUDGET=${PART_BUDGET:-}  # seconds for the whole part: a step that might not end within it is skipped (the summary runs)
 step() {  # step NAME LIMIT_S COMMAND...: one step, its own timeout, its log in $LOGS/NAME.log
   local name=$1 limit=$2; shift 2
   local t0; t0=$(date +%s)
+  if [ -n "$PART_BUDGET" ] && [ $(( t0 - start + limit )) -gt "$PART_BUDGET" ]; then
+    echo "$name skipped: $limit s would pass PART_BUDGET=$PART_BUDGET (at $(( t0 - start )) s)" | tee -a "$LOGS/times.txt"
+    return
+  fi
   timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   echo "$name rc=$? $(( $(date +%s) - t0 )) s (at $(( $(date +%s) - start )) s)" | tee -a "$LOGS/times.txt"
 }
@@ -75,8 +80,8 @@ case $PART in
     ;;
   fp8)
     small=; [ -n "$QUICK" ] && small=--small
-    [ "${FP8_GEMMS:-1}" = 1 ] && step fp8_out 170 python3 -m experiments bench fp8_out --reps 5 $small
     train_steps "${2:-configs/hstu_nvidia.toml}" 150 precision.fp8 false true
+    [ "${FP8_GEMMS:-1}" = 1 ] && step fp8_out 170 python3 -m experiments bench fp8_out --reps 5 $small
     ;;
   profile)
     c=${2:?profile CONFIG [KEY=VALUE ...]}; shift 2
