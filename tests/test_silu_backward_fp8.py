@@ -1,4 +1,8 @@
-"""The SiLU-backward FP8 kernel (Pallas interpret mode) against its jnp reference."""
+"""The SiLU-backward FP8 kernels against their jnp reference: the Triton kernel (gpu.py) in Pallas interpret
+mode, and the Mosaic GPU kernel (gpu_sm90.py) in the Mosaic GPU interpreter (8 CPU devices from conftest.py:
+its XLA:CPU thread pool) and lowered for the GPU (`lower(lowering_platforms=("cuda",))` on CPU runs the whole
+Pallas -> Mosaic GPU lowering: register layouts, the transposed store, TMA boxes; ptxas and the hardware only on
+the GPU)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +10,7 @@ import numpy as np
 import pytest
 from jaxtyping import TypeCheckError
 
-from pallas_kernels.silu_backward_fp8 import silu_backward_fp8
+from pallas_kernels.silu_backward_fp8 import api, silu_backward_fp8
 from pallas_kernels.silu_backward_fp8.reference import E5M2, silu_backward_fp8_reference, silu_grad
 
 
@@ -61,3 +65,74 @@ def test_bad_shapes_are_errors():
         silu_backward_fp8(dys[:1], z, 1.0)
     with pytest.raises((ValueError, TypeCheckError), match=r"M"):  # jaxtyping's hook (tests) or ours
         silu_backward_fp8((dys[0][:8], dys[1]), z, 1.0)
+
+
+def test_which_kernel_runs(monkeypatch):
+    """The Triton kernel is the default on every GPU, Hopper included (the Mosaic one is not measured yet); the
+    Mosaic kernel runs when named."""
+    assert api.kernel_for(None) == ("reference", False)
+    assert api.kernel_for("interpret") == ("triton", True)
+    assert api.kernel_for("mosaic_interpret") == ("mosaic", True)
+    assert api.kernel_for("mosaic") == ("mosaic", False)
+    assert api.kernel_for("triton_interpret") == ("triton", True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert api.kernel_for(None) == ("triton", False)
+    assert api.kernel_for("pallas") == ("triton", False)
+
+
+@pytest.mark.parametrize(
+    "rows,widths,tiles,clip",
+    [
+        ((192, (64, 64, 64, 64), {}, False)),  # 3 row blocks, 2 column blocks (of 32) a piece
+        ((192, (64, 64, 64, 64), {}, True)),  # the largest quarter saturates
+        ((256, (128, 128), {"block_rows": 128, "block_cols": 64}, False)),
+    ],
+)
+def test_mosaic_kernel_matches_reference(rows, widths, tiles, clip):
+    """The Mosaic GPU kernel in its interpreter: q bit for bit (the same float32 math and rounding), q^T its
+    transpose, amax and the column sums to float32 rounding."""
+    dys, z = _inputs(3, rows, widths)
+    amax = float(jnp.max(jnp.abs(silu_grad(jnp.concatenate(dys, 1), z))))
+    scale = jnp.float32(amax / float(jnp.finfo(E5M2).max) / (4 if clip else 1))
+    want = silu_backward_fp8_reference(dys, z, scale)
+    got = silu_backward_fp8(dys, z, scale, implementation="mosaic_interpret", **tiles)
+    assert [a.shape for a in got] == [a.shape for a in want]
+    assert got[0].dtype == got[1].dtype == E5M2
+    np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
+    np.testing.assert_array_equal(_f32(got[1]), _f32(want[1]))
+    np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
+    np.testing.assert_allclose(_f32(got[3]), _f32(want[3]), rtol=1e-5, atol=1e-5)
+    at_max = int(np.sum(np.abs(_f32(got[0])) == float(jnp.finfo(E5M2).max)))
+    assert at_max > 20 if clip else at_max <= 2, at_max
+
+
+def test_mosaic_refuses_what_it_does_not_take():
+    """Named explicitly, the Mosaic kernel does not fall back: pieces of different widths, rows no multiple of
+    its 64-row blocks, and num_warps (it has one warpgroup) are errors."""
+    for rows, widths, kw in ((128, (32, 64), {}), (96, (64, 64), {}), (128, (64, 64), {"num_warps": 4})):
+        dys, z = _inputs(4, rows, widths)
+        with pytest.raises(ValueError, match="Mosaic GPU"):
+            silu_backward_fp8(dys, z, jnp.float32(1e-3), implementation="mosaic_interpret", **kw)
+
+
+@pytest.mark.parametrize("tiles", [{}, {"block_rows": 128, "block_cols": 64}, {"block_cols": 256}])
+def test_mosaic_lowers_for_the_gpu(tiles):
+    """gem_h200's uvqk SiLU backward (196,608 rows, 4 pieces of 512, bf16) through the api, lowered for the
+    GPU: a layout, transposed store, TMA box or shared-memory size Mosaic GPU rejects raises here."""
+    sd = jax.ShapeDtypeStruct
+    rows, width = 196_608, 512
+    dys = tuple(sd((rows, width), jnp.bfloat16) for _ in range(4))
+
+    def f(dys, z, scale):
+        return silu_backward_fp8(dys, z, scale, implementation="mosaic", **tiles)
+
+    lowered = jax.jit(f).trace(dys, sd((rows, 4 * width), jnp.bfloat16), sd((), jnp.float32))
+    text = lowered.lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+    q, qt, amax, sums = lowered.out_info
+    assert (q.shape, qt.shape, amax.shape, sums.shape) == (
+        (rows, 4 * width),
+        (4 * width, rows),
+        (),
+        (4 * width,),
+    )
