@@ -98,13 +98,14 @@ def test_bench_balance_reports_less_imbalance_balanced(capsys):
 
 
 def test_bench_silu_fp8_checks_the_kernel_against_xla_before_timing(capsys):
-    """`bench silu_fp8 --quick` on CPU: the kernel (interpret mode) checked against the FP8 reference, both
-    XLA baselines timed."""
+    """`bench silu_fp8 --quick` on CPU: the Triton and the Mosaic GPU kernel (their interpreters) each checked
+    against the FP8 reference, both XLA baselines timed."""
     from experiments.benchmarks import silu_fp8
 
     assert silu_fp8.main(["--quick", "--reps", "1"]) == 0
     out = capsys.readouterr().out
-    assert "FP8 in XLA" in out and out.count(": ok") == 1 and "WRONG" not in out, out
+    assert "FP8 in XLA" in out and out.count(": ok") == 2 and "WRONG" not in out, out
+    assert "triton default" in out and "mosaic default" in out, out
 
 
 def test_bench_norm_checks_the_kernels_against_xla_before_timing(capsys):

@@ -7,7 +7,10 @@ ways to get the gradient the layer's backward GEMMs need:
   column sums, two XLA fusions. Not an FP8 input; the time the kernel must beat for FP8 to pay.
 - "FP8 in XLA": pallas_kernels.silu_backward_fp8's reference, jitted: the same outputs as the kernel (e5m2
   gradient, its transpose, amax, column sums) as XLA fuses them.
-- the Pallas kernel (pallas_kernels.silu_backward_fp8) with its default tiles and the ones `--tiles` lists.
+- the Pallas Triton kernel (pallas_kernels.silu_backward_fp8, gpu.py) with its default tiles and those of TILES.
+- the Pallas Mosaic GPU kernel (gpu_sm90.py, Hopper; implementation="mosaic") with its default tiles and those of
+  MOSAIC_TILES. Not yet measured on an H200; on a GPU that is no Hopper it says failed. On CPU (--quick) it
+  runs in the Mosaic GPU interpreter (one warpgroup per CTA: XLA:CPU's default thread pool suffices).
 
 Each kernel variant is checked against the FP8 reference on the same fresh inputs first (q identical up to a
 few rounding ties, the same transpose, amax and sums to float32 rounding). GB/s counts 6 bytes an element
@@ -30,6 +33,8 @@ from pallas_kernels.silu_backward_fp8.reference import silu_backward_fp8_referen
 SHAPES = [("gem_h200 uvqk", 196_608, 512), ("hstu_nvidia uvqk", 65_536, 1024)]  # rows, piece width
 # (block rows, block cols, warps) tried beside the defaults
 TILES = [(None, None, None), (128, 128, 8), (128, 64, 4), (256, 64, 8), (64, 256, 8), (32, 128, 4)]
+# the Mosaic GPU kernel's (block rows, block cols): rows a multiple of 64, cols of 32
+MOSAIC_TILES = [(None, None), (128, 64), (64, 256), (128, 128)]
 
 
 def _bf16_silu_backward(dys, z):
@@ -56,8 +61,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--quick", action="store_true", help="small shapes, default tiles only (smoke test, CPU)")
     args = p.parse_args(argv)
-    kernel = "interpret" if jax.default_backend() == "cpu" else "pallas"
+    cpu = jax.default_backend() == "cpu"
+    triton, mosaic = ("triton_interpret", "mosaic_interpret") if cpu else ("triton", "mosaic")
     shapes, tiles = (SHAPES, TILES) if not args.quick else ([("quick", 64, 32)], TILES[:1])
+    variants = [
+        (f"triton {bm or 'default'} x {bn or 'default'}, warps {w or 'default'}", triton, bm, bn, w)
+        for bm, bn, w in tiles
+    ]
+    variants += [
+        (f"mosaic {bm or 'default'} x {bn or 'default'}", mosaic, bm, bn, None)
+        for bm, bn in (MOSAIC_TILES if not args.quick else MOSAIC_TILES[:1])
+    ]
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
     ok = True
     for name, rows, width in shapes:
@@ -73,11 +87,10 @@ def main(argv: list[str]) -> int:
         bf16_ms = median_seconds(jax.jit(_bf16_silu_backward), dys, z, reps=args.reps) * 1e3
         xla_ms = median_seconds(reference, dys, z, scale, reps=args.reps) * 1e3
         print(f"  bf16 (XLA, no FP8): {bf16_ms:.3f} ms; FP8 in XLA: {xla_ms:.3f} ms", flush=True)
-        for bm, bn, warps in tiles:
-            label = f"kernel {bm or 'default'} x {bn or 'default'}, warps {warps or 'default'}"
+        for label, kernel, bm, bn, warps in variants:
             run = jax.jit(
-                lambda d, z, s, bm=bm, bn=bn, w=warps: silu_backward_fp8(
-                    d, z, s, implementation=kernel, block_rows=bm, block_cols=bn, num_warps=w
+                lambda d, z, s, k=kernel, bm=bm, bn=bn, w=warps: silu_backward_fp8(
+                    d, z, s, implementation=k, block_rows=bm, block_cols=bn, num_warps=w
                 )
             )
             try:
