@@ -19,8 +19,9 @@ to q^T. Lowered with Lane semantics, set explicitly (jax 0.10.2's default; 0.11.
 
 CPU checks: tests/test_silu_backward_fp8.py lowers the kernel for the GPU (`lower(lowering_platforms=
 ("cuda",))`) at gem_h200's shape and runs it in the Mosaic GPU interpreter against reference.py. The
-interpreter has no register layouts (it runs jnp on whole arrays): it checks the arithmetic and the block
-indexing, not the layouts' code.
+interpreter has no register layouts nor transposed views (it runs jnp on whole arrays; q^T there is `.T`): it
+checks the arithmetic, the block indexing and the TMA copies, not the layouts' code nor the transposed store,
+which only the lowering and a GPU run check.
 """
 
 from __future__ import annotations
