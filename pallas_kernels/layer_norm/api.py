@@ -20,7 +20,7 @@ from jaxtyping import ArrayLike, Float
 
 from pallas_kernels import implementations
 from pallas_kernels.layer_norm import gpu
-from pallas_kernels.layer_norm.gpu import NormParams
+from pallas_kernels.layer_norm.params import NormParams
 from pallas_kernels.layer_norm.reference import layer_norm_reference
 
 # Elements of x per program: rows of width D in registers, with 4 warps for up to 4096 and 8 beyond.

@@ -10,7 +10,6 @@ fusions with float32 intermediates in HBM; this is the round trip the kernels re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,18 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import ArrayLike, Float
 
-
-@dataclasses.dataclass(frozen=True)
-class NormParams:
-    """The static settings of one call (hashable): rows per program, warps, eps, which inputs exist."""
-
-    rows: int
-    num_warps: int
-    eps: float
-    has_gate: bool
-    has_residual: bool  # backward: add the gradient of the input passed through (api's with_input)
-    out_dtype: str  # the output's dtype name (e.g. bf16 from a float32 residual stream, for the next GEMM)
-    interpret: bool
+from pallas_kernels.layer_norm.params import NormParams
 
 
 def _stats(x, eps):
