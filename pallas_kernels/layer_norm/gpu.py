@@ -1,4 +1,5 @@
-"""Pallas GPU (Triton lowering) layer norm: one pass over whole rows forward, one backward.
+"""Pallas GPU (Triton lowering) layer norm: one pass over whole rows forward, one backward. The pre-Hopper
+kernels: on Hopper api.py runs gpu_sm90.py (Mosaic GPU) where it takes the width.
 
 Each program holds `rows` whole rows of width D in registers, so the statistics, the gate and the residual
 gradient cost no extra memory round trip: forward reads x (and the gate) and writes y; backward reads x, dy
