@@ -223,3 +223,40 @@ def test_wide_rows_many_blocks(dtype, tol):
     ref = _value_and_grads("reference", x, gate, scale, bias, probe, probe_x, True)
     out = _value_and_grads("mosaic_interpret", x, gate, scale, bias, probe, probe_x, True)
     _check(ref, out, tol)
+
+
+@pytest.mark.slow
+def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypatch):
+    """The HSTU layers' norms (128 and 64 wide, float32) through the Mosaic GPU kernels in the interpreter, as
+    on a Hopper GPU ("interpret" is made to pick them where they take the width): the logits and the
+    gradients of every parameter are the reference norms'."""
+    from flax import nnx
+
+    from tests.helpers import model_logits_and_grads, small_config
+
+    picked = []
+    kernel_for = api.kernel_for
+
+    def hopper_interpreter(implementation, width):
+        if implementation == "interpret" and tiles.mosaic_applies(width):
+            picked.append(width)
+            return "mosaic", True
+        return kernel_for(implementation, width)
+
+    monkeypatch.setattr(api, "kernel_for", hopper_interpreter)
+    wide = (
+        "model.model_dim=128",
+        "model.attention_dim=32",
+        "model.value_dim=32",
+        "precision.compute_dtype=float32",
+    )
+    results = {}
+    for impl in ("reference", "interpret"):
+        _, logits, grads = model_logits_and_grads(small_config(*wide, f'model.norm_implementation="{impl}"'))
+        results[impl] = logits, nnx.to_flat_state(grads)
+    assert picked, "no norm ran the Mosaic GPU kernels"
+    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["interpret"]
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-5)
+    for (path, a), (_, b) in zip(ref_grads, grads):
+        a, b = (np.asarray(v.get_value() if hasattr(v, "get_value") else v[...]) for v in (a, b))
+        np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(a).max()), err_msg=str(path))
