@@ -260,3 +260,10 @@ def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypat
     for (path, a), (_, b) in zip(ref_grads, grads):
         a, b = (np.asarray(v.get_value() if hasattr(v, "get_value") else v[...]) for v in (a, b))
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-5 * max(1.0, np.abs(a).max()), err_msg=str(path))
+
+
+def test_no_rows_need_no_kernel():
+    """A 0-row x has no kernel grid: it takes the reference, shapes kept."""
+    for implementation in ("mosaic_interpret", "interpret"):
+        y = layer_norm(jnp.zeros((2, 0, 128)), jnp.ones(128), jnp.zeros(128), implementation=implementation)
+        assert y.shape == (2, 0, 128)
