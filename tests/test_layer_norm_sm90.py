@@ -7,6 +7,11 @@ layouts, TMA boxes, the shared-memory budget), so a construct Mosaic GPU rejects
 hardware run only on the GPU (`python -m experiments bench norm`). The interpreter runs the same kernels on
 whole arrays, without register layouts, and TMA copies eagerly: it checks the arithmetic, the row-block ring's
 indexing and its barriers' arrival counts.
+
+No train step under jax.shard_map here (tests/test_layer_norm.py runs one through the Triton kernels): the
+interpreter ends every kernel call at a barrier across the shard_map's devices, and XLA:CPU may run a
+collective of the step on one device while another waits at that barrier, so such a run can stop for good
+(seen: a 2-device train step stopped with one device in that barrier). On a GPU each device's kernel is its own.
 """
 
 import jax
@@ -225,15 +230,9 @@ def test_wide_rows_many_blocks(dtype, tol):
     _check(ref, out, tol)
 
 
-@pytest.mark.slow
-def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypatch):
-    """The HSTU layers' norms (128 and 64 wide, float32) through the Mosaic GPU kernels in the interpreter, as
-    on a Hopper GPU ("interpret" is made to pick them where they take the width): the logits and the
-    gradients of every parameter are the reference norms'."""
-    from flax import nnx
-
-    from tests.helpers import model_logits_and_grads, small_config
-
+def _interpret_as_on_hopper(monkeypatch) -> list[int]:
+    """Makes implementation "interpret" pick the Mosaic GPU kernels (in their interpreter) where they take the
+    width, as a Hopper GPU picks them; returns the list the widths that did are appended to."""
     picked = []
     kernel_for = api.kernel_for
 
@@ -244,6 +243,19 @@ def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypat
         return kernel_for(implementation, width)
 
     monkeypatch.setattr(api, "kernel_for", hopper_interpreter)
+    return picked
+
+
+@pytest.mark.slow
+def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypatch):
+    """The HSTU layers' norms (128 and 64 wide, float32) through the Mosaic GPU kernels in the interpreter, as
+    on a Hopper GPU ("interpret" is made to pick them where they take the width): the logits and the
+    gradients of every parameter are the reference norms'."""
+    from flax import nnx
+
+    from tests.helpers import model_logits_and_grads, small_config
+
+    picked = _interpret_as_on_hopper(monkeypatch)
     wide = (
         "model.model_dim=128",
         "model.attention_dim=32",
