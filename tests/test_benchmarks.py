@@ -109,14 +109,14 @@ def test_bench_silu_fp8_checks_the_kernel_against_xla_before_timing(capsys):
 
 
 def test_bench_norm_checks_the_kernels_against_xla_before_timing(capsys):
-    """`bench norm --quick` on CPU: both cases run the reference and the kernel (interpret mode), each
-    checked against the reference."""
+    """`bench norm --quick` on CPU: both cases run the reference, the Triton kernels and the Mosaic GPU
+    kernels (each in its interpreter), each checked against the reference."""
     from experiments.benchmarks import norm
 
     assert norm.main(["--quick", "--reps", "1"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" ok") == 4 and "WRONG" not in out, out
-    assert out.count("kernel rows=default") == 2, out
+    assert out.count(" ok") == 6 and "WRONG" not in out and "failed" not in out, out
+    assert out.count("triton rows=default") == 2 and out.count("mosaic rows=default") == 2, out
 
 
 def test_bench_fp8_out_checks_every_form_and_reads_the_fp8_gemms_result_dtype(capsys):

@@ -5,13 +5,22 @@
 that x as the residual stream and its gradient joins the norm's backward in the same pass, where XLA would
 add the two in another one.
 
-Implementation names as every kernel package (pallas_kernels/implementations.py); the Pallas kernel runs
-where its tiles apply (a power-of-two width of 16-8192), the reference elsewhere, with the same VJP.
-There is no TPU kernel: on TPU (and CPU) None means the reference, which XLA fuses well there.
+Which kernel runs (`kernel_for`): implementation names as every kernel package (pallas_kernels/
+implementations.py), plus the GPU kernel families by name as jagged_attention's: "mosaic" (gpu_sm90.py,
+Mosaic GPU, Hopper) and "triton" (gpu.py), each also with "_interpret" (its interpreter, on CPU). None, "gpu"
+and "pallas" on a GPU run Mosaic GPU on Hopper where it takes the width (a multiple of 32 up to 1024), else
+Triton where it takes the width (a power of two of 16-8192), else the reference, with the same VJP. "gpu_interpret"
+and "interpret" run the Triton kernel in Pallas's interpreter, as before there was a Mosaic kernel. There is no
+TPU kernel: on TPU (and CPU) None means the reference, which XLA fuses well there.
+
+Rows: the Triton kernel takes any count (its rows per program divide it). The Mosaic kernel's pipeline steps
+are multiples of 4 rows: a count that is no multiple of 4 is padded with zero rows up to a whole step (a copy
+of the inputs and outputs; the GPU configs' pack capacities are multiples of the steps).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -19,16 +28,18 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float
 
 from pallas_kernels import implementations
-from pallas_kernels.layer_norm import gpu
-from pallas_kernels.layer_norm.gpu import NormParams
+from pallas_kernels.common import NUM_SMS, cdiv, is_hopper
+from pallas_kernels.layer_norm import gpu, tiles
+from pallas_kernels.layer_norm.params import FAMILIES, NormParams
 from pallas_kernels.layer_norm.reference import layer_norm_reference
 
 # Elements of x per program: rows of width D in registers, with 4 warps for up to 4096 and 8 beyond.
 _ELEMENTS_PER_PROGRAM = 4096
+GPU_FAMILIES = FAMILIES  # "mosaic", "triton": the GPU kernels by name (each also with "_interpret")
 
 
 def kernel_applies(width: int) -> bool:
-    """Whether the Pallas kernel takes rows of this width (Triton tensors are powers of two)."""
+    """Whether the Triton kernel takes rows of this width (Triton tensors are powers of two)."""
     return 16 <= width <= 8192 and width & (width - 1) == 0
 
 
@@ -40,13 +51,64 @@ def block_rows(rows: int, width: int, elements: int = _ELEMENTS_PER_PROGRAM) -> 
     return block
 
 
-def _resolve(implementation: str | None) -> str:
+def _applies(family: str, width: int) -> bool:
+    return tiles.mosaic_applies(width) if family == "mosaic" else kernel_applies(width)
+
+
+def kernel_for(implementation: str | None, width: int) -> tuple[str, bool]:
+    """(what a call with rows of this width runs: "mosaic", "triton" or "reference"; whether in interpret
+    mode), as the module docstring says. A family named explicitly that does not take the width is a
+    ValueError."""
+    if implementation is not None and implementation.removesuffix("_interpret") in GPU_FAMILIES:
+        family = implementation.removesuffix("_interpret")
+        if not _applies(family, width):
+            raise ValueError(
+                f"layer_norm: implementation={implementation!r} does not take rows of width {width} (mosaic: a "
+                f"multiple of 32 up to {tiles.MAX_WIDTH}; triton: a power of two of 16-8192)"
+            )
+        return family, implementation.endswith("_interpret")
     if implementation is None and jax.default_backend() == "tpu":
-        return "reference"
+        return "reference", False
     kernel = implementations.resolve(implementation)
     if kernel.startswith("tpu"):
         raise ValueError(f"layer_norm has no TPU kernel (implementation={implementation!r}); use 'reference'")
-    return kernel
+    if kernel == "reference":
+        return "reference", False
+    interpret = implementations.interpret(kernel)
+    if not interpret and is_hopper() and tiles.mosaic_applies(width):
+        return "mosaic", False
+    return ("triton", interpret) if kernel_applies(width) else ("reference", False)
+
+
+def _mosaic_params(rows, x, gate, with_input, rows_per_block, **common) -> tuple[NormParams, int]:
+    """(the Mosaic kernels' params, rows after padding). The tiles come from the backward's shared memory (its
+    row arrays outnumber the forward's): x, dy, dx (the gate and its gradient, the residual's gradient)."""
+    width = x.shape[-1]
+    arrays = [x.dtype, common["out_dtype"], x.dtype] + [x.dtype] * with_input
+    arrays += [] if gate is None else [gate.dtype] * 2
+    row_bytes = width * sum(jnp.dtype(a).itemsize for a in arrays)
+    fixed_bytes = width * 4 * (2 + 2 * tiles.ROWS_PER_GROUP)  # scale and bias; the CTA's partial sums
+    if rows_per_block is not None:
+        if rows_per_block % tiles.ROWS_PER_GROUP or rows % rows_per_block:
+            raise ValueError(
+                f"layer_norm: rows_per_block={rows_per_block} must be a multiple of {tiles.ROWS_PER_GROUP} "
+                f"that divides the {rows} rows of x (the Mosaic GPU kernel)"
+            )
+        block, padded = rows_per_block, rows
+    else:
+        block = tiles.mosaic_tiles(row_bytes, fixed_bytes).rows
+        padded = rows if rows % tiles.ROWS_PER_GROUP == 0 else cdiv(rows, block) * block
+        while padded % block:
+            block //= 2
+    sizes = tiles.mosaic_tiles(row_bytes, fixed_bytes, rows=block)
+    if sizes is None:
+        raise ValueError(
+            f"layer_norm: {block} rows of {x.shape} do not fit the Mosaic GPU kernel's shared memory"
+        )
+    params = NormParams(
+        rows=block, family="mosaic", stages=sizes.stages, num_ctas=sizes.ctas_per_sm * NUM_SMS, **common
+    )
+    return params, padded
 
 
 def layer_norm(
@@ -67,7 +129,9 @@ def layer_norm(
     out_dtype: y's dtype (default x's); e.g. bf16 for the next GEMM from a float32 residual stream, so
     neither the norm's output nor its gradient crosses memory in float32.
 
-    rows_per_block, num_warps: the kernel's tiles (benchmarks); None picks them from the width.
+    rows_per_block, num_warps: the kernel's tiles (benchmarks); None picks them from the width. The Mosaic
+    GPU kernel takes rows_per_block (rows per pipeline step, a multiple of 4) and has no num_warps (one
+    warpgroup per CTA).
     """
     x = jnp.asarray(x)
     width = x.shape[-1]
@@ -78,37 +142,73 @@ def layer_norm(
         )
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"layer_norm: gate {gate.shape} must have x's shape {x.shape}")
-    kernel = _resolve(implementation)
-    if kernel == "reference" or not kernel_applies(width):
+    family, interpret = kernel_for(implementation, width)
+    if family == "reference" or x.size == 0:  # (no rows: no kernel grid)
         y = layer_norm_reference(x, scale, bias, gate, eps=eps, out_dtype=out_dtype)
         return (x, y) if with_input else y
 
     rows = x.size // width
-    block = rows_per_block or block_rows(rows, width)
-    if rows % block:
-        raise ValueError(f"layer_norm: rows_per_block={block} does not divide the {rows} rows of x")
-    params = NormParams(
-        rows=block,
-        num_warps=num_warps or (4 if block * width <= 4096 else 8),
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    common = dict(
         eps=eps,
         has_gate=gate is not None,
         has_residual=with_input,
-        out_dtype=jnp.dtype(out_dtype or x.dtype).name,
-        interpret=implementations.interpret(kernel),
+        out_dtype=out_dtype.name,
+        interpret=interpret,
     )
+    if family == "mosaic":
+        params, padded = _mosaic_params(rows, x, gate, with_input, rows_per_block, **common)
+    else:
+        block = rows_per_block or block_rows(rows, width)
+        if rows % block:
+            raise ValueError(f"layer_norm: rows_per_block={block} does not divide the {rows} rows of x")
+        params = NormParams(rows=block, num_warps=num_warps or (4 if block * width <= 4096 else 8), **common)
+        padded = rows
     has_scale = scale is not None
     scale = scale if has_scale else jnp.ones((width,), bias.dtype)
-    flat_gate = None if gate is None else gate.reshape(rows, width)
-    out = _fused(x.reshape(rows, width), scale, bias, flat_gate, params)
+    flat_x = _pad_rows(x.reshape(rows, width), padded)
+    flat_gate = None if gate is None else _pad_rows(gate.reshape(rows, width), padded)
+    out = _fused(flat_x, scale, bias, flat_gate, params)
     if with_input:
-        return out[0].reshape(x.shape), out[1].reshape(x.shape)
-    return out.reshape(x.shape)
+        return out[0][:rows].reshape(x.shape), out[1][:rows].reshape(x.shape)
+    return out[:rows].reshape(x.shape)
+
+
+def _pad_rows(a, rows: int):
+    """`a` with zero rows appended up to `rows` (a itself when it has them): zero rows normalise to the bias,
+    finite, and their zero cotangents add nothing to the scale and bias gradients."""
+    return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]), (0, 0)))
+
+
+def _backend(params: NormParams):
+    """The module that runs these params: gpu_sm90 (Mosaic GPU) or gpu (Triton)."""
+    if params.family == "triton":
+        return gpu
+    # platform-only: the Mosaic GPU kernels (Hopper, or their CPU interpreter), loaded when a call runs them
+    from pallas_kernels.layer_norm import gpu_sm90
+
+    return gpu_sm90
+
+
+def _interpreter(params: NormParams):
+    """Mosaic GPU's CPU interpreter around a Mosaic kernel's call in interpret mode (a private jax module,
+    only reachable this way), else nothing. One warpgroup per CTA: no thread-pool size to check (see
+    norm_gemm/api.py's, whose warpgroups wait on each other)."""
+    if not (params.interpret and params.family == "mosaic"):
+        return contextlib.nullcontext()
+    # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
+    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+
+    return interpret_params.force_gpu_interpret_mode(
+        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fused(x, scale, bias, gate, params):
 
-    y = gpu.forward(x, scale, bias, gate, params)
+    with _interpreter(params):
+        y = _backend(params).forward(x, scale, bias, gate, params)
     return (x, y) if params.has_residual else y
 
 
@@ -120,7 +220,8 @@ def _fused_bwd(params, residuals, d_out):
 
     x, scale, bias, gate = residuals
     d_residual, dy = d_out if params.has_residual else (None, d_out)
-    dx, d_scale, d_bias, d_gate = gpu.backward(x, scale, bias, gate, dy, d_residual, params)
+    with _interpreter(params):
+        dx, d_scale, d_bias, d_gate = _backend(params).backward(x, scale, bias, gate, dy, d_residual, params)
     return dx, d_scale, d_bias, d_gate
 
 

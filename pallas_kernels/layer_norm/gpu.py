@@ -1,4 +1,5 @@
-"""Pallas GPU (Triton lowering) layer norm: one pass over whole rows forward, one backward.
+"""Pallas GPU (Triton lowering) layer norm: one pass over whole rows forward, one backward. The pre-Hopper
+kernels: on Hopper api.py runs gpu_sm90.py (Mosaic GPU) where it takes the width.
 
 Each program holds `rows` whole rows of width D in registers, so the statistics, the gate and the residual
 gradient cost no extra memory round trip: forward reads x (and the gate) and writes y; backward reads x, dy
@@ -10,7 +11,6 @@ fusions with float32 intermediates in HBM; this is the round trip the kernels re
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,18 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import ArrayLike, Float
 
-
-@dataclasses.dataclass(frozen=True)
-class NormParams:
-    """The static settings of one call (hashable): rows per program, warps, eps, which inputs exist."""
-
-    rows: int
-    num_warps: int
-    eps: float
-    has_gate: bool
-    has_residual: bool  # backward: add the gradient of the input passed through (api's with_input)
-    out_dtype: str  # the output's dtype name (e.g. bf16 from a float32 residual stream, for the next GEMM)
-    interpret: bool
+from pallas_kernels.layer_norm.params import NormParams
 
 
 def _stats(x, eps):

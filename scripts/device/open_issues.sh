@@ -10,15 +10,18 @@
 #                                                 (u1k, h4k: bias on/off, default T vs padded)
 #   bash scripts/device/open_issues.sh presets    every attention preset (scripts/device/attention_presets.sh)
 #   bash scripts/device/open_issues.sh fuzz       fuzz attention for FUZZ_S seconds (default 540)
+#   bash scripts/device/open_issues.sh norm       bench norm: the layer-norm kernels, Mosaic GPU vs Triton vs XLA
+#                                                 (first at 8,192 rows: the Mosaic kernels' first GPU run)
 #   bash scripts/device/open_issues.sh profile CONFIG [KEY=VALUE ...]  `experiments profile` of one config (3 steps):
 #                                                 breakdown.md and the top ops in the summary, all files in the tgz
 #   bash scripts/device/open_issues.sh fp8 [CONFIGS]  bench train_step bf16 vs FP8 for each config (default
 #                                                 hstu_nvidia), then every FP8 GEMM form of a layer's three GEMMs
 #                                                 (bench fp8_out; FP8_GEMMS=0 skips it)
-# Order for a session of 30 device minutes: glue, step, bias (presets and fuzz next). Anywhere, CPU too, the
+# Order for the next session with a device: fp8 "configs/hstu_nvidia.toml configs/gem_h200.toml", norm, then
+# step, bias, presets, fuzz. Anywhere, CPU too, the
 # parts run (the kernels' rows then say n/a): `OUT=/tmp/oi QUICK=1 bash scripts/device/open_issues.sh glue`.
 set -u
-PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz|fp8|profile}
+PART=${1:?usage: open_issues.sh glue|step|bias|presets|fuzz|norm|fp8|profile}
 OUT=${OUT:-runs/open_issues}
 LOGS=${LOGS:-$OUT/logs}; mkdir -p "$LOGS" "$OUT"  # LOGS=/tmp/x on the device: $OUT brings back at most 8 files
 export PYTHONPATH=$PWD
@@ -78,6 +81,12 @@ case $PART in
   fuzz)
     step fuzz "$(( ${FUZZ_S:-540} + 40 ))" python3 -m experiments fuzz attention --seconds "${FUZZ_S:-540}" --seed 5
     ;;
+  norm)
+    quick=; [ -n "$QUICK" ] && quick=--quick
+    # a small run first, in its own process: a kernel that hangs or is wrong costs this step only
+    step bench_norm_small 200 python3 -m experiments bench norm --rows 8192 --reps 3 $quick
+    step bench_norm 360 python3 -m experiments bench norm --reps 20 $quick
+    ;;
   fp8)
     small=; [ -n "$QUICK" ] && small=--small
     train_steps "${2:-configs/hstu_nvidia.toml}" 150 precision.fp8 false true
@@ -90,14 +99,14 @@ case $PART in
     steps=3; [ -n "$QUICK" ] && steps=1
     step "$name" 240 python3 -m experiments profile --config "$c" "${sets[@]}" --steps $steps --out "$LOGS/$name"
     ;;
-  *) echo "unknown part $PART (glue, step, bias, presets, fuzz, fp8, profile)"; exit 2 ;;
+  *) echo "unknown part $PART (glue, step, bias, presets, fuzz, norm, fp8, profile)"; exit 2 ;;
 esac
 {  # the tables and the lines a reader needs first
   echo "# open_issues.sh $PART, $(date -u +%F), $(head -1 "$LOGS/smi.txt" 2>/dev/null | tail -1), $(cat "$LOGS/jax.txt")"
   cat "$LOGS/times.txt"
   for f in "$LOGS"/*.log; do
     echo; echo "## $(basename "$f")"
-    grep -h -E '^\||^ +[0-9]+\.[0-9]+  |^  (kernel|backward)|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)|"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
+    grep -h -E '^\||^ +[0-9]+\.[0-9]+  |^  (kernel|backward|reference|triton|mosaic)|implementation=None|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)|"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
   done
 } > "$OUT/$PART.md" 2>&1
 tar czf "$OUT/$PART.tgz" --exclude=trace --exclude="*.prof" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
