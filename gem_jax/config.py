@@ -267,11 +267,12 @@ class ModelConfig:
     # function either way.
     attention_bias_rows_gib: float = setting(8.0, AT_LEAST_0, may_change=True)
     # The HSTU layers' norms (input norm with the residual's gradient, attention-output norm with the gate,
-    # the final norm) as pallas_kernels.layer_norm's fused kernels ("auto": on GPU, Mosaic GPU on Hopper and
-    # Triton before; "interpret": the Triton ones on CPU) or plain jnp ("reference"); the same function, so a
-    # run may resume on another. With precision.fp8_gemms =
-    # "backward" it also picks the kernel of uvqk's SiLU backward (pallas_kernels.silu_backward_fp8).
-    norm_implementation: Literal["auto", "reference", "pallas", "interpret"] = setting(
+    # the final norm) as pallas_kernels.layer_norm's fused kernels ("auto": on GPU, the Triton ones, Hopper
+    # included until the Mosaic GPU ones are measured on the H200; "mosaic" / "triton": that GPU family;
+    # "interpret": the Triton ones on CPU) or plain jnp ("reference"); the same function, so a run may resume
+    # on another. With precision.fp8_gemms = "backward" it also picks the kernel of uvqk's SiLU backward
+    # (pallas_kernels.silu_backward_fp8, which has both families too).
+    norm_implementation: Literal["auto", "reference", "pallas", "interpret", "mosaic", "triton"] = setting(
         "auto", may_change=True
     )
     # The HSTU layer's input norm, uvqk GEMM, bias, SiLU and split as one kernel (pallas_kernels.norm_gemm: the

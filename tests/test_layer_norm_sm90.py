@@ -59,8 +59,9 @@ def _check(ref, out, tol):
 
 def test_which_kernel_runs(monkeypatch):
     """CPU: None is the reference, "interpret" the Triton kernel's interpreter (as before), "mosaic_interpret"
-    the Mosaic GPU kernel's. On a Hopper GPU: Mosaic GPU where it takes the width, else Triton, else the
-    reference; on another GPU Triton. A family named explicitly that does not take the width is refused."""
+    the Mosaic GPU kernel's. On a GPU, Hopper included, None runs Triton where it takes the width, else the
+    reference, until the Mosaic GPU kernels are measured on the H200; "mosaic" runs them. A family named
+    explicitly that does not take the width is refused."""
     assert api.kernel_for(None, 512) == ("reference", False)
     assert api.kernel_for("interpret", 512) == ("triton", True)
     assert api.kernel_for("mosaic_interpret", 512) == ("mosaic", True)
@@ -69,17 +70,15 @@ def test_which_kernel_runs(monkeypatch):
         api.kernel_for("mosaic_interpret", 48)
     assert tiles.mosaic_applies(96) and not tiles.mosaic_applies(64 + 16) and not tiles.mosaic_applies(2048)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(api, "is_hopper", lambda: True)
     assert [api.kernel_for(None, w)[0] for w in (512, 1024, 96, 16, 48)] == [
-        "mosaic",
-        "mosaic",
-        "mosaic",  # a multiple of 32: Mosaic GPU, where Triton would want a power of two
-        "triton",  # 16: below a warp's 32 lanes
+        "triton",
+        "triton",
+        "reference",  # a multiple of 32 but no power of two: only "mosaic" takes it
+        "triton",
         "reference",
     ]
+    assert api.kernel_for("mosaic", 96) == ("mosaic", False)
     assert api.kernel_for("triton", 512) == ("triton", False)
-    monkeypatch.setattr(api, "is_hopper", lambda: False)
-    assert api.kernel_for(None, 512) == ("triton", False)
 
 
 def test_tiles_fit_shared_memory():
