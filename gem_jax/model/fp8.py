@@ -217,10 +217,10 @@ def _fp8_matmul_bwd(static: _Static, res, g):
     x_contract = 1 if static.recipe.gemms == "backward" else 0  # xq is X^T [K, M] there
     dw = scaled_dot(xq, gq, x_scale, g_scale, (x_contract, 0), static.w_dtype, hi)  # X^T dY: [K, N]
     if not delayed:
-        return dx.astype(static.x_dtype), dw.astype(static.w_dtype), None, None
+        return dx, dw, None, None  # already in x's and w's dtypes (scaled_dot)
     probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])
     no_scale_grads = tuple(jnp.zeros((), jnp.float32) for _ in SCALES)  # scales are state, not parameters
-    return dx.astype(static.x_dtype), dw.astype(static.w_dtype), no_scale_grads, probe_cotangent
+    return dx, dw, no_scale_grads, probe_cotangent
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)

@@ -71,7 +71,7 @@ def _dense_silu_bwd(static: _Static, res, dys):
     db = None if static.b_dtype is None else db.astype(static.b_dtype)
     no_scale_grads = tuple(jnp.zeros((), jnp.float32) for _ in SCALES)  # scales are state, not parameters
     probe_cotangent = jnp.stack([x_amax, w_amax, g_amax])
-    return dx.astype(static.x_dtype), dw.astype(static.w_dtype), db, no_scale_grads, probe_cotangent
+    return dx, dw, db, no_scale_grads, probe_cotangent  # dx, dw in x's, w's dtypes
 
 
 _dense_silu.defvjp(_dense_silu_fwd, _dense_silu_bwd)
