@@ -188,3 +188,46 @@ def test_interpret_matches_reference(activation, d, block_k, pingpong, window, b
     if activation == "softmax":
         lse_want = softmax_lse_reference(q, k, offsets, n, params.alpha, targets, window)
         np.testing.assert_allclose(np.asarray(lse)[:, : offsets[-1]], lse_want[:, : offsets[-1]], atol=1e-2)
+
+
+def test_time_buckets_match_the_reference_formula():
+    """sm90_common.time_buckets (log2, then the floor through a float's bits, no float -> int conversion) gives
+    the reference's bucket for every gap from -5 to 5,000 and for 200,000 gaps spread log-uniformly to 2e9,
+    bucket edges included, and clips to the table."""
+    from pallas_kernels.jagged_attention.sm90_common import time_buckets
+    from pallas_kernels.jagged_attention.tiling import time_bucket
+
+    spread = np.unique(np.logspace(0, 9.3, 200_000).astype(np.int64))
+    gaps = np.concatenate([np.arange(-5, 5000), spread]).astype(np.int32)
+    for num_time in (64, 8):
+        got = np.asarray(time_buckets(jnp.asarray(gaps, jnp.float32), num_time))
+        want = np.asarray(time_bucket(jnp.asarray(gaps), num_time))
+        np.testing.assert_array_equal(got, want, err_msg=f"num_time={num_time}")
+
+
+def test_relative_timestamps():
+    """tiling.relative_timestamps: each token's timestamp minus its sequence's first (empty sequences skipped),
+    0 past offsets[B]; gaps within a sequence are exact in float32 below 2**24 and within 2**-24 of the gap
+    past it."""
+    from pallas_kernels.jagged_attention.tiling import relative_timestamps
+
+    rng = np.random.default_rng(3)
+    lengths = np.array([5, 0, 1, 300, 0, 40])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    t = int(offsets[-1]) + 11
+    ts = rng.integers(-(2**30), 2**30, size=t).astype(np.int32)
+    ts[offsets[3] : offsets[4]] = 2**30 + np.sort(rng.integers(0, 3 * 2**24, size=300))  # a span past 2**24
+    got = np.asarray(relative_timestamps(jnp.asarray(ts), jnp.asarray(offsets)))
+    assert got.shape == (1, t)
+    assert not got[0, offsets[-1] :].any()
+    for b in range(len(lengths)):
+        lo, hi = offsets[b], offsets[b + 1]
+        want = ts[lo:hi].astype(np.int64) - ts[lo]
+        np.testing.assert_allclose(got[0, lo:hi], want, rtol=2**-24)
+        gaps = got[0, lo:hi, None].astype(np.float64) - got[0, None, lo:hi]  # what the kernels subtract
+        exact = want[:, None] - want[None, :]
+        small = np.abs(want) < 2**24
+        np.testing.assert_array_equal(gaps[np.ix_(small, small)], exact[np.ix_(small, small)])
+        assert np.all(
+            np.abs(gaps - exact) <= 2 * 2**-24 * np.maximum(np.abs(want)[:, None], np.abs(want)[None])
+        )

@@ -325,3 +325,24 @@ def test_kernels_in_use_names_the_families():
     q32 = sd((1001, 2, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="implementation='mosaic'.*'triton'"):
         kernels_in_use(q32, q32, max_seq_len=512, implementation="mosaic")
+
+
+def test_bias_probe_skips_its_part():
+    """KernelOptions.bias_probe (benchmark-only) drops what it names from the lowered kernels: the table
+    gradients' shared-memory adds, the time bucket's log2 (lg2.approx in the serialized kernel); an unknown
+    name is refused."""
+    t, h, b = 1024, 2, 3
+    residuals = _residual_specs(t, h, b, 128, num_pos=128, num_time=64)
+
+    def lowered(probe):
+        options = KernelOptions(hopper_backward_bias=True, bias_probe=probe)
+        params = _static(512, "silu", 128, num_pos=128, num_time=64, options=options)
+        f = lambda res, do: mosaic_bwd.backward_mosaic_gpu(res, do, params, num_ctas=132)[:3]
+        return _lowered(f, residuals, sd((t, h, 128), jnp.bfloat16))
+
+    shipped = lowered(())
+    assert "red.shared.add.f32" in shipped and "lg2.approx" in shipped
+    assert "red.shared.add.f32" not in lowered(("pos_grad", "time_grad"))
+    assert "lg2.approx" not in lowered(("time_bucket",))
+    with pytest.raises(ValueError, match="bias_probe.*'pos_grads'"):
+        KernelOptions(bias_probe=("pos_grads",))

@@ -67,7 +67,6 @@ from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
     COL,
-    LOG2_TO_BUCKET,
     LOG2E,
     ROW,
     SMEM_BYTES,
@@ -82,6 +81,7 @@ from pallas_kernels.jagged_attention.sm90_common import (
     table_chunks,
     table_rows,
     table_width,
+    time_buckets,
 )
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
@@ -103,7 +103,7 @@ def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int) -> int:
     tiles = COMPUTE_WGS * BLOCK_Q * (dqk + O_COLS.get(dv, dv)) + stages * block_k * (dqk + dv)
     floats = COMPUTE_WGS * BLOCK_Q * (params.activation == "softmax")
     if params.has_time:
-        floats += 2 * (COMPUTE_WGS * BLOCK_Q + stages * block_k) + COMPUTE_WGS * table_width(params.num_time)
+        floats += (COMPUTE_WGS * BLOCK_Q + stages * block_k) + COMPUTE_WGS * table_width(params.num_time)
     if params.has_pos:
         floats += COMPUTE_WGS * table_width(params.num_pos)
     return tiles * itemsize + 4 * floats
@@ -263,23 +263,23 @@ def _kernel(
     def bias_tile(q_lo, step, ts_rows, slot, pos_scalar):
         """float32 [bq, bk] relative bias of this consumer's rows against key tile `step` (None: no bias)."""
         bias = None
+        probe = params.options.probe  # (benchmark-only skips: KernelOptions.bias_probe)
         if params.has_pos:
             if pos_scalar is not None:
                 bias = pos_scalar
+            elif probe("pos_gather"):
+                bias = pos_smem2.at[wg][0]
             else:
                 rel = (q_lo - step * bk) + iota(interpret, (bq, bk), 0) - iota(interpret, (bq, bk), 1)
                 bias = gather(interpret, pos_smem2.at[wg], jnp.clip(rel, 0, params.num_pos - 1))
-        if params.has_time:
-            # the gap from the timestamps' float32 halves (tiling.split_timestamps): exact, rounded once as the
-            # int -> float conversion would be, without that conversion (a quarter-rate instruction) per cell
-            cols = [tsk_smem.at[slot, i] for i in (0, 1)]
-            hi_k, lo_k = (lax.broadcast_in_dim(load_vector(interpret, c, COL), (bq, bk), [1]) for c in cols)
-            hi_q, lo_q = (lax.broadcast_in_dim(r, (bq, bk), [0]) for r in ts_rows)
-            x = jnp.maximum((hi_q - hi_k) * 65536.0 + (lo_q - lo_k), 1.0)
-            # log(x) / 0.301 as log2(x) times a constant (no division); it is >= 0, so the int cast (truncation)
-            # is the floor of the reference's bucket formula
-            bucket = jnp.clip((jnp.log2(x) * LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
-            time_bias = gather(interpret, time_smem2.at[wg], bucket)
+        if params.has_time and probe("time_bucket"):
+            time_bias = time_smem2.at[wg][0]
+            bias = time_bias if bias is None else bias + time_bias
+        elif params.has_time:
+            # the gap from the rows' timestamps relative to their sequence's start (tiling.relative_timestamps)
+            ts_k = lax.broadcast_in_dim(load_vector(interpret, tsk_smem.at[slot, 0], COL), (bq, bk), [1])
+            gap = lax.broadcast_in_dim(ts_rows, (bq, bk), [0]) - ts_k
+            time_bias = gather(interpret, time_smem2.at[wg], time_buckets(gap, params.num_time))
             bias = time_bias if bias is None else bias + time_bias
         return bias
 
@@ -312,8 +312,8 @@ def _kernel(
 
         plgpu.barrier_wait(q_bar.at[wg])  # started by load_q(i) at the end of the previous item
         ts_rows = None
-        if params.has_time:  # (the rows' timestamps' high and low halves)
-            ts_rows = tuple(load_vector(interpret, tsq_smem2.at[wg, i], ROW) for i in (0, 1))
+        if params.has_time:  # (the rows' timestamps, relative to their sequence's start)
+            ts_rows = load_vector(interpret, tsq_smem2.at[wg, 0], ROW)
         pos_last = pos_smem2.at[wg][params.num_pos - 1] if params.has_pos else None
         pl.when(wg == 1)(sync)
         pl.loop(cta_lo, lo)(drain)
@@ -608,7 +608,7 @@ def forward_mosaic_gpu(
     softmax = params.activation == "softmax"
     pos_width = table_width(params.num_pos)
     time_width = table_width(params.num_time)
-    ts = tiling.split_timestamps(ts) if params.has_time else jnp.zeros((2, ALIGN), jnp.float32)
+    ts = tiling.relative_timestamps(ts, offsets) if params.has_time else jnp.zeros((1, ALIGN), jnp.float32)
     pos_rows = table_rows(pos_tab, heads, pos_width) if params.has_pos else jnp.zeros((1, 4), jnp.float32)
     time_rows = table_rows(time_tab, heads, time_width) if params.has_time else jnp.zeros((1, 4), jnp.float32)
     # each copy into a ring slot / query buffer arrives once on its barrier
@@ -628,8 +628,8 @@ def forward_mosaic_gpu(
             return tuple(plgpu.SMEM(shape, dtype) for _ in range(COMPUTE_WGS))
 
         bias_smem = (
-            plgpu.SMEM((COMPUTE_WGS, 2, BLOCK_Q), jnp.float32) if params.has_time else None,
-            plgpu.SMEM((stages, 2, block_k), jnp.float32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, 1, BLOCK_Q), jnp.float32) if params.has_time else None,
+            plgpu.SMEM((stages, 1, block_k), jnp.float32) if params.has_time else None,
             plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )

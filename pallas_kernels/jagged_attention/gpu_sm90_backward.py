@@ -158,8 +158,8 @@ def is_split(dqk: int, dv: int) -> bool:
 def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: int, tiles: dict) -> int:
     """Shared memory of the larger of the two kernels with these tiles (the layouts in backward_mosaic_gpu)."""
     bq, bk = tiles["block_q"], tiles["block_k"]
-    # lse, delta (4 bytes a row), timestamps (8: split_timestamps' two float32 halves)
-    vecs = 2 * (params.activation == "softmax") + 2 * params.has_time
+    # lse, delta (4 bytes a row), timestamps (4: relative_timestamps' float32)
+    vecs = 2 * (params.activation == "softmax") + params.has_time
     if is_split(dqk, dv):  # (no bias there) resident K, V once; the exchange tile; staging in column slices
         stage = COMPUTE_WGS * RES * STAGE_COLS * itemsize
         dkv = RES * (dqk + dv) * itemsize + stage + RES * bq * 2
@@ -278,7 +278,7 @@ def backward_mosaic_gpu(
         params=params, num_zero=num_zero, total_rows=t, interpret=interpret, num_ctas=num_ctas, heads=heads
     )
     pos_width, time_width = table_width(params.num_pos), table_width(params.num_time)
-    ts = tiling.split_timestamps(ts) if params.has_time else jnp.zeros((2, ALIGN), jnp.float32)
+    ts = tiling.relative_timestamps(ts, offsets) if params.has_time else jnp.zeros((1, ALIGN), jnp.float32)
     dummy = jnp.zeros((1, 32), jnp.float32)
     pos_rows = table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
     time_rows = table_rows(time_tab, heads, time_width) if params.has_time else dummy
@@ -289,8 +289,8 @@ def backward_mosaic_gpu(
         """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, lane-private
         histograms (pos, time), their lane sums (pos, time)])."""
         smem = (
-            plgpu.SMEM((COMPUTE_WGS, 2, RES), jnp.float32) if params.has_time else None,
-            plgpu.SMEM((stages, 2, block), jnp.float32) if params.has_time else None,
+            plgpu.SMEM((COMPUTE_WGS, 1, RES), jnp.float32) if params.has_time else None,
+            plgpu.SMEM((stages, 1, block), jnp.float32) if params.has_time else None,
             plgpu.SMEM((COMPUTE_WGS, pos_width), jnp.float32) if params.has_pos else None,
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+BIAS_PROBES = ("time_bucket", "pos_gather", "pos_grad", "time_grad")
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
@@ -47,6 +49,12 @@ class KernelOptions:
       a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). True (the default since
       its H200 checks and times, docs/benchmarks.md 2026-12-03: 2.58x the Triton backward at D = 256);
       False: D = 256 runs the Triton backward.
+    bias_probe: benchmark-only, and WRONG results: parts of the relative bias the Mosaic GPU kernels skip, to
+      time what each costs (scripts/device/bias_attribution.py). Names from BIAS_PROBES: "time_bucket" (no
+      per-cell time bucket: neither the log2 nor the time table's gather; the time bias is bucket 0's scalar
+      and the time gradient goes to bucket 0), "pos_gather" (the position bias is bucket 0's scalar; the
+      buckets are still computed for the gradient), "pos_grad" and "time_grad" (the dQ kernel skips that
+      table's gradient). Empty (the default): the shipped kernels.
     split_meet: at head dim 256 the Mosaic GPU dK/dV kernel's two consumers meet once per query tile, so that
       the tensor cores run S^T alone, then dP^T while consumer 0 computes P^T and the dS factor
       (gpu_sm90_backward.py, "Head dim 256"). False: no meeting (both products issued at once), for the A/B.
@@ -63,6 +71,16 @@ class KernelOptions:
     hopper_backward_bias: bool = True
     hopper_backward_d256: bool = True
     split_meet: bool = True
+    bias_probe: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = sorted(set(self.bias_probe) - set(BIAS_PROBES))
+        if unknown:
+            raise ValueError(f"KernelOptions.bias_probe: unknown {unknown}, the names are {BIAS_PROBES}")
+
+    def probe(self, part: str) -> bool:
+        """Whether a benchmark asked the kernels to skip this part of the relative bias (bias_probe)."""
+        return part in self.bias_probe
 
     def use_pos_grad_stores(self, nbytes: int) -> bool:
         """Whether the position gradient's per-program buffer of `nbytes` bytes is used."""

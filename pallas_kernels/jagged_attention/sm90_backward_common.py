@@ -14,7 +14,6 @@ from pallas_kernels.common import cdiv_dyn
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
-    LOG2_TO_BUCKET,
     LOG2E,
     ZERO_TILES,
     cast_layout,
@@ -23,6 +22,7 @@ from pallas_kernels.jagged_attention.sm90_common import (
     load_vector,
     store_rows,
     table_chunks,
+    time_buckets,
 )
 
 RES = 64  # resident rows per consumer warpgroup
@@ -49,14 +49,20 @@ def two_products(interpret: bool, a1, b1, a2, b2, shape):
     return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
 
 
-def accumulate(interpret: bool, accs, lhs, rhs):
-    """accs[i] + lhs[i] @ rhs[i] (lhs: registers, rhs: shared-memory refs), wgmmas with one wait."""
+def accumulate(interpret: bool, accs, lhs, rhs, during=None):
+    """accs[i] + lhs[i] @ rhs[i] (lhs: registers, rhs: shared-memory refs), wgmmas with one wait; `during()`
+    (if given) runs between their issue and the wait, beside the tensor cores."""
     if interpret:
-        return tuple(acc + interpret_matmul(a, b[...], False) for acc, a, b in zip(accs, lhs, rhs))
+        out = tuple(acc + interpret_matmul(a, b[...], False) for acc, a, b in zip(accs, lhs, rhs))
+        if during is not None:
+            during()
+        return out
 
     def scope(refs):
         for r, a, b in zip(refs, lhs, rhs):
             plgpu.wgmma(r, a, b)
+        if during is not None:
+            during()
 
     return pl.run_state(scope)(tuple(plgpu.ACC.init(acc) for acc in accs))
 
@@ -77,35 +83,32 @@ def tile_bias(
     interpret: bool, params: KernelParams, pos_tab, time_tab, rel, ts_q, ts_k, clipped: bool = False
 ):
     """(float32 bias, position bucket, time bucket) of a tile's cells (None where a table is absent): rel is
-    i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps broadcast to it, each a pair
-    (high, low) of float32 tiles (tiling.split_timestamps). As the forward: the tables' rows are in shared memory,
-    gathered per cell; the time bucket is log2(max(dt, 1)) times a constant (the reference's log(dt) / 0.301 up
-    to float rounding at bucket edges). A `clipped` tile lies wholly past the last position bucket (i - j >=
-    num_pos - 1 in every cell): its position bias is that bucket's scalar, and no position bucket comes back."""
+    i - j (int32, the tile's shape), ts_q and ts_k the query and key timestamps (tiling.relative_timestamps)
+    broadcast to it. As the forward: the tables' rows are in shared memory, gathered per cell; the time bucket
+    is sm90_common.time_buckets of the gap. A `clipped` tile lies wholly past the last position bucket
+    (i - j >= num_pos - 1 in every cell): its position bias is that bucket's scalar, and no position bucket
+    comes back."""
     bias = pb = tb = None
+    probe = params.options.probe  # (benchmark-only skips: KernelOptions.bias_probe)
     if params.has_pos and clipped:
         bias = pos_tab[params.num_pos - 1]
     elif params.has_pos:
         pb = jnp.clip(rel, 0, params.num_pos - 1)
-        bias = gather(interpret, pos_tab, pb)
-    if params.has_time:
-        # the gap in float32 from the halves: (hi_q - hi_k) * 2**16 is exact, and so is the low halves'
-        # difference, so the sum is the integer gap rounded once, as int -> float would (without that
-        # conversion, which runs at a quarter of the FP32 rate, per cell)
-        (hi_q, lo_q), (hi_k, lo_k) = ts_q, ts_k
-        x = jnp.maximum((hi_q - hi_k) * 65536.0 + (lo_q - lo_k), 1.0)
-        tb = jnp.clip((jnp.log2(x) * LOG2_TO_BUCKET).astype(jnp.int32), 0, params.num_time - 1)
+        bias = pos_tab[0] if probe("pos_gather") else gather(interpret, pos_tab, pb)
+    if params.has_time and probe("time_bucket"):
+        tb = cast_layout(interpret, jnp.zeros(rel.shape, jnp.int32), plgpu.Layout.WGMMA)
+        bias = time_tab[0] if bias is None else time_tab[0] + bias
+    elif params.has_time:
+        tb = time_buckets(ts_q - ts_k, params.num_time)
         time_bias = gather(interpret, time_tab, tb)
         bias = time_bias if bias is None else time_bias + bias
     return bias, pb, tb
 
 
-def ts_pair(interpret: bool, ref, layout, shape, dim: int):
-    """(high, low) float32 tiles of `shape`: a [2, n] shared-memory ref of split timestamps as vectors in
-    `layout`, broadcast along the tile's other dimension (dim: the one they vary along)."""
-    return tuple(
-        lax.broadcast_in_dim(load_vector(interpret, ref.at[i], layout), shape, [dim]) for i in range(2)
-    )
+def ts_tile(interpret: bool, ref, layout, shape, dim: int):
+    """A float32 tile of `shape` from a [1, n] shared-memory ref of relative timestamps, as a vector in `layout`
+    broadcast along the tile's other dimension (dim: the one it varies along)."""
+    return lax.broadcast_in_dim(load_vector(interpret, ref.at[0], layout), shape, [dim])
 
 
 class Frame:

@@ -59,6 +59,18 @@ def load_vector(interpret: bool, ref, layout):
     return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
 
 
+def time_buckets(gap, num_time: int):
+    """int32 log-time buckets of a tile of float32 time gaps: floor(log2(max(gap, 1)) * LOG2_TO_BUCKET), clipped
+    to [0, num_time) (the reference's floor(log(gap) / LOG_TIME_DIVISOR) up to float rounding at bucket edges).
+
+    The floor without a float -> int conversion (a quarter-rate instruction with a long latency, on the chain
+    every score cell waits on): v + (2**23 - 0.5) rounds to floor(v) + 2**23, an integer float whose bits minus
+    those of 2**23 are floor(v) (a tie at an integer v may round one down: a bucket edge, where log2's
+    approximation decides anyway). A gap of 1 (v = 0) stays 8388607.5, below 2**23: -1, clipped to 0."""
+    v = jnp.log2(jnp.maximum(gap, 1.0)) * LOG2_TO_BUCKET + (2.0**23 - 0.5)
+    return jnp.clip(lax.bitcast_convert_type(v, jnp.int32) - 0x4B000000, 0, num_time - 1)
+
+
 def gather(interpret: bool, table_ref, idx):
     """table_ref[idx] for an int32 [bq, bk] tile in the wgmma layout: one ld.shared per element (Pallas Mosaic
     GPU has no gather, so the loads are written in Mosaic GPU's own API, inline)."""

@@ -29,7 +29,7 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     score_grads,
     store_slices,
     tile_bias,
-    ts_pair,
+    ts_tile,
     two_products,
     zero_tail,
 )
@@ -145,8 +145,8 @@ def dkv_kernel(
                 rel = (n * bq - k_lo) + iota(interpret, (RES, bq), 1) - iota(interpret, (RES, bq), 0)
                 ts_q = ts_k = None
                 if params.has_time:  # (rows: keys, columns: queries)
-                    ts_q = ts_pair(interpret, tsq_smem.at[slot], COL, (RES, bq), 1)
-                    ts_k = ts_pair(interpret, tsk_res2.at[wg], ROW, (RES, bq), 0)
+                    ts_q = ts_tile(interpret, tsq_smem.at[slot], COL, (RES, bq), 1)
+                    ts_k = ts_tile(interpret, tsk_res2.at[wg], ROW, (RES, bq), 0)
                 pos_tab = pos_tabs.at[wg] if params.has_pos else None
                 time_tab = time_tabs.at[wg] if params.has_time else None
                 z = z + tile_bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)[0]

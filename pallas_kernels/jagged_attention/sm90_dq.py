@@ -31,7 +31,7 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     rows_of,
     score_grads,
     tile_bias,
-    ts_pair,
+    ts_tile,
     two_products,
     zero_tail,
 )
@@ -44,6 +44,7 @@ from pallas_kernels.jagged_attention.sm90_common import (
     iota,
     load_vector,
     store_rows,
+    time_buckets,
 )
 
 # The bias tables' gradients (dQ kernel): each consumer owns a lane-private histogram per table in shared memory,
@@ -185,6 +186,9 @@ def dq_kernel(
     # (None: no such bias) hists: per consumer, lane-private [rows, LANES]; rows: per consumer, [rows]
     tsq_res2, tsk_smem, pos_tabs, time_tabs, pos_hist, time_hist, pos_row, time_row = bias_bufs
     has_bias = params.has_pos or params.has_time
+    # the table gradients (a benchmark may skip either: KernelOptions.bias_probe)
+    pos_grad = params.has_pos and not params.options.probe("pos_grad")
+    time_grad = params.has_time and not params.options.probe("time_grad")
     dqk, dv = q_res2.shape[-1], do_res2.shape[-1]
     bk = block_k
     dtype = q_ref.dtype
@@ -256,36 +260,53 @@ def dq_kernel(
                 cols = (n * bk - f.d) + iota(interpret, (RES, bk), 1)
                 mask = tiling.allowed_2d(rows, cols, f.length, f.first_target, params) & (cols >= 0)
             z = s * params.alpha
+            pb = None
             if has_bias:
                 rel = (q_lo - n * bk) + iota(interpret, (RES, bk), 0) - iota(interpret, (RES, bk), 1)
                 ts_q = ts_k = None
                 if params.has_time:
-                    ts_q = ts_pair(interpret, tsq_res2.at[wg], ROW, (RES, bk), 0)
-                    ts_k = ts_pair(interpret, tsk_smem.at[slot], COL, (RES, bk), 1)
+                    ts_q = ts_tile(interpret, tsq_res2.at[wg], ROW, (RES, bk), 0)
+                    ts_k = ts_tile(interpret, tsk_smem.at[slot], COL, (RES, bk), 1)
                 pos_tab = pos_tabs.at[wg] if params.has_pos else None
                 time_tab = time_tabs.at[wg] if params.has_time else None
-                bias, pb, tb = tile_bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)
+                bias, pb, _ = tile_bias(interpret, params, pos_tab, time_tab, rel, ts_q, ts_k, clipped)
                 z = z + bias
             _, ds = score_grads(z, dp, mask, lse, delta, params, 0)
-            if params.has_pos and clipped:  # every cell in the last bucket: row sums, added once per item
+            if pos_grad and clipped:  # every cell in the last bucket: row sums, added once per item
                 far = far + ds.sum(axis=1)
-            elif params.has_pos:  # dS into this consumer's histograms (masked cells add 0)
-                hist_add(interpret, pos_hist.at[wg], pb, ds, diagonals=True)
-            if params.has_time:
-                hist_add(interpret, time_hist.at[wg], tb, ds)
-            (dq_acc,) = accumulate(interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,))
+
+            def table_grads():
+                """dS into this consumer's histograms (masked cells add 0), while the dQ wgmma runs. The time
+                buckets are computed again from timestamps loaded again (after the wgmma's issue, so that the
+                compiler cannot reuse the first ones): 32 bucket registers held across the score gradient
+                spilled, and cost more than the second computation."""
+                if pos_grad and not clipped:
+                    hist_add(interpret, pos_hist.at[wg], pb, ds, diagonals=True)
+                if time_grad:
+                    if params.options.probe("time_bucket"):
+                        tb = cast_layout(interpret, jnp.zeros((RES, bk), jnp.int32), plgpu.Layout.WGMMA)
+                    else:
+                        gap = ts_tile(interpret, tsq_res2.at[wg], ROW, (RES, bk), 0) - ts_tile(
+                            interpret, tsk_smem.at[slot], COL, (RES, bk), 1
+                        )
+                        tb = time_buckets(gap, params.num_time)
+                    hist_add(interpret, time_hist.at[wg], tb, ds)
+
+            (dq_acc,) = accumulate(
+                interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,), during=table_grads if has_bias else None
+            )
             plgpu.barrier_arrive(s_free.at[slot])
             return dq_acc, far
 
         dq = cast_layout(interpret, jnp.zeros((RES, dqk), jnp.float32), plgpu.Layout.WGMMA)
-        far = cast_layout(interpret, jnp.zeros((RES,), jnp.float32), ROW) if params.has_pos else None
+        far = cast_layout(interpret, jnp.zeros((RES,), jnp.float32), ROW) if pos_grad else None
         c_hi = k_clipped_end(q_lo, bk, f_lo, f_hi, params)  # far below the diagonal: a scalar pos bias
         carry = lax.fori_loop(lo, f_lo, functools.partial(body, masked=True), (dq, far))
         if params.has_pos:
             carry = lax.fori_loop(f_lo, c_hi, functools.partial(body, masked=False, clipped=True), carry)
         carry = lax.fori_loop(c_hi, f_hi, functools.partial(body, masked=False), carry)
         dq, far = lax.fori_loop(f_hi, hi, functools.partial(body, masked=True), carry)
-        if params.has_pos:  # the clipped tiles' dS, into the last position bucket
+        if pos_grad:  # the clipped tiles' dS, into the last position bucket
             col0 = iota(interpret, (RES, bk), 1) == 0
             sums = jnp.where(col0, lax.broadcast_in_dim(far, (RES, bk), [0]), 0.0)
             last = jnp.full((RES, bk), params.num_pos - 1, jnp.int32)

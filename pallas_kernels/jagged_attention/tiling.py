@@ -68,11 +68,17 @@ def time_bucket(dt, num_buckets: int):
     return jnp.clip(jnp.floor(jnp.log(x) / LOG_TIME_DIVISOR).astype(jnp.int32), 0, num_buckets - 1)
 
 
-def split_timestamps(ts):
-    """float32 [2, T]: int32 timestamps' high (ts >> 16) and low (ts & 0xFFFF) halves, each exact in float32.
+def relative_timestamps(ts, offsets):
+    """float32 [1, T]: each token's timestamp minus its sequence's first token's (0 past offsets[B]).
 
-    The Hopper kernels form a time gap as (hi_i - hi_j) * 2**16 + (lo_i - lo_j): both terms are exact, so the
-    float32 sum is the integer gap rounded once, as int -> float would round it, without that conversion (a
-    quarter-rate instruction on Hopper) in every score cell."""
+    The Hopper kernels form a cell's time gap as one float32 subtraction of two of these, which keeps one float
+    per row in shared memory and registers and one instruction per cell. It is exact, the integer gap rounded
+    once as int -> float would round it, while a sequence spans less than 2**24 time units (194 days of
+    seconds); past that, each operand is rounded to float32 first (a relative error of 2**-24 in the gap, which
+    moves a cell's log-time bucket only at a bucket edge)."""
     ts = ts.astype(jnp.int32)
-    return jnp.stack([(ts >> 16).astype(jnp.float32), (ts & 0xFFFF).astype(jnp.float32)])
+    rows = jnp.arange(ts.shape[0], dtype=jnp.int32)
+    seq = jnp.searchsorted(offsets, rows, side="right") - 1  # offsets[seq] <= row < offsets[seq + 1]
+    start = jnp.take(offsets, jnp.clip(seq, 0, offsets.shape[0] - 2), mode="clip")
+    base = jnp.take(ts, start, mode="clip")
+    return jnp.where(rows < offsets[-1], ts - base, 0).astype(jnp.float32)[None]

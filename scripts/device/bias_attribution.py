@@ -1,0 +1,203 @@
+"""Where the relative bias's time goes in the Hopper (Mosaic GPU) jagged attention kernels, on one GPU.
+
+  python3 scripts/device/bias_attribution.py SHAPE [SHAPE ...] [--reps R] [--only fwd|bwd] [--variants L,...]
+  python3 scripts/device/bias_attribution.py --check     (the default call vs the float32 reference first)
+
+SHAPE: u1k (B=512, lengths in [0.9N, N), N=1024), u4k (the same at N=4096), h4k (B=2048, log-normal lengths,
+N=4096); H=4, D=128, bf16, SiLU, the GEM bias (position 128 + time 64 buckets, sorted timestamps about a minute
+apart). For each shape, on fresh random inputs: the forward (gpu_sm90.forward) and the backward
+(gpu_sm90_backward.backward_mosaic_gpu, on the residuals of one forward; its dK/dV and dQ kernels timed apart, each
+in a jit that returns only its outputs) timed without the bias, with
+it, and with each part of it skipped through KernelOptions.bias_probe (benchmark-only: those rows compute
+WRONG results, they time what each part costs). Each variant compiles its own kernels; a ROW line is printed
+as each finishes (TFLOP/s by generative-recommenders' count: forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
+backward = 2.5x), then a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments.benchmarks import jagged_calls, shapes
+from experiments.benchmarks.timing import median_seconds
+from pallas_kernels.jagged_attention import gpu, gpu_sm90, gpu_sm90_backward
+from pallas_kernels.jagged_attention.options import KernelOptions
+from pallas_kernels.jagged_attention.params import KernelParams
+
+SHAPES = {"u1k": shapes.PEER_N1024, "u4k": shapes.PEER_N4096, "h4k": shapes.HEAVY_TAIL}
+MOSAIC = KernelOptions(hopper_forward=True, hopper_backward=True)
+# (label, bias on, the parts skipped); the forward has no table gradients
+FORWARD = [
+    ("no bias", False, ()),
+    ("bias", True, ()),
+    ("- time bucket", True, ("time_bucket",)),
+    ("- pos gather", True, ("pos_gather",)),
+    ("- both", True, ("time_bucket", "pos_gather")),
+]
+BACKWARD = FORWARD[:4] + [
+    ("- pos grad", True, ("pos_grad",)),
+    ("- time grad", True, ("time_grad",)),
+    ("- both grads", True, ("pos_grad", "time_grad")),
+    ("- everything", True, ("time_bucket", "pos_gather", "pos_grad", "time_grad")),
+]
+
+
+def _inputs(shape: shapes.JaggedShape, rng):
+    lengths = shape.sample_lengths(rng)
+    h, d = shape.heads, shape.head_dim
+    q, k, v, do, off = jagged_calls.inputs(lengths, h, d, rng)
+    b = shapes.GEM_H200_BIAS
+    ts = jnp.asarray(np.cumsum(rng.integers(1, 120, size=q.shape[0])), jnp.int32)
+    pos = jnp.asarray(rng.standard_normal((h, b.num_pos)) * 0.1, jnp.float32)
+    tim = jnp.asarray(rng.standard_normal((h, b.num_time)) * 0.1, jnp.float32)
+    return lengths, q, k, v, do, off, ts, pos, tim
+
+
+def _params(shape: shapes.JaggedShape, bias: bool, probe: tuple[str, ...]) -> KernelParams:
+    b = shapes.GEM_H200_BIAS
+    fields = dict(num_pos=b.num_pos, num_time=b.num_time) if bias else {}
+    options = dataclasses.replace(MOSAIC, bias_probe=probe)
+    params = KernelParams.build(shape.max_seq_len, "silu", shape.head_dim, options=options, **fields)
+    return dataclasses.replace(params, hopper_forward=True, hopper_backward=True)
+
+
+def check(seed: int) -> bool:
+    """The default call (implementation=None: the Mosaic GPU kernels on Hopper) with the GEM bias against the
+    float32 reference on fresh inputs at a small shape, sorted and unsorted timestamps: output and the gradients
+    of q, k, v and both tables, rel. L2 < 1e-2 each and finite."""
+    from pallas_kernels.jagged_attention import jagged_attention
+
+    rng = np.random.default_rng(seed)
+    shape = shapes.JaggedShape(batch=16, max_seq_len=1024, heads=4, head_dim=128)
+    ok_all = True
+    for sort in (True, False):
+        lengths, q, k, v, do, off, ts, pos, tim = _inputs(shape, rng)
+        if not sort:
+            ts = jnp.asarray(rng.permutation(np.asarray(ts)))
+
+        def loss(impl, q, k, v, pos, tim):
+            o = jagged_attention(
+                q,
+                k,
+                v,
+                off,
+                max_seq_len=1024,
+                implementation=impl,
+                timestamps=ts,
+                pos_bias=pos,
+                time_bias=tim,
+            )
+            return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
+
+        grad = jax.grad(loss, argnums=(1, 2, 3, 4, 5), has_aux=True)
+        got = jax.jit(grad, static_argnums=0)(None, q, k, v, pos, tim)
+        f32 = lambda x: x.astype(jnp.float32)
+        want = jax.jit(grad, static_argnums=0)("reference", f32(q), f32(k), f32(v), pos, tim)
+        parts, ok = [], True
+        for label, a, r in zip(
+            ("out", "dq", "dk", "dv", "dpos", "dtime"), (got[1], *got[0]), (want[1], *want[0])
+        ):
+            a, r = f32(a), f32(r)
+            err = float(jnp.linalg.norm(a - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
+            ok = ok and err < 1e-2 and bool(jnp.isfinite(a).all())
+            parts.append(f"{label}={err:.1e}")
+        print(f"CHECK sorted={sort} {' '.join(parts)} -> {'OK' if ok else 'FAIL'}", flush=True)
+        ok_all = ok_all and ok
+    return ok_all
+
+
+def run(name: str, reps: int, only: str | None, labels: list[str] | None = None) -> list[tuple]:
+    shape = SHAPES[name]
+    rng = np.random.default_rng(int(time.time()))
+    lengths, q, k, v, do, off, ts, pos, tim = _inputs(shape, rng)
+    flops = jagged_calls.fwd_flops(lengths, shape.heads, shape.head_dim, shape.head_dim)
+    rows = []
+
+    def layout(params, bias):
+        args = (ts, pos, tim) if bias else (None, None, None)
+        return gpu.to_kernel_layout(q, k, v, off, None, *args, params)
+
+    for direction, variants in (("fwd", FORWARD), ("bwd", BACKWARD)):
+        if only not in (None, direction):
+            continue
+        residuals = {}
+        for label, bias, probe in variants:
+            if labels and label not in labels:
+                continue
+            t0 = time.perf_counter()
+            params = _params(shape, bias, probe)
+            inputs = layout(params, bias)
+            if direction == "fwd":
+                f = jax.jit(lambda x, p=params: gpu_sm90.forward(x, p)[0])
+                sec = median_seconds(f, inputs, reps=reps, warmup=3)
+                tflops = flops / sec / 1e12
+            else:
+                if bias not in residuals:  # one shipped forward per bias setting (bias_probe: the forward's
+                    full = _params(shape, bias, ())  # residuals do not depend on it)
+                    residuals[bias] = jax.block_until_ready(
+                        jax.jit(lambda x, p=full: gpu.forward(x, p)[1])(layout(full, bias))
+                    )
+                # each kernel alone: a jit that returns only its outputs (XLA drops the other kernel's call)
+                parts = {}
+                for kernel, keep in (("dkv", (1, 2)), ("dq", (0, 6, 7))):
+                    f = jax.jit(
+                        lambda res, do, p=params, keep=keep: [
+                            gpu_sm90_backward.backward_mosaic_gpu(res, do, p)[i] for i in keep
+                        ]
+                    )
+                    parts[kernel] = median_seconds(f, residuals[bias], do, reps=reps, warmup=3)
+                sec = parts["dkv"] + parts["dq"]
+                tflops = 2.5 * flops / sec / 1e12
+                label += f" (dkv {parts['dkv'] * 1e3:.3f} + dq {parts['dq'] * 1e3:.3f} ms)"
+            row = (name, direction, label, sec * 1e3, tflops)
+            rows.append(row)
+            print(
+                f"ROW | {name} | {direction} | {label} | {sec * 1e3:.3f} ms | {tflops:.1f} TFLOP/s | "
+                f"({time.perf_counter() - t0:.0f} s with compile)",
+                flush=True,
+            )
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("shapes", nargs="*", help=f"any of {sorted(SHAPES)}")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--only", choices=("fwd", "bwd"))
+    p.add_argument("--variants", help="comma-separated labels to time (default: all), e.g. 'no bias,bias'")
+    p.add_argument("--check", action="store_true", help="first the default call against the reference")
+    args = p.parse_args()
+    unknown = sorted(set(args.shapes) - set(SHAPES))
+    if unknown:
+        p.error(f"unknown shapes {unknown}: choose from {sorted(SHAPES)}")
+    print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
+    if args.check and not check(int(time.time())):
+        return 1
+    rows = []
+    labels = args.variants.split(",") if args.variants else None
+    for name in args.shapes:
+        rows += run(name, args.reps, args.only, labels)
+    base = {(r[0], r[1]): r[3] for r in rows if r[2].split(" (")[0] == "bias"}
+    nobias = {(r[0], r[1]): r[3] for r in rows if r[2].split(" (")[0] == "no bias"}
+    print("\n| shape | dir | variant | ms | TFLOP/s | ms saved vs bias | share of the bias's cost |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, direction, label, ms, tflops in rows:
+        full, none = base.get((name, direction)), nobias.get((name, direction))
+        saved = share = ""
+        if full is not None and label.split(" (")[0] not in ("bias", "no bias"):
+            saved = f"{full - ms:.3f}"
+            if none is not None and full > none:
+                share = f"{(full - ms) / (full - none):.0%}"
+        print(f"| {name} | {direction} | {label} | {ms:.3f} | {tflops:.1f} | {saved} | {share} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""What ptxas makes of the Hopper jagged attention kernels (registers, stack frame, spills, warnings such as
+wgmma serialisation), per kernel and bias variant. Compiles only, no timing.
+
+  python3 scripts/device/kernel_sass.py VARIANT KERNEL > LOG 2>&1   (one compile; ptxas's report in LOG)
+  python3 scripts/device/kernel_sass.py summary LOG ...              (a table of the reports)
+
+VARIANT: "nobias", "bias", or "bias-" followed by KernelOptions.bias_probe names joined by "+" (e.g.
+"bias-time_bucket"); KERNEL: fwd, dkv or dq. The shape is u1k's (H=4, D=128, SiLU, lengths in [0.9N, N),
+N=1024; B=64 compiles the same kernels). MOSAIC_GPU_DUMP_PTXAS, set here before jax is imported, makes
+Mosaic GPU print ptxas's report (it also prints the kernel's MLIR: the logs are large, grep them on the device).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import sys
+
+
+def compile_one(variant: str, kernel: str) -> None:
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    import bias_attribution as attr
+    import jax
+    import numpy as np
+
+    from experiments.benchmarks import shapes
+    from pallas_kernels.jagged_attention import gpu, gpu_sm90, gpu_sm90_backward
+
+    shape = shapes.JaggedShape(batch=64, max_seq_len=1024, heads=4, head_dim=128)
+    bias = variant != "nobias"
+    probe = tuple(variant.split("-", 1)[1].split("+")) if "-" in variant else ()
+    lengths, q, k, v, do, off, ts, pos, tim = attr._inputs(shape, np.random.default_rng(0))
+    params = attr._params(shape, bias, probe)
+    inputs = gpu.to_kernel_layout(q, k, v, off, None, *((ts, pos, tim) if bias else (None,) * 3), params)
+    if kernel == "fwd":
+        jax.jit(lambda x: gpu_sm90.forward(x, params)[0]).lower(inputs).compile()
+        return
+    residuals = jax.eval_shape(lambda x: gpu.forward(x, params)[1], inputs)
+    keep = (1, 2) if kernel == "dkv" else (0, 6, 7)
+    f = jax.jit(lambda res, do: [gpu_sm90_backward.backward_mosaic_gpu(res, do, params)[i] for i in keep])
+    f.lower(residuals, do).compile()
+
+
+REPORT = re.compile(
+    r"(Used \d+ registers[^\n]*|\d+ bytes stack frame[^\n]*|ptxas[^\n]*(?:warning|Performance)[^\n]*)"
+)
+
+
+def summary(logs: list[str]) -> None:
+    print("| kernel, variant | ptxas's report |")
+    print("| --- | --- |")
+    for log in logs:
+        text = pathlib.Path(log).read_text(errors="replace")
+        lines = list(dict.fromkeys(m.group(1).strip()[:160] for m in REPORT.finditer(text)))
+        print(f"| {pathlib.Path(log).stem} | {'; '.join(lines)} |")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "summary":
+        summary(sys.argv[2:])
+    else:
+        compile_one(*sys.argv[1:3])
