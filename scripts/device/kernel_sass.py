@@ -1,7 +1,8 @@
 """What ptxas makes of the Hopper jagged attention kernels (registers, stack frame, spills, warnings such as
 wgmma serialisation), per kernel and bias variant. Compiles only, no timing.
 
-  python3 scripts/device/kernel_sass.py VARIANT KERNEL > LOG 2>&1   (one compile; ptxas's report in LOG)
+  python3 scripts/device/kernel_sass.py VARIANT KERNEL > LOG 2>&1   (one compile; ptxas's report in LOG;
+                                                                    SASS=1: the SASS too)
   python3 scripts/device/kernel_sass.py summary LOG ...              (a table of the reports)
 
 VARIANT: "nobias", "bias", or "bias-" followed by KernelOptions.bias_probe names joined by "+" (e.g.
@@ -18,8 +19,28 @@ import re
 import sys
 
 
+def _nvdisasm_beside_ptxas() -> None:
+    """With SASS=1: Mosaic GPU runs nvdisasm from the CUDA root jax found (jax._src.lib.cuda_path, often a pip
+    package that has ptxas but no nvdisasm; its dump then says "nvdisasm invocation failed"). Link the system's
+    nvdisasm there, and ask for the SASS dump."""
+    import shutil
+
+    from jax._src import lib
+
+    root = pathlib.Path(lib.cuda_path or "/usr/local/cuda")
+    found = shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
+    target = root / "bin" / "nvdisasm"
+    if not target.exists() and pathlib.Path(found).exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(found)
+    print(f"cuda root {root}: nvdisasm {'present' if target.exists() else 'MISSING'}", flush=True)
+    os.environ["MOSAIC_GPU_DUMP_SASS"] = "1"
+
+
 def compile_one(variant: str, kernel: str) -> None:
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+    if os.environ.get("SASS"):
+        _nvdisasm_beside_ptxas()
     sys.path.insert(0, str(pathlib.Path(__file__).parent))
     import bias_attribution as attr
     import jax
