@@ -344,5 +344,7 @@ def test_bias_probe_skips_its_part():
     assert "red.shared.add.f32" in shipped and "lg2.approx" in shipped
     assert "red.shared.add.f32" not in lowered(("pos_grad", "time_grad"))
     assert "lg2.approx" not in lowered(("time_bucket",))
+    plain = lowered(("hist_plain",))
+    assert "red.shared.add.f32" not in plain and "st.shared.f32" in plain
     with pytest.raises(ValueError, match="bias_probe.*'pos_grads'"):
         KernelOptions(bias_probe=("pos_grads",))

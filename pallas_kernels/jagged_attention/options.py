@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-BIAS_PROBES = ("time_bucket", "pos_gather", "pos_grad", "time_grad")
+BIAS_PROBES = ("time_bucket", "pos_gather", "pos_grad", "time_grad", "hist_plain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,8 @@ class KernelOptions:
       per-cell time bucket: neither the log2 nor the time table's gather; the time bias is bucket 0's scalar
       and the time gradient goes to bucket 0), "pos_gather" (the position bias is bucket 0's scalar; the
       buckets are still computed for the gradient), "pos_grad" and "time_grad" (the dQ kernel skips that
-      table's gradient). Empty (the default): the shipped kernels.
+      table's gradient), "hist_plain" (the table gradients' shared-memory adds are plain load-add-stores, not
+      atomics: racy). Empty (the default): the shipped kernels.
     split_meet: at head dim 256 the Mosaic GPU dK/dV kernel's two consumers meet once per query tile, so that
       the tensor cores run S^T alone, then dP^T while consumer 0 computes P^T and the dS factor
       (gpu_sm90_backward.py, "Head dim 256"). False: no meeting (both products issued at once), for the A/B.

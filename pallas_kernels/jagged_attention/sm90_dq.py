@@ -59,6 +59,12 @@ from pallas_kernels.jagged_attention.sm90_common import (
 LANES = 32
 # red.shared.add.f32 of $1 at [$0], skipped for 0 (masked cells and a run's inner elements; NaN adds)
 _RED = "{ .reg .pred p; setp.neu.f32 p, $1, 0f00000000; @p red.shared.add.f32 [$0], $1; }"
+# the same add as a plain load, add and store (KernelOptions.bias_probe "hist_plain": racy between the warps that
+# share a lane's column, so wrong; it times what the atomic itself costs)
+_PLAIN = (
+    "{ .reg .pred p; .reg .f32 t; setp.neu.f32 p, $1, 0f00000000; @p ld.shared.f32 t, [$0];"
+    " @p add.f32 t, t, $1; @p st.shared.f32 [$0], t; }"
+)
 
 
 def hist_rows(num_buckets: int) -> int:
@@ -67,7 +73,7 @@ def hist_rows(num_buckets: int) -> int:
     return cdiv(num_buckets, 64) * 64
 
 
-def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False):
+def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False, plain: bool = False):
     """hist_ref[idx, lane] += vals for an int32 bucket tile and a float32 tile in the wgmma layout; hist_ref is
     a consumer's float32 [rows, LANES] lane-private histogram (the comment above LANES).
 
@@ -102,7 +108,8 @@ def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False):
         def red(i, v):
             slot = arith.addi(arith.muli(i, lanes), lane)
             address = mgpu_utils.getelementptr(base, [slot], f32)
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, v], _RED, "r,f", has_side_effects=True)
+            code = _PLAIN if plain else _RED
+            llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, v], code, "r,f", has_side_effects=True)
 
         # a thread's rows one after the other: the register axes that remain at 8 columns come first (in the
         # wgmma layout one axis of 2: rows r and r + 8; then the column groups of 8, each a vector of 2)
@@ -280,8 +287,9 @@ def dq_kernel(
                 buckets are computed again from timestamps loaded again (after the wgmma's issue, so that the
                 compiler cannot reuse the first ones): 32 bucket registers held across the score gradient
                 spilled, and cost more than the second computation."""
+                plain = params.options.probe("hist_plain")
                 if pos_grad and not clipped:
-                    hist_add(interpret, pos_hist.at[wg], pb, ds, diagonals=True)
+                    hist_add(interpret, pos_hist.at[wg], pb, ds, diagonals=True, plain=plain)
                 if time_grad:
                     if params.options.probe("time_bucket"):
                         tb = cast_layout(interpret, jnp.zeros((RES, bk), jnp.int32), plgpu.Layout.WGMMA)
@@ -290,7 +298,7 @@ def dq_kernel(
                             interpret, tsk_smem.at[slot], COL, (RES, bk), 1
                         )
                         tb = time_buckets(gap, params.num_time)
-                    hist_add(interpret, time_hist.at[wg], tb, ds)
+                    hist_add(interpret, time_hist.at[wg], tb, ds, plain=plain)
 
             (dq_acc,) = accumulate(
                 interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,), during=table_grads if has_bias else None
@@ -310,7 +318,8 @@ def dq_kernel(
             col0 = iota(interpret, (RES, bk), 1) == 0
             sums = jnp.where(col0, lax.broadcast_in_dim(far, (RES, bk), [0]), 0.0)
             last = jnp.full((RES, bk), params.num_pos - 1, jnp.int32)
-            hist_add(interpret, pos_hist.at[wg], cast_layout(interpret, last, plgpu.Layout.WGMMA), sums)
+            last = cast_layout(interpret, last, plgpu.Layout.WGMMA)
+            hist_add(interpret, pos_hist.at[wg], last, sums, plain=params.options.probe("hist_plain"))
         # this item's table gradients: one [buckets] row per (item, head, consumer), plain TMA stores
         slot = (f.w * heads + f.h) * COMPUTE_WGS + wg
         for hist, row, out in ((pos_hist, pos_row, dpos_ref), (time_hist, time_row, dtime_ref)):

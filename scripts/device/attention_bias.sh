@@ -2,7 +2,7 @@
 # The relative bias in the Hopper jagged attention kernels, on one GPU: first the default call with the GEM bias
 # against the float32 reference (sorted and unsorted timestamps; the timings are skipped if it fails), then the
 # forward and backward with and without the bias on the given shapes (scripts/device/bias_attribution.py; with
-# VARIANTS=all also each part of the bias skipped), while ptxas's report of each kernel with the bias (registers,
+# VARIANTS=all also each part of the bias skipped; JOBS variants compile at a time, default 6), while ptxas's report of each kernel with the bias (registers,
 # stack frame, spills) is made in the background (scripts/device/kernel_sass.py). Logs and tables under $OUT.
 #   bash scripts/device/attention_bias.sh                 (u1k and h4k, bias on and off; about 6 minutes)
 #   SHAPES="u1k h4k:bwd" VARIANTS=all bash scripts/device/attention_bias.sh   (SHAPE:fwd|bwd: one direction)
@@ -22,7 +22,8 @@ if [ $rc -eq 0 ]; then
     extra=(); [ "$VARIANTS" != all ] && extra=(--variants "$VARIANTS")
     [ "$s" != "${s%%:*}" ] && extra+=(--only "${s##*:}")
     s=${s%%:*}
-    timeout -k 10 "${SHAPE_S:-170}" python3 scripts/device/bias_attribution.py "$s" "${extra[@]}" > "$OUT/$s.log" 2>&1
+    timeout -k 10 "${SHAPE_S:-170}" python3 scripts/device/bias_attribution.py "$s" --jobs "${JOBS:-6}" "${extra[@]}" \
+      > "$OUT/$s.log" 2>&1
     echo "$s rc=$?"; grep "^ROW\|rror" "$OUT/$s.log" | head -20
   done
 fi

@@ -2,6 +2,7 @@
 
   python3 scripts/device/bias_attribution.py SHAPE [SHAPE ...] [--reps R] [--only fwd|bwd] [--variants L,...]
   python3 scripts/device/bias_attribution.py --check     (the default call vs the float32 reference first)
+  python3 scripts/device/bias_attribution.py u1k h4k --jobs 8   (one process a variant, compiled in parallel)
 
 SHAPE: u1k (B=512, lengths in [0.9N, N), N=1024), u4k (the same at N=4096), h4k (B=2048, log-normal lengths,
 N=4096); H=4, D=128, bf16, SiLU, the GEM bias (position 128 + time 64 buckets, sorted timestamps about a minute
@@ -17,8 +18,13 @@ backward = 2.5x), then a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import fcntl
+import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -44,6 +50,7 @@ FORWARD = [
 BACKWARD = FORWARD[:4] + [
     ("- pos grad", True, ("pos_grad",)),
     ("- time grad", True, ("time_grad",)),
+    ("- atomics", True, ("hist_plain",)),
     ("- both grads", True, ("pos_grad", "time_grad")),
     ("- everything", True, ("time_bucket", "pos_gather", "pos_grad", "time_grad")),
 ]
@@ -113,9 +120,33 @@ def check(seed: int) -> bool:
     return ok_all
 
 
-def run(name: str, reps: int, only: str | None, labels: list[str] | None = None) -> list[tuple]:
+@contextlib.contextmanager
+def _gpu_turn(lock: str | None):
+    """Exclusive use of the GPU among this script's processes (--jobs): they compile in parallel and take turns
+    to run. No lock: this process is alone."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def run(
+    name: str,
+    reps: int,
+    only: str | None,
+    labels: list[str] | None = None,
+    seed: int | None = None,
+    lock: str | None = None,
+) -> list[tuple]:
+    """ROW tuples (shape, direction, label, ms, TFLOP/s) of the variants asked for, on inputs drawn from `seed`
+    (the same for every process of one --jobs run). Each variant is compiled first, then run in its GPU turn."""
     shape = SHAPES[name]
-    rng = np.random.default_rng(int(time.time()))
+    rng = np.random.default_rng(int(time.time()) if seed is None else seed)
     lengths, q, k, v, do, off, ts, pos, tim = _inputs(shape, rng)
     flops = jagged_calls.fwd_flops(lengths, shape.heads, shape.head_dim, shape.head_dim)
     rows = []
@@ -127,7 +158,6 @@ def run(name: str, reps: int, only: str | None, labels: list[str] | None = None)
     for direction, variants in (("fwd", FORWARD), ("bwd", BACKWARD)):
         if only not in (None, direction):
             continue
-        residuals = {}
         for label, bias, probe in variants:
             if labels and label not in labels:
                 continue
@@ -135,24 +165,33 @@ def run(name: str, reps: int, only: str | None, labels: list[str] | None = None)
             params = _params(shape, bias, probe)
             inputs = layout(params, bias)
             if direction == "fwd":
-                f = jax.jit(lambda x, p=params: gpu_sm90.forward(x, p)[0])
-                sec = median_seconds(f, inputs, reps=reps, warmup=3)
+                f = jax.jit(lambda x, p=params: gpu_sm90.forward(x, p)[0]).lower(inputs).compile()
+                with _gpu_turn(lock):
+                    sec = median_seconds(f, inputs, reps=reps, warmup=3)
                 tflops = flops / sec / 1e12
             else:
-                if bias not in residuals:  # one shipped forward per bias setting (bias_probe: the forward's
-                    full = _params(shape, bias, ())  # residuals do not depend on it)
-                    residuals[bias] = jax.block_until_ready(
-                        jax.jit(lambda x, p=full: gpu.forward(x, p)[1])(layout(full, bias))
-                    )
-                # each kernel alone: a jit that returns only its outputs (XLA drops the other kernel's call)
-                parts = {}
+                # the shipped forward's residuals (bias_probe does not change them), and each backward kernel
+                # alone: a jit that returns only its outputs (XLA drops the other kernel's call)
+                full = _params(shape, bias, ())
+                fwd = jax.jit(lambda x, p=full: gpu.forward(x, p)[1])
+                res_spec = jax.eval_shape(fwd, layout(full, bias))
+                kernels = {}
                 for kernel, keep in (("dkv", (1, 2)), ("dq", (0, 6, 7))):
-                    f = jax.jit(
-                        lambda res, do, p=params, keep=keep: [
-                            gpu_sm90_backward.backward_mosaic_gpu(res, do, p)[i] for i in keep
-                        ]
+                    kernels[kernel] = (
+                        jax.jit(
+                            lambda res, do, p=params, keep=keep: [
+                                gpu_sm90_backward.backward_mosaic_gpu(res, do, p)[i] for i in keep
+                            ]
+                        )
+                        .lower(res_spec, do)
+                        .compile()
                     )
-                    parts[kernel] = median_seconds(f, residuals[bias], do, reps=reps, warmup=3)
+                with _gpu_turn(lock):
+                    residuals = jax.block_until_ready(fwd(layout(full, bias)))
+                    parts = {
+                        k: median_seconds(f, residuals, do, reps=reps, warmup=3) for k, f in kernels.items()
+                    }
+                    del residuals
                 sec = parts["dkv"] + parts["dq"]
                 tflops = 2.5 * flops / sec / 1e12
                 label += f" (dkv {parts['dkv'] * 1e3:.3f} + dq {parts['dq'] * 1e3:.3f} ms)"
@@ -166,6 +205,40 @@ def run(name: str, reps: int, only: str | None, labels: list[str] | None = None)
     return rows
 
 
+def run_parallel(names: list[str], reps: int, only: str | None, labels: list[str] | None, jobs: int):
+    """The same rows from one process per (shape, direction, variant), `jobs` at a time: they compile in
+    parallel (the compiles are most of the time) and run on the GPU in turns (a file lock)."""
+    seed = int(time.time())
+    lock = tempfile.mkstemp(suffix=".gpu_lock")[1]
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    todo = [
+        (name, direction, label)
+        for name in names
+        for direction, variants in (("fwd", FORWARD), ("bwd", BACKWARD))
+        if only in (None, direction)
+        for label, _, _ in variants
+        if not labels or label in labels
+    ]
+    procs, rows = [], []
+    for name, direction, label in todo:
+        cmd = [sys.executable, __file__, name, "--only", direction, "--variants", label, "--reps", str(reps)]
+        cmd += ["--seed", str(seed), "--lock", lock, "--rows-only"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+        while sum(p.poll() is None for p in procs) >= jobs:
+            time.sleep(0.5)
+    for p in procs:
+        out, _ = p.communicate()
+        for line in out.splitlines():
+            if line.startswith("ROW | "):
+                print(line, flush=True)
+                name, direction, label, ms, tflops = [c.strip() for c in line.split("|")[1:6]]
+                rows.append((name, direction, label, float(ms.split()[0]), float(tflops.split()[0])))
+        if p.returncode:
+            print(f"a variant's process failed (exit {p.returncode}): {p.args}", flush=True)
+    order = {t: i for i, t in enumerate(todo)}
+    return sorted(rows, key=lambda r: order.get((r[0], r[1], r[2].split(" (")[0]), 0))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("shapes", nargs="*", help=f"any of {sorted(SHAPES)}")
@@ -173,6 +246,10 @@ def main() -> int:
     p.add_argument("--only", choices=("fwd", "bwd"))
     p.add_argument("--variants", help="comma-separated labels to time (default: all), e.g. 'no bias,bias'")
     p.add_argument("--check", action="store_true", help="first the default call against the reference")
+    p.add_argument("--jobs", type=int, default=1, help="variants compiled in parallel processes")
+    p.add_argument("--seed", type=int, help=argparse.SUPPRESS)  # (--jobs: the same inputs in every process)
+    p.add_argument("--lock", help=argparse.SUPPRESS)  # (--jobs: the GPU's turns)
+    p.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     unknown = sorted(set(args.shapes) - set(SHAPES))
     if unknown:
@@ -182,8 +259,13 @@ def main() -> int:
         return 1
     rows = []
     labels = args.variants.split(",") if args.variants else None
-    for name in args.shapes:
-        rows += run(name, args.reps, args.only, labels)
+    if args.jobs > 1:
+        rows = run_parallel(args.shapes, args.reps, args.only, labels, args.jobs)
+    else:
+        for name in args.shapes:
+            rows += run(name, args.reps, args.only, labels, args.seed, args.lock)
+    if args.rows_only:
+        return 0
     base = {(r[0], r[1]): r[3] for r in rows if r[2].split(" (")[0] == "bias"}
     nobias = {(r[0], r[1]): r[3] for r in rows if r[2].split(" (")[0] == "no bias"}
     print("\n| shape | dir | variant | ms | TFLOP/s | ms saved vs bias | share of the bias's cost |")
