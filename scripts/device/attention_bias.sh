@@ -2,8 +2,9 @@
 # The relative bias in the Hopper jagged attention kernels, on one GPU: first the default call with the GEM bias
 # against the float32 reference (sorted and unsorted timestamps; the timings are skipped if it fails), then the
 # forward and backward with and without the bias on the given shapes (scripts/device/bias_attribution.py; with
-# VARIANTS=all also each part of the bias skipped; JOBS variants compile at a time, default 6), while ptxas's report of each kernel with the bias (registers,
-# stack frame, spills) is made in the background (scripts/device/kernel_sass.py). Logs and tables under $OUT.
+# VARIANTS=all also each part of the bias skipped; JOBS variants compile at a time, default 6), while ptxas's
+# report of each kernel with the bias (registers, stack frame, spills) is made in the background
+# (scripts/device/kernel_sass.py). Logs and tables under $OUT.
 #   bash scripts/device/attention_bias.sh                 (u1k and h4k, bias on and off; about 6 minutes)
 #   SHAPES="u1k h4k:bwd" VARIANTS=all bash scripts/device/attention_bias.sh   (SHAPE:fwd|bwd: one direction)
 set -u
