@@ -21,6 +21,8 @@ Array arguments at module boundaries carry jaxtyping annotations such as
 | M, L | sampled negatives per user, history length of an exclusion list |
 | din, dout, rows | a Dense layer's input and output widths; rows of its flattened input (FP8 GEMM) |
 | hist | steps kept in an FP8 amax history |
+| Lw | positions of a sequence window (one sequence per row: frequency, wavelet, time-variant filters) |
+| *rest | trailing axes an operation carries through unchanged |
 | ... | leading batch axes (a stack of packs has one: the shard axis) |
 
 Why "B1" and not "B+1": jaxtyping evaluates "B+1" only once B is bound by an earlier argument,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
-from gem_jax.embeddings import segment_ids
+from gem_jax.model.windows import from_windows, to_windows, window_layout
 from gem_jax.parallel import param
 
 
@@ -41,18 +41,13 @@ def frequency_filter(
       max_len: the padded window (the FFT length).
       low_bins: how many of the lowest of the max_len // 2 + 1 real-FFT bins form the low-pass part.
     """
-    t_cap, b_cap = x.shape[0], offsets.shape[0] - 1
-    seg = jnp.minimum(segment_ids(offsets, t_cap), b_cap - 1)
-    valid = jnp.arange(t_cap) < offsets[-1]
-    pos = jnp.where(valid, jnp.arange(t_cap) - offsets[seg], max_len)  # max_len: dropped by the scatter
-    padded = jnp.zeros((b_cap, max_len, x.shape[1]), jnp.float32)
-    padded = padded.at[seg, pos].set(x.astype(jnp.float32), mode="drop")
+    layout = window_layout(offsets, x.shape[0], max_len, "start")
+    padded = to_windows(x.astype(jnp.float32), layout)
     spectrum = jnp.fft.rfft(padded, axis=1, norm="ortho")
     keep = (jnp.arange(spectrum.shape[1]) < low_bins)[None, :, None]
     low = jnp.fft.irfft(jnp.where(keep, spectrum, 0), n=max_len, axis=1, norm="ortho")
     filtered = low + beta.astype(jnp.float32) * (padded - low)
-    out = filtered[seg, jnp.minimum(pos, max_len - 1)]
-    return jnp.where(valid[:, None], out, 0.0).astype(x.dtype)
+    return from_windows(filtered, layout).astype(x.dtype)
 
 
 class FrequencyBranch(nnx.Module):
