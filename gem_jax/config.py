@@ -313,6 +313,21 @@ class ModelConfig:
     frequency_mix: float = setting(0.0, FRACTION)
     # Lowest real-FFT bins of the max_len window kept as the low-pass part (BSARec's c maps to c // 2 + 1).
     frequency_bins: int = setting(3, AT_LEAST_1)
+    # A multi-level Haar wavelet branch with per-user band weights (after WEARec) beside attention in every HSTU
+    # layer (gem_jax/model/wavelet_branch.py): the layer adds mix x wavelet branch (0: no branch), and attention
+    # keeps 1 - frequency_mix - wavelet_mix. Not causal, as the frequency branch: next-item data trained with
+    # `retrieval.train_targets = "last_of_prefixes"`.
+    wavelet_mix: float = setting(0.0, FRACTION)
+    wavelet_levels: int = setting(
+        3, AT_LEAST_1
+    )  # Haar levels: details of 2, 4, ... 2^levels items, block means
+    # What mixes the tokens of a sequence in every HSTU layer: "attention" (the jagged attention with its
+    # relative bias), or "time_variant": TV-Rec's time-variant causal convolution of V in place of attention (no
+    # Q, K or relative bias; next-item data only; gem_jax/model/time_variant_conv.py). A position's filter is
+    # chosen by its distance from the newest item and reads that item and the taps - 1 before it.
+    sequence_mixer: Literal["attention", "time_variant"] = "attention"
+    time_variant_taps: int = setting(0, AT_LEAST_0)  # 0: the whole retrieval.max_len window
+    time_variant_basis: int = setting(32, AT_LEAST_1)  # basis filters the per-position filters are made from
 
     # The `implementation=` the kernels take for each "auto"/name setting: "auto" is None, the platform's
     # best (pallas_kernels/implementations.py). Read these, never the raw strings.
@@ -683,14 +698,20 @@ def validate(config: Config, source: str) -> Config:
         )
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
-    if m.uvqk_implementation not in ("off", "auto") and (m.frequency_mix > 0 or m.layer != "hstu"):
+    reads_norm = m.frequency_mix > 0 or m.wavelet_mix > 0
+    if m.uvqk_implementation not in ("off", "auto") and (
+        reads_norm or m.layer != "hstu" or m.sequence_mixer != "attention"
+    ):
         raise ConfigError(
             f"{source}: `model.uvqk_implementation = {m.uvqk_implementation!r}` fuses the HSTU layer's input norm "
-            f'into its uvqk GEMM: it needs model.layer = "hstu" (got {m.layer!r}) and no model.frequency_mix '
-            f"(got {m.frequency_mix}), which reads the normalised rows"
+            f'into its uvqk GEMM: it needs model.layer = "hstu" (got {m.layer!r}), model.sequence_mixer = '
+            f'"attention" (got {m.sequence_mixer!r}) and no model.frequency_mix or model.wavelet_mix (got '
+            f"{m.frequency_mix}, {m.wavelet_mix}), which read the normalised rows"
         )
     _validate_long_history(config, source)
     _validate_frequency_filter(config, source)
+    _validate_wavelet_branch(config, source)
+    _validate_sequence_mixer(config, source)
     _validate_embeddings(config, source)
     _validate_selection(config, source)
     _validate_precision(config, source)
@@ -789,30 +810,94 @@ def _validate_long_history(config: Config, source: str) -> None:
 
 
 def _validate_frequency_filter(config: Config, source: str) -> None:
-    """`model.frequency_mix`: BSARec's filter sees the whole sequence, so only next-item examples whose
-    target follows all of their input may train it."""
+    """`model.frequency_mix`: BSARec's filter sees the whole sequence (`_validate_whole_sequence_branch`)."""
     m, r = config.model, config.retrieval
     if m.frequency_mix == 0:
         return
-    if config.data.kind != "interactions":
-        raise ConfigError(
-            f'{source}: `model.frequency_mix` is for next-item data (data.kind = "interactions"): the filter '
-            "is not causal, and a ranking sequence holds its candidates"
-        )
-    if r.train_targets != "last_of_prefixes":
-        raise ConfigError(
-            f"{source}: `model.frequency_mix` ({m.frequency_mix}) lets every position see later items: it "
-            f'needs `retrieval.train_targets = "last_of_prefixes"`, got {r.train_targets!r}'
-        )
-    if m.layer != "hstu" or m.long_history:
-        raise ConfigError(
-            f'{source}: `model.frequency_mix` needs model.layer = "hstu" without model.long_history'
-        )
+    _validate_whole_sequence_branch(config, "frequency_mix", m.frequency_mix, source)
     if m.frequency_bins > r.max_len // 2 + 1:
         raise ConfigError(
             f"{source}: `model.frequency_bins` ({m.frequency_bins}) exceeds the {r.max_len // 2 + 1} "
             f"real-FFT bins of a window of retrieval.max_len = {r.max_len}"
         )
+
+
+def _validate_whole_sequence_branch(config: Config, key: str, mix: float, source: str) -> None:
+    """A branch beside attention that sees the whole sequence (`model.<key>` = mix > 0): only next-item
+    examples whose target follows all of their input may train it."""
+    m, r = config.model, config.retrieval
+    if config.data.kind != "interactions":
+        raise ConfigError(
+            f'{source}: `model.{key}` is for next-item data (data.kind = "interactions"): the branch '
+            "is not causal, and a ranking sequence holds its candidates"
+        )
+    if r.train_targets != "last_of_prefixes":
+        raise ConfigError(
+            f"{source}: `model.{key}` ({mix}) lets every position see later items: it "
+            f'needs `retrieval.train_targets = "last_of_prefixes"`, got {r.train_targets!r}'
+        )
+    if m.layer != "hstu" or m.long_history:
+        raise ConfigError(f'{source}: `model.{key}` needs model.layer = "hstu" without model.long_history')
+
+
+def _validate_wavelet_branch(config: Config, source: str) -> None:
+    """`model.wavelet_mix`: not causal either (`_validate_whole_sequence_branch`); with the frequency branch,
+    attention keeps 1 - frequency_mix - wavelet_mix."""
+    m, r = config.model, config.retrieval
+    if m.wavelet_mix == 0:
+        _refuse_unused(m, "model", ("wavelet_levels",), "`model.wavelet_mix`", source)
+        return
+    _validate_whole_sequence_branch(config, "wavelet_mix", m.wavelet_mix, source)
+    if m.frequency_mix + m.wavelet_mix > 1:
+        raise ConfigError(
+            f"{source}: `model.frequency_mix` + `model.wavelet_mix` ({m.frequency_mix} + {m.wavelet_mix}) must "
+            "be <= 1: attention keeps the rest"
+        )
+    if 2 ** (m.wavelet_levels - 1) >= r.max_len:
+        raise ConfigError(
+            f"{source}: `model.wavelet_levels` ({m.wavelet_levels}) makes Haar blocks of {2**m.wavelet_levels} "
+            f"items, twice retrieval.max_len = {r.max_len} or more"
+        )
+
+
+def _validate_sequence_mixer(config: Config, source: str) -> None:
+    """`model.sequence_mixer = "time_variant"`: TV-Rec's filters over next-item windows, in HSTU layers."""
+    m, r = config.model, config.retrieval
+    if m.sequence_mixer == "attention":
+        _refuse_unused(
+            m, "model", ("time_variant_taps", "time_variant_basis"), "the time-variant mixer", source
+        )
+        return
+    if config.data.kind != "interactions":
+        raise ConfigError(
+            f'{source}: `model.sequence_mixer = "time_variant"` is for next-item data (data.kind = '
+            '"interactions"): its filters are indexed by the distance from a sequence\'s newest item'
+        )
+    if m.layer != "hstu" or m.long_history:
+        raise ConfigError(
+            f'{source}: `model.sequence_mixer = "time_variant"` needs model.layer = "hstu" without '
+            "model.long_history"
+        )
+    if m.attention_dropout > 0:
+        raise ConfigError(
+            f"{source}: `model.attention_dropout` ({m.attention_dropout}) drops attention weights: "
+            '`model.sequence_mixer = "time_variant"` has none'
+        )
+    if m.time_variant_taps > r.max_len:
+        raise ConfigError(
+            f"{source}: `model.time_variant_taps` ({m.time_variant_taps}) exceeds the window of "
+            f"retrieval.max_len = {r.max_len} items"
+        )
+
+
+def _refuse_unused(section: Any, name: str, keys: tuple[str, ...], owner: str, source: str) -> None:
+    """Keys that shape an option that is off must keep their defaults."""
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    for key in keys:
+        if getattr(section, key) != fields[key].default:
+            raise ConfigError(
+                f"{source}: `{name}.{key}` ({getattr(section, key)!r}) shapes {owner}, which is off"
+            )
 
 
 def _validate_embeddings(config: Config, source: str) -> None:

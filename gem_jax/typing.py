@@ -22,6 +22,8 @@ Array arguments at module boundaries carry jaxtyping annotations such as
 | din, dout, rows | a Dense layer's input and output widths; rows of its flattened input (FP8 GEMM) |
 | hist | steps kept in an FP8 amax history |
 | Lw | positions of a sequence window (one sequence per row: frequency, wavelet, time-variant filters) |
+| Kt, Mb | taps of a time-variant filter, filters of the basis its taps are made from |
+| J1 | bands of a wavelet decomposition (levels + 1) |
 | *rest | trailing axes an operation carries through unchanged |
 | ... | leading batch axes (a stack of packs has one: the shard axis) |
 

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
 from gem_jax.config import Config, load_config
 from gem_jax.data.pipeline import example_range, packed_dataset
 from gem_jax.data.synthetic import SyntheticAds
+from gem_jax.model.hstu import HSTULayer
+from gem_jax.precision import PrecisionPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -207,3 +211,54 @@ def dense_embeddings(config: Config, pack, seed: int = 0) -> dict:
         for name, f in ids.items()
     }
     return reference.lookup(_TABLES[key], specs, features, batch)
+
+
+# ----------------------------------------------------------------------------- jagged sequence filters
+
+FILTER_LAYER_ARGS = (
+    "data.kind=interactions",
+    "data.path=unused.txt",
+    "model.model_dim=8",
+    "model.num_heads=2",
+    "model.attention_dim=4",
+    "model.value_dim=4",
+    "model.num_time_buckets=0",
+    "model.attention_implementation=reference",
+    "precision.compute_dtype=float32",
+)
+
+
+def filter_layer(max_len: int, *overrides: str, seed: int = 0):
+    """An HSTU layer (model width 8, 2 heads) of a next-item config with `retrieval.max_len = max_len` and
+    `overrides`, and its call on a pack of [T, 8] rows without dropout: `call(x, offsets)` (or
+    `call(x, offsets, module)`, another layer of the same config, e.g. under nnx.grad)."""
+    config = load_config(None, [*FILTER_LAYER_ARGS, f"retrieval.max_len={max_len}", *overrides])
+    layer = HSTULayer(
+        "hstu/0",
+        config.model,
+        PrecisionPolicy.from_config(config.precision),
+        rngs=nnx.Rngs(seed),
+        max_seq_len=max_len,
+    )
+
+    def call(x, offsets, module=layer):
+        b, t = offsets.shape[0] - 1, x.shape[0]
+        zeros_b, zeros_t = jnp.zeros((b,), jnp.int32), jnp.zeros((t,), jnp.int32)
+        return module(x, offsets, zeros_b, zeros_t, max_seq_len=max_len, rng=None)
+
+    return layer, call
+
+
+def jagged_rows(lengths: list[int], spare: int, width, seed: int = 0):
+    """A pack of sequences of these lengths and `spare` rows of unused capacity: (x [T, *width] float32
+    normal rows, offsets [B + 1]) as jnp arrays."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    shape = (int(offsets[-1]) + spare, *((width,) if isinstance(width, int) else width))
+    x = np.random.default_rng(seed).normal(size=shape).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(offsets)
+
+
+def rows_changed(a, b, atol: float = 1e-6):
+    """Indices of the rows (first axis) where two arrays differ by more than `atol`."""
+    diff = np.abs(np.asarray(a) - np.asarray(b)).reshape(np.shape(a)[0], -1).max(axis=1)
+    return set(np.flatnonzero(diff > atol).tolist())

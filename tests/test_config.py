@@ -163,11 +163,17 @@ def test_every_choice_is_refused_naming_key_allowed_values_and_file(tmp_path):
     config = tmp_path / "choice.toml"
     for key, allowed in choices:
         section, name = key.replace("*", "t").rsplit(".", 1)
-        # A feature must read a named table; an interactions file must be named (rules between keys).
-        context = {"embeddings.features.t": '\ntable = "t"\n[embeddings.tables.t]', "data": '\npath = "x"'}
+        # A feature must read a named table; an interactions file must be named; the time-variant mixer is for
+        # next-item data (rules between keys).
+        context = {
+            "embeddings.features.t": '\ntable = "t"\n[embeddings.tables.t]',
+            "data": '\npath = "x"',
+            "model.sequence_mixer": '\n[data]\nkind = "interactions"\npath = "x"',
+        }
         for value in ("bogus", *allowed):
             text = json.dumps(value)  # a TOML string, or true / false for a boolean choice
-            config.write_text(f"[{section}]\n{name} = {text}{context.get(section, '')}\n")
+            extra = context.get(section, "") + context.get(key, "")
+            config.write_text(f"[{section}]\n{name} = {text}{extra}\n")
             if value in allowed:
                 assert getattr(load_config(config), key.split(".")[0]) is not None
                 continue

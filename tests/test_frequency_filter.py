@@ -12,6 +12,7 @@ from gem_jax.config import ConfigError, load_config
 from gem_jax.model.frequency_filter import frequency_filter
 from gem_jax.model.hstu import HSTULayer
 from gem_jax.precision import PrecisionPolicy
+from tests.helpers import FILTER_LAYER_ARGS
 
 MAX_LEN = 10
 
@@ -64,15 +65,7 @@ def test_beta_one_is_the_identity_and_beta_zero_keeps_only_the_low_bins():
 
 def _layer_config(mix: float):
     overrides = [
-        "data.kind=interactions",
-        "data.path=unused.txt",
-        "model.model_dim=8",
-        "model.num_heads=2",
-        "model.attention_dim=4",
-        "model.value_dim=4",
-        "model.num_time_buckets=0",
-        "model.attention_implementation=reference",
-        "precision.compute_dtype=float32",
+        *FILTER_LAYER_ARGS,
         f"retrieval.max_len={MAX_LEN}",
         "retrieval.train_targets=last_of_prefixes",
         f"model.frequency_mix={mix}",

@@ -6,7 +6,13 @@ position and log-time bias; Y = X + (LN(A) * U) W2.
 With `model.frequency_mix` = alpha > 0, a layer also runs BSARec's frequency filter F over LN(X)
 (gem_jax/model/frequency_filter.py) and mixes the two residual branches:
 Y = X + alpha F(LN(X)) + (1 - alpha) (LN(A) * U) W2, BSARec's alpha * filter + (1 - alpha) * attention
-written for a pre-norm residual stream.
+written for a pre-norm residual stream. `model.wavelet_mix` = omega adds the wavelet branch W
+(gem_jax/model/wavelet_branch.py) the same way: Y = X + alpha F(LN(X)) + omega W(LN(X)) + (1 - alpha - omega)
+(LN(A) * U) W2.
+
+With `model.sequence_mixer = "time_variant"`, A is TV-Rec's time-variant causal convolution of V
+(gem_jax/model/time_variant_conv.py) instead of attention: U, V = split(SiLU(LN(X) W1)), no Q, K or
+relative bias.
 
 With `model.long_history`, the layers attend with `long_history_attention` (BlockAttention over the
 older history, full jagged attention over the recent part) and `model.pyramid` runs deeper layers
@@ -28,15 +34,18 @@ from gem_jax.model.frequency_filter import FrequencyBranch
 from gem_jax.model.layers import Dense, LayerNorm, dropout
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.model.sasrec import SASRecLayer
+from gem_jax.model.time_variant_conv import TimeVariantConv
+from gem_jax.model.wavelet_branch import WaveletBranch
 from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 from pallas_kernels.norm_gemm import api as norm_gemm
 
 
 def uvqk_widths(c: ModelConfig) -> tuple[int, int, int, int]:
-    """The widths of U, V, Q and K in the uvqk projection's output."""
+    """The widths of U, V, Q and K in the uvqk projection's output (no Q or K for the time-variant mixer)."""
     h = c.num_heads
-    return (h * c.value_dim, h * c.value_dim, h * c.attention_dim, h * c.attention_dim)
+    qk = 0 if c.sequence_mixer == "time_variant" else h * c.attention_dim
+    return (h * c.value_dim, h * c.value_dim, qk, qk)
 
 
 def uvqk_fusion(c: ModelConfig, rows: int, x_dtype, compute_dtype, *, fp8: bool) -> str | None:
@@ -45,8 +54,10 @@ def uvqk_fusion(c: ModelConfig, rows: int, x_dtype, compute_dtype, *, fp8: bool)
     path (the norm kernel, XLA's GEMM, SiLU). `model.uvqk_implementation` decides; "auto" takes the Mosaic
     GPU kernel only where it applies (Hopper, tiles that fit, a float32 residual stream, a 16-bit GEMM), an
     explicit name takes norm_gemm's choice (its reference where its kernel does not apply). An FP8 uvqk
-    GEMM and the frequency branch keep the unfused path."""
-    if c.uvqk_implementation == "off" or c.frequency_mix > 0 or fp8:
+    GEMM, the frequency and wavelet branches and the time-variant mixer keep the unfused path."""
+    if c.uvqk_implementation == "off" or fp8 or c.frequency_mix > 0 or c.wavelet_mix > 0:
+        return None
+    if c.sequence_mixer != "attention":
         return None
     kernel, _ = norm_gemm.kernel_for(c.uvqk_kernel, (rows, c.model_dim), uvqk_widths(c))
     dtypes_fit = jnp.dtype(x_dtype) == jnp.float32 and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
@@ -70,35 +81,60 @@ def uvqk_summary(config: Config) -> str:
 
 class HSTULayer(nnx.Module):
     def __init__(
-        self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1
+        self,
+        name: str,
+        config: ModelConfig,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+        max_targets: int = 1,
+        max_seq_len: int = 0,
     ):
+        """`max_seq_len`: the longest sequence, the time-variant mixer's window (next-item: retrieval.max_len)."""
         c = config
         self.config = c
         self.name = name  # also the layer's named scope (profile groups)
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
         self.attention_spec = AttentionSpec.from_config(c)
-        h, dqk, dv = c.num_heads, c.attention_dim, c.value_dim
+        h, dv = c.num_heads, c.value_dim
         norm = c.norm_kernel
         self.glue_implementation = norm  # the glue kernels: layer norms, the FP8 SiLU backward
         self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs, implementation=norm)
-        self.uvqk = Dense(f"{name}/uvqk", c.model_dim, h * (2 * dv + 2 * dqk), policy, rngs=rngs)
+        self.uvqk = Dense(f"{name}/uvqk", c.model_dim, sum(uvqk_widths(c)), policy, rngs=rngs)
         self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs, implementation=norm)
         self.out = Dense(f"{name}/out", h * dv, c.model_dim, policy, rngs=rngs, axes=("mlp", "embed"))
         zeros = nnx.initializers.zeros
+        attends = c.sequence_mixer == "attention"
         self.pos_bias = (
             param(rngs, zeros, (h, c.num_position_buckets), ("heads", None), jnp.float32)
-            if c.num_position_buckets
+            if c.num_position_buckets and attends
             else None
         )
         self.time_bias = (
             param(rngs, zeros, (h, c.num_time_buckets), ("heads", None), jnp.float32)
-            if c.num_time_buckets
+            if c.num_time_buckets and attends
             else None
         )
         self.frequency = (
             FrequencyBranch(c.model_dim, low_bins=c.frequency_bins, rngs=rngs)
             if c.frequency_mix > 0
             else None
+        )
+        self.wavelet = (
+            WaveletBranch(c.model_dim, levels=c.wavelet_levels, rngs=rngs) if c.wavelet_mix > 0 else None
+        )
+        if not attends and max_seq_len < 1:
+            raise ValueError('model.sequence_mixer = "time_variant" needs the window (max_seq_len)')
+        self.time_variant = (
+            None
+            if attends
+            else TimeVariantConv(
+                h,
+                length=max_seq_len,
+                taps=c.time_variant_taps or max_seq_len,
+                basis=c.time_variant_basis,
+                rngs=rngs,
+            )
         )
 
     def __call__(
@@ -120,32 +156,51 @@ class HSTULayer(nnx.Module):
                 u, v, q, k = self.fused_uvqk(x, fused)
             else:
                 # x: the residual stream (its gradient joins the norm's backward); xn straight in the GEMM's
-                # dtype (bf16 from a float32 stream), unless the frequency branch reads it too.
-                out_dtype = self.uvqk.compute_dtype if self.frequency is None else None
+                # dtype (bf16 from a float32 stream), unless a frequency or wavelet branch reads it too.
+                out_dtype = self.uvqk.compute_dtype if not self.branches() else None
                 x, xn = self.input_norm(x, with_input=True, out_dtype=out_dtype)
                 # The glue kernels' setting also picks the FP8 SiLU-backward kernel (precision.fp8_gemms).
                 u, v, q, k = self.uvqk.silu_split(xn, uvqk_widths(c), implementation=self.glue_implementation)
         attention_rng = None if rng is None else jax.random.fold_in(rng, 1)
-        with jax.named_scope(f"{self.name}/attention"):
-            a = self.attend(
-                q.reshape(t, h, dqk),
-                k.reshape(t, h, dqk),
-                v.reshape(t, h, dv),
-                offsets,
-                num_targets,
-                timestamps,
-                max_seq_len=max_seq_len,
-                rng=attention_rng,
-            )
+        if self.time_variant is not None:
+            with jax.named_scope(f"{self.name}/time_variant"):
+                a = self.time_variant(v.reshape(t, h, dv), offsets)
+        else:
+            with jax.named_scope(f"{self.name}/attention"):
+                a = self.attend(
+                    q.reshape(t, h, dqk),
+                    k.reshape(t, h, dqk),
+                    v.reshape(t, h, dv),
+                    offsets,
+                    num_targets,
+                    timestamps,
+                    max_seq_len=max_seq_len,
+                    rng=attention_rng,
+                )
         with jax.named_scope(f"{self.name}/output"):
             y = self.attn_norm(a.reshape(t, h * dv), gate=u)
             attended = dropout(self.out(y), c.dropout, rng)
-        if self.frequency is None:
+        branches = self.branches()
+        if not branches:
             return (x + attended).astype(x.dtype)  # the residual stream keeps its dtype
-        with jax.named_scope(f"{self.name}/frequency"):
-            filtered = self.frequency(xn, offsets, max_len=max_seq_len).astype(attended.dtype)
-            filtered = dropout(filtered, c.dropout, None if rng is None else jax.random.fold_in(rng, 2))
-            return (x + c.frequency_mix * filtered + (1.0 - c.frequency_mix) * attended).astype(x.dtype)
+        y, rest = x, 1.0
+        for name, mix, branch, stream in branches:
+            with jax.named_scope(f"{self.name}/{name}"):
+                filtered = branch(xn, offsets, max_len=max_seq_len).astype(attended.dtype)
+                filtered = dropout(
+                    filtered, c.dropout, None if rng is None else jax.random.fold_in(rng, stream)
+                )
+                y, rest = y + mix * filtered, rest - mix
+        return (y + rest * attended).astype(x.dtype)
+
+    def branches(self) -> list[tuple[str, float, nnx.Module, int]]:
+        """The filter branches beside attention that are on: (name, mix, module, dropout stream)."""
+        c = self.config
+        named = (
+            ("frequency", c.frequency_mix, self.frequency, 2),
+            ("wavelet", c.wavelet_mix, self.wavelet, 3),
+        )
+        return [b for b in named if b[2] is not None]
 
     def fused_uvqk(
         self, x: Float[ArrayLike, "T D"], implementation: str
@@ -209,7 +264,17 @@ class HSTUTower(nnx.Module):
     """HSTU layers over the jagged pack; with `long_history`, long-history layers and the pyramid;
     with `layer = "sasrec"`, SASRec's blocks (gem_jax/model/sasrec.py) instead."""
 
-    def __init__(self, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1):
+    def __init__(
+        self,
+        config: ModelConfig,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+        max_targets: int = 1,
+        max_seq_len: int = 0,
+    ):
+        """`max_seq_len`: the longest sequence, where a layer's parameters depend on it (the time-variant
+        mixer's window)."""
         layer = LongHistoryLayer if config.long_history else HSTULayer
         if config.layer == "sasrec":
             if config.long_history:
@@ -218,7 +283,9 @@ class HSTUTower(nnx.Module):
         self.max_targets = max_targets
         self.layers = nnx.List(
             [
-                layer(f"hstu/{i}", config, policy, rngs=rngs, max_targets=max_targets)
+                layer(
+                    f"hstu/{i}", config, policy, rngs=rngs, max_targets=max_targets, max_seq_len=max_seq_len
+                )
                 for i in range(config.num_layers)
             ]
         )

@@ -46,7 +46,7 @@ class NextItemModel(nnx.Module):
         self.output_proj = (
             None if same else Dense("retrieval/output", m.model_dim, e.dim, policy, rngs=rngs, sensitive=True)
         )
-        self.tower = HSTUTower(m, policy, rngs=rngs)
+        self.tower = HSTUTower(m, policy, rngs=rngs, max_seq_len=r.max_len)
         # ICLRec's intent centroids (`retrieval.intent_weight`): written by the task's k-means at epoch
         # starts, read without gradient (so the optimizer leaves them: zero gradients, zero Adam moments);
         # a Param so that checkpoints keep them. Absent when the intent loss is off (the model as before).

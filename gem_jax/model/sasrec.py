@@ -24,8 +24,16 @@ from gem_jax.precision import PrecisionPolicy
 
 class SASRecLayer(nnx.Module):
     def __init__(
-        self, name: str, config: ModelConfig, policy: PrecisionPolicy, *, rngs: nnx.Rngs, max_targets: int = 1
+        self,
+        name: str,
+        config: ModelConfig,
+        policy: PrecisionPolicy,
+        *,
+        rngs: nnx.Rngs,
+        max_targets: int = 1,
+        max_seq_len: int = 0,
     ):
+        """`max_targets` and `max_seq_len`: the HSTU layers' signature (a SASRec block needs neither)."""
         c = config
         if c.num_position_buckets or c.num_time_buckets:
             raise ValueError(
