@@ -505,6 +505,12 @@ class RetrievalConfig:
     # ICLRec's --de_noise: examples of the same intent are not each other's negatives (its published Beauty
     # and Sports scripts run without it).
     intent_denoise: bool = False
+    # Frequency-domain contrastive loss (after FICLRec): two views of each training example made by removing a
+    # random band of its embedded sequence's spectrum (gem_jax/model/spectral_views.py), InfoNCE between their
+    # vectors (contrastive_pooling, contrastive_temperature, contrastive_dropout) added with this weight (0: off).
+    frequency_contrastive_weight: float = setting(0.0, AT_LEAST_0)
+    # The fraction of the max_len // 2 non-constant real-FFT bins a view loses (a contiguous band).
+    frequency_contrastive_band: float = setting(0.5, Range(0.0, 1.0, low_open=True))
 
 
 @dataclass(frozen=True)
@@ -973,13 +979,27 @@ def _validate_retrieval(config: Config, source: str) -> None:
         ("contrastive_dropout", True),
         ("intent_denoise", False),
     )
-    if r.contrastive_weight == 0 and r.intent_weight == 0:
+    if r.contrastive_weight == 0 and r.intent_weight == 0 and r.frequency_contrastive_weight == 0:
         for key, default in contrastive_keys:
             if getattr(r, key) != default:
                 raise ConfigError(
                     f"{source}: `retrieval.{key}` ({getattr(r, key)!r}) shapes the contrastive and intent "
-                    "losses: it needs `retrieval.contrastive_weight` or `retrieval.intent_weight` > 0"
+                    "losses: it needs `retrieval.contrastive_weight`, `retrieval.intent_weight` or "
+                    "`retrieval.frequency_contrastive_weight` > 0"
                 )
+    if r.frequency_contrastive_weight == 0:
+        _refuse_unused(
+            r,
+            "retrieval",
+            ("frequency_contrastive_band",),
+            "`retrieval.frequency_contrastive_weight`",
+            source,
+        )
+    elif r.max_len < 2:
+        raise ConfigError(
+            f"{source}: `retrieval.frequency_contrastive_weight` needs `retrieval.max_len` >= 2 (a spectrum "
+            f"with a band to remove), got {r.max_len}"
+        )
     if r.intent_weight == 0 and r.intent_denoise:
         raise ConfigError(f"{source}: `retrieval.intent_denoise` needs `retrieval.intent_weight` > 0")
     if d.tokens_per_shard < r.max_len:

@@ -22,6 +22,7 @@ from gem_jax.config import Config
 from gem_jax.embeddings import HashedEmbedding, segment_ids
 from gem_jax.model.hstu import HSTUTower
 from gem_jax.model.layers import Dense, dropout
+from gem_jax.model.spectral_views import band_stop_view
 from gem_jax.parallel import param
 from gem_jax.precision import PrecisionPolicy
 
@@ -65,22 +66,35 @@ class NextItemModel(nnx.Module):
         self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"], *, rng: jax.Array | None = None
     ) -> Float[ArrayLike, "T d"]:
         """Per-position user vectors of one pack (zeros past offsets[B])."""
+        return self.encode(self.embed(item_ids, offsets), offsets, rng=rng)
+
+    def embed(
+        self, item_ids: Int[ArrayLike, " T"], offsets: Int[ArrayLike, " B1"]
+    ) -> Float[ArrayLike, "T d"]:
+        """The tower's input before dropout: item embedding x sqrt(d) (+ the position embedding)."""
         cfg = self.config
         t_cap = item_ids.shape[0]
-        b_cap = offsets.shape[0] - 1
-        seg = jnp.minimum(segment_ids(offsets, t_cap), b_cap - 1)
-        valid = jnp.arange(t_cap) < offsets[-1]
+        seg = jnp.minimum(segment_ids(offsets, t_cap), offsets.shape[0] - 2)
         with jax.named_scope("embeddings"):  # scopes label ops for the profile's groups
             x = self.items.lookup(item_ids).astype(jnp.float32) * (cfg.embeddings.dim**0.5)
             if self.positions is not None:
                 back = jnp.clip(offsets[seg + 1] - 1 - jnp.arange(t_cap), 0, cfg.retrieval.max_len - 1)
                 x = x + jnp.take(self.positions[...].astype(jnp.float32), back, axis=0)
+            return x
+
+    def encode(
+        self, x: Float[ArrayLike, "T d"], offsets: Int[ArrayLike, " B1"], *, rng: jax.Array | None = None
+    ) -> Float[ArrayLike, "T d"]:
+        """Per-position user vectors from the embedded rows `x` (`embed`): dropout, tower, output."""
+        cfg = self.config
+        t_cap = x.shape[0]
+        valid = jnp.arange(t_cap) < offsets[-1]
         with jax.named_scope("input"):
             x = dropout(x, cfg.model.dropout, None if rng is None else jax.random.fold_in(rng, 1 << 20))
             if self.input_proj is not None:
                 x = self.input_proj(x)
             x = jnp.where(valid[:, None], x, 0.0)
-        zeros_b = jnp.zeros((b_cap,), jnp.int32)
+        zeros_b = jnp.zeros((offsets.shape[0] - 1,), jnp.int32)
         x = self.tower(
             x, offsets, zeros_b, jnp.zeros((t_cap,), jnp.int32), max_seq_len=cfg.retrieval.max_len, rng=rng
         ).astype(jnp.float32)
@@ -114,6 +128,27 @@ class NextItemModel(nnx.Module):
         return pool_examples(
             self(item_ids, offsets, rng=rng), offsets, pooling, self.config.retrieval.normalize
         )
+
+    def spectral_views(
+        self,
+        item_ids: Int[ArrayLike, " T"],
+        offsets: Int[ArrayLike, " B1"],
+        pooling: str,
+        *,
+        key: jax.Array,
+        rng: jax.Array | None = None,
+    ) -> Float[ArrayLike, "N d"]:
+        """Two views of every example made in the frequency domain (gem_jax/model/spectral_views.py, bands
+        drawn with `key`), one vector each as `sequence_vectors` (with `rng`, the training dropout): the
+        examples' first views, then their second."""
+        r = self.config.retrieval
+        x = self.embed(item_ids, offsets)
+        vectors = []
+        for i, view_key in enumerate(jax.random.split(key)):
+            view = band_stop_view(x, offsets, view_key, max_len=r.max_len, band=r.frequency_contrastive_band)
+            user = self.encode(view, offsets, rng=None if rng is None else jax.random.fold_in(rng, i))
+            vectors.append(pool_examples(user, offsets, pooling, r.normalize))
+        return jnp.concatenate(vectors)
 
 
 def pool_examples(

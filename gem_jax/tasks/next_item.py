@@ -11,7 +11,9 @@
   each example is added with that weight (reported as `contrastive`, the next-item part as
   `next_item_loss`); with `retrieval.intent_weight` > 0, ICLRec's InfoNCE between each view and its
   example's intent centroid (reported as `intent`; the centroids come from k-means over every training
-  example, redone at the start of every `retrieval.intent_every_epochs` epochs by `refresh`).
+  example, redone at the start of every `retrieval.intent_every_epochs` epochs by `refresh`); with
+  `retrieval.frequency_contrastive_weight` > 0, InfoNCE between two views of each example made in the
+  frequency domain by the model (reported as `frequency_contrastive`).
 * Evaluation after every `retrieval.eval_every_epochs` epochs (and after the last, and when the
   time budget ends the run) on the validation targets: 100 sampled negatives (HR@10, NDCG@10)
   and/or full ranking (HR/NDCG@5/10/20). The test split is scored once, at the end, for the
@@ -132,10 +134,23 @@ class NextItemTask:
         user = model(pack.item_ids, pack.offsets, rng=dropout_key)
         with jax.named_scope("loss"):
             sums = self._loss_sums(model, *self._scored_positions(pack, user), negative_key)
+        r, b = self.config.retrieval, pack.num_examples_capacity
+        valid = _nonempty(pack.offsets)
+        if r.frequency_contrastive_weight > 0:
+            with jax.named_scope("frequency_contrastive"):
+                view_rng = jax.random.fold_in(rng, 3) if r.contrastive_dropout else None
+                vectors = model.spectral_views(
+                    pack.item_ids,
+                    pack.offsets,
+                    r.contrastive_pooling,
+                    key=jax.random.fold_in(rng, 2),
+                    rng=view_rng,
+                )
+                total, count = info_nce_loss(vectors[:b], vectors[b:], valid, r.contrastive_temperature)
+            sums = {**sums, "frequency_contrastive_sum": total, "frequency_contrastive_count": count}
         if pack.views is None:
             return sums
-        r, views, b = self.config.retrieval, pack.views, pack.num_examples_capacity
-        valid = _nonempty(pack.offsets)
+        views = pack.views
         view_rng = jax.random.fold_in(rng, 1) if r.contrastive_dropout else None
         vectors = model.sequence_vectors(views.item_ids, views.offsets, r.contrastive_pooling, rng=view_rng)
         if r.contrastive_weight > 0:
@@ -184,10 +199,15 @@ class NextItemTask:
     def loss(self, sums: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         r = self.config.retrieval
         loss = sums["loss_sum"] / jnp.maximum(sums["count"], 1.0)
-        if "contrastive_sum" not in sums and "intent_sum" not in sums:
+        weights = (
+            ("contrastive", r.contrastive_weight),
+            ("intent", r.intent_weight),
+            ("frequency_contrastive", r.frequency_contrastive_weight),
+        )
+        if not any(f"{name}_sum" in sums for name, _ in weights):
             return loss, {"positions": sums["count"]}
         total, aux = loss, {"positions": sums["count"], "next_item_loss": loss}
-        for name, weight in (("contrastive", r.contrastive_weight), ("intent", r.intent_weight)):
+        for name, weight in weights:
             if f"{name}_sum" in sums:
                 aux[name] = sums[f"{name}_sum"] / jnp.maximum(sums[f"{name}_count"], 1.0)
                 total = total + weight * aux[name]
