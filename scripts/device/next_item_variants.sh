@@ -2,6 +2,7 @@
 # Next-item variants (docs/results.md) trained at the same time on one GPU, each to its early stop or to
 # $MIN minutes; logs and a table packed into $OUT/next_item.tgz.
 #   bash scripts/device/next_item_variants.sh beauty:freq:0 sports:freq:0 beauty:r2:1 ...   (set:variant:seed)
+#   bash scripts/device/next_item_variants.sh beauty:tv:0 sports:tv:0 beauty:wave:0 sports:wave:0 beauty:ficl:0 ...
 # On a GPU host with the package installed: pip install -e '.[cuda]'.
 set -u  # the logs and the table end in one archive
 OUT=${OUT:-runs/next_item_variants}; mkdir -p "$OUT"  # where the logs go
@@ -18,7 +19,25 @@ V[cl]="--set retrieval.contrastive_weight=0.1"
 V[clfix]="--set retrieval.contrastive_weight=0.1 --set retrieval.contrastive_dropout=false --set retrieval.contrastive_pooling=\\\"mean\\\""
 V[intent]="${V[clfix]} --set retrieval.intent_weight=0.1 --set retrieval.intent_clusters=256"
 V[big]="--set model.num_layers=4 --set model.model_dim=128 --set embeddings.dim=128 --set model.attention_dim=64 --set model.value_dim=64"
+# The configs ship prefix training with BSARec's filter (`freq`): `r2`, `prefix` and `freq` now run the shipped config,
+# as does `base`, the control of the variants below (each an option of the model or loss on top of it).
+V[base]=""
+TV="--set model.sequence_mixer=\\\"time_variant\\\" --set retrieval.position_embedding=false"
+V[tv]="$TV --set model.frequency_mix=0"  # TV-Rec: time-variant filters in place of attention and positions
+V[tvfreq]="$TV"  # the same beside the shipped frequency branch (0.7 filter, 0.3 time-variant mixer)
+V[tvb16]="${V[tv]} --set model.time_variant_basis=16"  # TV-Rec's Sports basis (Beauty: 32, the default)
+V[wave]="--set model.frequency_mix=0 --set model.wavelet_mix=0.7"  # the wavelet branch in place of the FFT filter
+V[wavefreq]="--set model.frequency_mix=0.4 --set model.wavelet_mix=0.3"  # both filters beside attention (0.3)
+FICL="--set retrieval.contrastive_dropout=false --set retrieval.frequency_contrastive_weight"
+V[ficl]="$FICL=0.1"  # frequency-domain contrastive views (band-stop), InfoNCE weight 0.1
+V[ficl02]="$FICL=0.02"
+V[tvficl]="${V[tv]} $FICL=0.1"
+V[tvwave]="${V[tv]} --set model.wavelet_mix=0.5"  # the time-variant mixer and the wavelet branch, half each
 V[extra]="${EXTRA:-}"  # any other overrides, from the environment
+for spec in "$@"; do  # every variant named, before any run starts
+  IFS=: read -r ds v seed <<< "$spec"
+  [[ -v V[$v] ]] || { echo "unknown variant $v in $spec (one of: ${!V[*]})" >&2; exit 2; }
+done
 for spec in "$@"; do
   IFS=: read -r ds v seed <<< "$spec"
   name=${ds}_${v}_s$seed
