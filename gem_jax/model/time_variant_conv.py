@@ -9,12 +9,13 @@ coefficients per position. There is one filter bank per head (TV-Rec's one bank 
 channels of a head share its filters.
 
 TV-Rec writes the mixer as a time-variant graph filter sum_k diag(h_k) S^k on a directed cycle (S the shift)
-evaluated through the graph Fourier transform; on its window padded with K - 1 zeros that is this causal
-convolution, computed here directly: a banded lower-triangular [Lw, Lw] matrix per head applied to each
-sequence's window, the sequence at the window's end (row p of the matrix is the filter of distance
-Lw - 1 - p). Position i reads only the items at or before it; which filter it uses depends on how many items
-follow it, nothing else about them. The published model adds an orthogonality penalty on the basis (weight 0
-in its Beauty and Sports runs); this one does not.
+evaluated through the graph Fourier transform, with a complex basis and coefficients whose real part acts; on
+its window padded with K - 1 zeros that is this causal convolution (but for one tap of the oldest position,
+which wraps around to the newest). Here it is computed directly, with real basis and coefficients: a banded
+lower-triangular [Lw, Lw] matrix per head applied to each sequence's window, the sequence at the window's end
+(row p of the matrix is the filter of distance Lw - 1 - p). Position i reads only the items at or before it;
+which filter it uses depends on how many items follow it, nothing else about them. The published model adds
+an orthogonality penalty on the basis (weight 0 in its Beauty and Sports runs); this one does not.
 
 Initialisation: basis ~ N(0, 1) (its rows normalised in use) and coefficients ~ N(0, 1 / M), so a filter's
 taps have variance ~1 / K and the mixer roughly keeps its input's scale.

@@ -31,6 +31,7 @@ V[wavefreq]="--set model.frequency_mix=0.4 --set model.wavelet_mix=0.3"  # both 
 FICL="--set retrieval.contrastive_dropout=false --set retrieval.frequency_contrastive_weight"
 V[ficl]="$FICL=0.1"  # frequency-domain contrastive views (band-stop), InfoNCE weight 0.1
 V[ficl02]="$FICL=0.02"
+V[ficlb2]="$FICL=0.1 --set retrieval.frequency_contrastive_band=0.2"  # a narrower band removed (a milder view)
 V[tvficl]="${V[tv]} $FICL=0.1"
 V[tvwave]="${V[tv]} --set model.wavelet_mix=0.5"  # the time-variant mixer and the wavelet branch, half each
 V[extra]="${EXTRA:-}"  # any other overrides, from the environment
