@@ -184,10 +184,24 @@ def test_not_wanted_off_hopper():
     assert mosaic_bwd.wanted(True) and not mosaic_bwd.wanted(False)
 
 
-def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, **knobs):
+def _sessions(offsets, t, rng):
+    """Timestamps that never decrease within a sequence: steps of 1-100 inside each block of 64 rows from the
+    sequence's start and a jump of 2-5 x 10**4 between blocks, so that a mask-free 64 x 64 tile's cells span one
+    to three time buckets (the time gradient's sorted path, KernelOptions.time_grad_runs) and a diagonal tile's
+    many."""
+    ts = np.zeros(t, np.int64)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        rows = np.arange(hi - lo)
+        jumps = np.where(rows % 64 == 0, rng.integers(2 * 10**4, 5 * 10**4, size=hi - lo), 0)
+        ts[lo:hi] = rng.integers(0, 10**6) + np.cumsum(rng.integers(1, 101, size=hi - lo) + jumps)
+    return ts.astype(np.int32)
+
+
+def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, runs=None, **knobs):
     """(kernel's (dq, dk, dv[, dpos, dtime]), reference's, offsets): the Mosaic backward in GPU interpret mode,
     fed the reference's output and lse as the forward's residuals, on inputs whose rows past offsets[B] hold
-    NaN; bias: (position buckets, time buckets), unsorted timestamps."""
+    NaN; bias: (position buckets, time buckets), unsorted timestamps. runs: KernelOptions.time_grad_runs on,
+    with "sorted" timestamps (_sessions) or "unsorted" ones."""
     from jax._src.pallas.mosaic_gpu.interpret import params as gp
 
     h = heads  # the interpreter runs one head at a time: one by default
@@ -208,9 +222,11 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     fields = {}
     if bias is not None:
         ts = jnp.asarray(rng.integers(0, 10**7, size=t), jnp.int32)
+        if runs == "sorted":
+            ts = jnp.asarray(_sessions(offsets, t, rng))
         tables = tuple(jnp.asarray(rng.standard_normal((h, nb)), jnp.float32) for nb in bias)
         fields = dict(num_pos=bias[0], num_time=bias[1])
-        fields["options"] = KernelOptions(hopper_backward_bias=True)
+        fields["options"] = KernelOptions(hopper_backward_bias=True, time_grad_runs=runs is not None)
 
     def ref(q, k, v, *tables):
         extra = dict(timestamps=ts, pos_bias=tables[0], time_bias=tables[1]) if tables else {}
@@ -256,6 +272,10 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
         # (and two heads on three persistent CTAs: per-head tables and histograms, per-CTA histogram rows)
         ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), dict(heads=2, num_ctas=3)),
         ("softmax", 64, 0, True, [130, 0, 1, 70], (80, 8), {}),
+        # the time gradient's sorted path (KernelOptions.time_grad_runs): mask-free tiles of sorted sequences
+        # through their buckets' thresholds, diagonal tiles cell by cell; unsorted sequences cell by cell
+        ("silu", 64, 0, True, [200, 0, 1, 37], (5, 64), dict(runs="sorted")),
+        ("silu", 64, 0, False, [200, 0, 1, 37], (5, 64), dict(runs="unsorted")),
         # head dim 256: the role-split dK/dV kernel (items of 64 keys; the exchange tile and the meeting per
         # query tile), 32-key dQ tiles, stores in 64-column slices; two heads on two persistent CTAs
         ("silu", 256, 0, True, [150, 0, 1, 37], None, {}),
@@ -348,3 +368,16 @@ def test_bias_probe_skips_its_part():
     assert "red.shared.add.f32" not in plain and "st.shared.f32" in plain
     with pytest.raises(ValueError, match="bias_probe.*'pos_grads'"):
         KernelOptions(bias_probe=("pos_grads",))
+
+
+def test_time_grad_runs_lowers():
+    """KernelOptions.time_grad_runs (the time gradient's sorted path: scalar bucket ranges per tile, a uniform
+    branch, thresholds compared in inline Mosaic GPU code) lowers for the GPU, with the thresholds row and the
+    sequences' sortedness as inputs of the dQ kernel."""
+    t, h, b = 1024, 2, 3
+    residuals = _residual_specs(t, h, b, 128, num_pos=128, num_time=64)
+    options = KernelOptions(hopper_backward_bias=True, time_grad_runs=True)
+    params = _static(512, "silu", 128, num_pos=128, num_time=64, options=options)
+    f = lambda res, do: mosaic_bwd.backward_mosaic_gpu(res, do, params, num_ctas=132)[:3]
+    text = _lowered(f, residuals, sd((t, h, 128), jnp.bfloat16))
+    assert text.count("mosaic_gpu_v2") == 2 and "red.shared.add.f32" in text

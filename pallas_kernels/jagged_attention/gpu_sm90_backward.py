@@ -174,12 +174,14 @@ def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: in
     )
     dq = (
         COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * vecs)
-        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 8 * params.has_time)
+        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 4 * params.has_time)
         + 4
         * COMPUTE_WGS
         * (LANES + 1)
         * hists  # the bias-table gradients' lane-private histograms, lane sums
     )
+    if params.has_time and params.options.time_grad_runs:  # the time buckets' thresholds
+        dq += 4 * COMPUTE_WGS * table_width(params.num_time)
     return max(dkv, dq) + 4 * COMPUTE_WGS * tables
 
 
@@ -278,16 +280,21 @@ def backward_mosaic_gpu(
         params=params, num_zero=num_zero, total_rows=t, interpret=interpret, num_ctas=num_ctas, heads=heads
     )
     pos_width, time_width = table_width(params.num_pos), table_width(params.num_time)
+    ts_int = ts
     ts = tiling.relative_timestamps(ts, offsets) if params.has_time else jnp.zeros((1, ALIGN), jnp.float32)
     dummy = jnp.zeros((1, 32), jnp.float32)
     pos_rows = table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
-    time_rows = table_rows(time_tab, heads, time_width) if params.has_time else dummy
+    # with KernelOptions.time_grad_runs the dQ kernel also reads the time buckets' thresholds (time_tab's row
+    # `heads`, gpu.time_thresholds) and which sequences' timestamps never decrease
+    runs = params.has_time and params.options.time_grad_runs
+    time_rows = table_rows(time_tab, heads + runs, time_width) if params.has_time else dummy
     bias_ins = (ts, pos_rows, time_rows)
     bias_arrivals = bias_copies(params)
+    sorted_seqs = tiling.sorted_sequences(ts_int, offsets) if runs else jnp.ones((1,), jnp.int32)
 
     def bias_smem(stages: int, block: int, hist: bool):
-        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, lane-private
-        histograms (pos, time), their lane sums (pos, time)])."""
+        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, the time buckets'
+        thresholds, lane-private histograms (pos, time), their lane sums (pos, time)])."""
         smem = (
             plgpu.SMEM((COMPUTE_WGS, 1, RES), jnp.float32) if params.has_time else None,
             plgpu.SMEM((stages, 1, block), jnp.float32) if params.has_time else None,
@@ -295,6 +302,7 @@ def backward_mosaic_gpu(
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )
         if hist:
+            smem += (plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if runs else None,)  # thresholds
             pos_rows, time_rows = hist_rows(params.num_pos), hist_rows(params.num_time)
             smem += (
                 plgpu.SMEM((COMPUTE_WGS, pos_rows, LANES), jnp.float32) if params.has_pos else None,
@@ -379,7 +387,7 @@ def backward_mosaic_gpu(
         bias_smem(stages_dq, bk, hist=True),
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=res_arrivals + bias_arrivals, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=res_arrivals + bias_copies(params, runs), num_barriers=COMPUTE_WGS),
         plgpu.Barrier(num_arrivals=2 + params.has_time, num_barriers=stages_dq),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dq),
     )
@@ -398,7 +406,7 @@ def backward_mosaic_gpu(
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins)
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins, sorted_seqs)
 
     dq, dk, dvv = dq.reshape(t, heads, dqk), dk.reshape(t, heads, dqk), dvv.reshape(t, heads, dv)
     scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0

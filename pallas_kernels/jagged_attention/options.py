@@ -49,6 +49,11 @@ class KernelOptions:
       a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). True (the default since
       its H200 checks and times, docs/benchmarks.md 2026-12-03: 2.58x the Triton backward at D = 256);
       False: D = 256 runs the Triton backward.
+    time_grad_runs: the Mosaic GPU dQ kernel sums the time table's gradient of a mask-free tile of a sequence
+      whose timestamps do not decrease, when the tile's cells span at most RUN_THRESHOLDS + 1 buckets, by
+      comparing each cell against those buckets' thresholds (sm90_dq.runs_add: a few shared-memory adds a tile);
+      other tiles, and every tile of an unsorted sequence, add their runs of one bucket cell by cell
+      (sm90_dq.hist_add). False: every tile cell by cell (the A/B). Off until measured on a GPU.
     bias_probe: benchmark-only, and WRONG results: parts of the relative bias the Mosaic GPU kernels skip, to
       time what each costs (scripts/device/bias_attribution.py). Names from BIAS_PROBES: "time_bucket" (no
       per-cell time bucket: neither the log2 nor the time table's gather; the time bias is bucket 0's scalar
@@ -72,6 +77,7 @@ class KernelOptions:
     hopper_backward_bias: bool = True
     hopper_backward_d256: bool = True
     split_meet: bool = True
+    time_grad_runs: bool = False
     bias_probe: tuple[str, ...] = ()
 
     def __post_init__(self):

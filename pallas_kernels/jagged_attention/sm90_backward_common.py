@@ -124,6 +124,7 @@ class Frame:
         self.h, self.w = h, w
         self.valid = (w < num_work) & (work(2, wc) > 0)
         b = work(0, wc)
+        self.b = b  # the sequence
         start = offsets_ref[b]
         self.d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its frame
         self.base = start - self.d  # global row of frame row 0
@@ -294,22 +295,26 @@ def zero_tail(stage, outs, offsets_ref, z, *, num_seqs: int, total_rows: int, in
                 )
 
 
-def load_bias_res(ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier):
+def load_bias_res(
+    ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier, thr_tabs=None, heads=0
+):
     """Starts the TMAs of a consumer's resident rows' timestamps and its head's bias tables (each arriving once
-    on barrier.at[wg]: bias_copies of them)."""
+    on barrier.at[wg]: bias_copies of them); with thr_tabs, also the time buckets' thresholds (time_ref's row
+    `heads`, gpu.time_thresholds)."""
     if ts_res2 is not None:
         plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
     if time_tabs is not None:
         copy_table(time_ref.at[h], time_tabs.at[wg], barrier.at[wg])
+    if thr_tabs is not None:
+        copy_table(time_ref.at[heads], thr_tabs.at[wg], barrier.at[wg])
     if pos_tabs is not None:
         copy_table(pos_ref.at[h], pos_tabs.at[wg], barrier.at[wg])
 
 
-def bias_copies(params: KernelParams) -> int:
-    """TMA copies load_bias_res starts."""
-    return params.has_time * (1 + table_chunks(params.num_time)) + params.has_pos * table_chunks(
-        params.num_pos
-    )
+def bias_copies(params: KernelParams, thresholds: bool = False) -> int:
+    """TMA copies load_bias_res starts (with the thresholds: thresholds)."""
+    time_copies = 1 + table_chunks(params.num_time) * (1 + thresholds)
+    return params.has_time * time_copies + params.has_pos * table_chunks(params.num_pos)
 
 
 def cta_index(heads: int):
