@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
-from gem_jax.paths import in_repository
+from gem_jax.paths import config_file
 from pallas_kernels.block_attention.block_sizes import BlockSizes
 
 
@@ -922,10 +922,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         source = str(path)
         try:
-            with open(in_repository(path), "rb") as f:
+            with open(config_file(path), "rb") as f:
                 values = tomllib.load(f)
         except FileNotFoundError:
-            tried = "" if Path(path).is_absolute() else f" (also tried {in_repository(path)})"
+            tried = "" if Path(path).is_absolute() else f" (also tried {config_file(path)})"
             raise ConfigError(f"config file not found: {path}{tried}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None

@@ -1,5 +1,6 @@
 """configs/hstu_nvidia.toml (NVIDIA's HSTU benchmark model): its full-size embedding plan keeps every table in
-an H200's memory and puts one in host memory on an 80 GB H100, its sequence lengths follow their Zipf draw, and the config trains on CPU shrunk."""
+an H200's memory and puts one in host memory on an 80 GB H100, its sequence lengths follow their Zipf draw,
+and the config trains on CPU shrunk."""
 
 import json
 from pathlib import Path
