@@ -486,7 +486,7 @@ class RetrievalConfig:
     contrastive_pooling: Literal["last", "mean"] = "last"
     # Whether the views are encoded with the model's dropout (CL4SRec's and ICLRec's training mode); false:
     # without (the gradient still flows). At model.dropout 0.5 the dropout noise hides which view is whose
-    # (the InfoNCE stays at chance, docs/results.md, round 4); without it the views are told apart.
+    # (the InfoNCE stays at chance, docs/results.md); without it the views are told apart.
     contrastive_dropout: bool = True
     # ICLRec's intent contrastive loss (Chen et al. 2022): every `intent_every_epochs` epochs (at the epoch's
     # start) every training example is encoded (no dropout, `contrastive_pooling`) and k-means

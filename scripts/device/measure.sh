@@ -71,6 +71,7 @@ case $PART in
     python3 - "$LOGS"/startup_first.log "$LOGS"/startup_second.log > "$LOGS/startup_table.log" 2>&1 <<'PY'
 import json, sys
 print("| run | step compile | from the cache | trainer start to first step | wall |")
+print("| --- | ---: | --- | ---: | ---: |")
 for path in sys.argv[1:]:
     s = json.loads([line for line in open(path) if line.startswith("{")][-1])
     print(f"| {path.split('_')[-1][:-4]} | {s['step_compile_s']:.1f} s | {s['step_compile_cached']} | "
