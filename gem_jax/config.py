@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
-from gem_jax.paths import in_repository
+from gem_jax.paths import config_file
 from pallas_kernels.block_attention.block_sizes import BlockSizes
 
 
@@ -215,9 +215,12 @@ class EmbeddingConfig:
     # not list in `slow_axes` (when it lists some), else the last data-parallel axis. two_d tables are
     # row-sharded over them and replicated over the others (the slow axes).
     fast_axes: tuple[str, ...] = setting((), may_change=True)
-    # Per-device budget; 0: the device's own limit (16 GiB where unknown).
+    # Device memory per device, in GiB; 0: what the device reports (`bytes_limit` of its memory_stats(): the
+    # memory jax's allocator may use, on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION of the card), 16 GiB where it
+    # reports none (CPU). The train step must fit it whole (gem_jax/train/memory.py).
     device_memory_gib: float = setting(0.0, AT_LEAST_0, may_change=True)
-    # Share of that budget the tables and accumulators may use.
+    # The most of it the tables and accumulators in device memory may use; the planner puts tables in host
+    # memory (`offload`) when they need more, or when the rest of the step leaves them less.
     memory_fraction: float = setting(0.5, Range(0.0, 1.0, low_open=True), may_change=True)
 
     def resolved_tables(self) -> dict[str, TableConfig]:
@@ -424,6 +427,14 @@ class TrainConfig:
     # finished for this long; evaluations and saves are not counted (gem_jax/train/watchdog.py). 0: off.
     stall_timeout_s: float = setting(900.0, AT_LEAST_0, may_change=True)
     first_step_timeout_s: float = setting(3600.0, AT_LEAST_0, may_change=True)  # it compiles the step
+    # JAX's persistent compilation cache (gem_jax/train/compile_cache.py): "auto" ($JAX_COMPILATION_CACHE_DIR
+    # when set, else $XDG_CACHE_HOME/gem-jax/xla, i.e. ~/.cache/gem-jax/xla), "off", or a folder. A second
+    # run of a config on the same machine loads its compiled programs from it instead of compiling again.
+    compilation_cache: str = setting("auto", may_change=True)
+    # Refuse a run whose step does not fit the device's memory (gem_jax/train/memory.py): before compiling
+    # it (an estimate) and after (XLA's own figure). false: no check; a run that does not fit then fails at
+    # its first step.
+    check_memory: bool = setting(True, may_change=True)
 
 
 @dataclass(frozen=True)
@@ -475,7 +486,7 @@ class RetrievalConfig:
     contrastive_pooling: Literal["last", "mean"] = "last"
     # Whether the views are encoded with the model's dropout (CL4SRec's and ICLRec's training mode); false:
     # without (the gradient still flows). At model.dropout 0.5 the dropout noise hides which view is whose
-    # (the InfoNCE stays at chance, docs/results.md, round 4); without it the views are told apart.
+    # (the InfoNCE stays at chance, docs/results.md); without it the views are told apart.
     contrastive_dropout: bool = True
     # ICLRec's intent contrastive loss (Chen et al. 2022): every `intent_every_epochs` epochs (at the epoch's
     # start) every training example is encoded (no dropout, `contrastive_pooling`) and k-means
@@ -911,10 +922,10 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         source = str(path)
         try:
-            with open(in_repository(path), "rb") as f:
+            with open(config_file(path), "rb") as f:
                 values = tomllib.load(f)
         except FileNotFoundError:
-            tried = "" if Path(path).is_absolute() else f" (also tried {in_repository(path)})"
+            tried = "" if Path(path).is_absolute() else f" (also tried {config_file(path)})"
             raise ConfigError(f"config file not found: {path}{tried}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None

@@ -4,7 +4,7 @@ Checks the Pallas kernel against the float32 reference on fresh random inputs fi
 and backward (median of many reps after warm-up) for the shapes in shapes.py, against the padded XLA reference
 and, for softmax, cuDNN. TFLOP/s use the usual count (docs/design.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
 backward = 2.5 x forward; backward times exclude the forward pass (residuals are computed once before timing);
-"useful" means the same count whatever the implementation computes. --preset runs issue 47's table instead
+"useful" means the same count whatever the implementation computes. --preset runs the preset table instead
 (attention_presets.py: Mosaic, Triton, cuDNN and tokamax side by side).
 """
 
@@ -265,7 +265,7 @@ def main(argv: list[str]) -> int:
         "--preset",
         default="",
         metavar="NAME[,NAME...]",
-        help="only issue 47's table rows (attention_presets.py), every implementation side by side; 'all': "
+        help="only the preset rows (attention_presets.py), every implementation side by side; 'all': "
         f"every row. NAMEs: {', '.join(shapes.ATTENTION_PRESETS)}. With --quick: shrunk (B, N, H <= 2, 64, 2)",
     )
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Issue 47's table in one call: `python -m experiments bench attention --preset NAME[,NAME...]`.
+"""The preset table in one call: `python -m experiments bench attention --preset NAME[,NAME...]`.
 
 Each preset (shapes.ATTENTION_PRESETS: a shape, its activation, its targets) runs every implementation side by
 side: ours on the Mosaic GPU kernels (implementation="mosaic") and on the Triton ones ("triton"), and, on the

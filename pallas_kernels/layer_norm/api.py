@@ -77,7 +77,7 @@ def kernel_for(implementation: str | None, width: int) -> tuple[str, bool]:
         return "reference", False
     interpret = implementations.interpret(kernel)
     # Hopper too runs Triton by default until the Mosaic GPU kernels are measured on the H200 (bench norm,
-    # `scripts/device/open_issues.sh norm`): then Mosaic becomes Hopper's default where it takes the width.
+    # `scripts/device/measure.sh norm`): then Mosaic becomes Hopper's default where it takes the width.
     return ("triton", interpret) if kernel_applies(width) else ("reference", False)
 
 
