@@ -9,8 +9,8 @@ kernel's three warpgroups as an XLA program whose callbacks XLA:CPU may run on i
 a callback waiting at a barrier holds its pool thread. The pool has max(NPROC or the cores, CPU devices)
 threads; with the 2 of a 2-core machine two waiting warpgroups leave none for the third, and the run stops
 for good (what was earlier taken for a multi-tile stall of the kernel: one tile only passed when the
-producer happened to get a thread first). conftest's devices make it 8; api._interpreter() refuses fewer
-than api.INTERPRET_POOL_THREADS instead of hanging.
+producer happened to get a thread first). conftest's devices make it 8; mosaic_common.interpreter() refuses
+fewer than pool_threads_needed(api.WARPGROUPS) instead of hanging.
 
 The interpreter runs TMA loads eagerly and wgmma synchronously, so it cannot see an asynchronous wgmma still
 reading a ring slot that a TMA load overwrites (gpu_sm90.py's last-k-step wait is argued there, not
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import mosaic_common
 from pallas_kernels.norm_gemm import api, norm_silu_gemm
 from pallas_kernels.norm_gemm.gpu_sm90 import norm_silu_gemm_sm90
 from pallas_kernels.norm_gemm.reference import norm_silu_gemm_reference, row_stats
@@ -53,6 +54,10 @@ def _fail_rather_than_hang(seconds: float = 240):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _interpreter(detect_races: bool = False):
+    return mosaic_common.interpreter(True, warpgroups=api.WARPGROUPS, detect_races=detect_races)
 
 
 def _close_to_reference(pieces, z, x, gamma, beta, w, b, widths):
@@ -84,7 +89,7 @@ def test_one_tile_in_the_interpreter_matches_the_reference():
     """One output tile (both consumers, the producer's K ring, the prologue, bias, SiLU and the stores of z
     and of the piece) against the reference, on rows whose mean is far from 0."""
     x, gamma, beta, w, b = _inputs(128, 128, (64,))
-    with _fail_rather_than_hang(), api._interpreter():
+    with _fail_rather_than_hang(), _interpreter():
         pieces, z = norm_silu_gemm_sm90(
             x, row_stats(x), jnp.stack([gamma, beta]), w, b, (64,), Tiles(64, 64, 64, 2, 1), interpret=True
         )
@@ -101,7 +106,7 @@ def test_tiles_in_m_and_n_over_two_pieces_in_the_interpreter():
 
     widths = (64, 64)
     x, gamma, beta, w, b = _inputs(256, 128, widths, seed=2)
-    with _fail_rather_than_hang(), api._interpreter(detect_races=True):
+    with _fail_rather_than_hang(), _interpreter(detect_races=True):
         pieces, z = norm_silu_gemm_sm90(
             x, row_stats(x), jnp.stack([gamma, beta]), w, b, widths, Tiles(64, 64, 64, 2, 1), interpret=True
         )
@@ -117,7 +122,7 @@ def test_two_ctas_loop_over_tiles_with_more_k_steps_than_stages_in_the_interpret
     barriers' phases move differently from tile to tile)."""
     widths = (64, 128)
     x, gamma, beta, w, b = _inputs(384, 320, widths, seed=3)
-    with _fail_rather_than_hang(), api._interpreter():
+    with _fail_rather_than_hang(), _interpreter():
         pieces, z = norm_silu_gemm_sm90(
             x, row_stats(x), jnp.stack([gamma, beta]), w, b, widths, Tiles(64, 64, 64, 3, 2), interpret=True
         )
@@ -161,10 +166,11 @@ def test_api_under_jit_forward_and_gradient_in_the_interpreter():
 def test_interpreter_refuses_a_thread_pool_it_would_hang_in(monkeypatch):
     """The run's pool (conftest's 8 fake devices) is large enough; a smaller one is refused, naming the fix,
     rather than left to wait forever."""
-    assert api.xla_cpu_pool_threads() >= api.INTERPRET_POOL_THREADS
-    monkeypatch.setattr(api, "xla_cpu_pool_threads", lambda: 2)
+    assert mosaic_common.xla_cpu_pool_threads() >= mosaic_common.pool_threads_needed(api.WARPGROUPS)
+    monkeypatch.setattr(mosaic_common, "xla_cpu_pool_threads", lambda: 2)
     with pytest.raises(RuntimeError, match="NPROC=8"):
-        api._interpreter()
+        _interpreter()
+    assert mosaic_common.pool_threads_needed(1) == 1  # one warpgroup waits on nobody
 
 
 def test_backward_matches_autodiff_of_the_reference():

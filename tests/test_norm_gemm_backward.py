@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mosaic_common import interpreter
 from pallas_kernels.norm_gemm import api, norm_silu_gemm
 from pallas_kernels.norm_gemm.gpu_sm90_backward import silu_gemm_backward_sm90
 from pallas_kernels.norm_gemm.reference import norm_silu_gemm_reference, row_stats, silu_backward_reference
@@ -84,7 +85,7 @@ def test_interpreter_matches_the_reference_over_several_tiles():
     the first D tile only, so a wrong owner or a missed store shows as NaN (the interpreter's uninitialised
     memory) or a wrong sum."""
     d_pieces, z, w = _backward_inputs(256, 128, (64, 128))
-    with api._interpreter():
+    with interpreter(True, warpgroups=api.WARPGROUPS):
         got = silu_gemm_backward_sm90(d_pieces, z, w, BackwardTiles(64, 64, 64, 2, 2), interpret=True)
     assert got[2].shape == (256 // 64, 192)
     _check(got, silu_backward_reference(d_pieces, z, w))

@@ -30,6 +30,7 @@ from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
+from pallas_kernels.mosaic_common import num_sms
 
 
 def _static(n, activation, d, window=0, targets=False, bias: shapes.RelativeBias | None = None):
@@ -181,7 +182,7 @@ CASES = {
 
 def _knob_sets(args) -> dict:
     base = dict(block_k=args.block_k or None, stages=args.stages or None, pingpong=bool(args.pingpong))
-    base.update(num_ctas=args.num_ctas or None)
+    base.update(num_ctas={0: None, -1: num_sms()}.get(args.num_ctas, args.num_ctas))
     sets = {"default": base}
     for spec in filter(None, args.sweep.split(",")):  # bk:stages
         bk, stages = (int(x) for x in spec.split(":"))
@@ -200,7 +201,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stages", type=int, default=0, help="K/V ring slots; 0: the kernel's default")
     p.add_argument("--pingpong", type=int, default=1)
     p.add_argument(
-        "--num-ctas", type=int, default=mosaic_gpu.NUM_SMS, help="persistent grid size; 0: one CTA per item"
+        "--num-ctas", type=int, default=-1, help="persistent grid size; -1: one CTA per SM; 0: one per item"
     )
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument(

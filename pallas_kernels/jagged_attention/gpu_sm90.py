@@ -61,27 +61,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import NUM_SMS, cdiv, cdiv_dyn, is_hopper
+from pallas_kernels.common import cdiv, cdiv_dyn, is_hopper
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
-    COL,
     LOG2_TO_BUCKET,
     LOG2E,
-    ROW,
-    SMEM_BYTES,
-    SMEM_SLACK,
     ZERO_TILES,
-    cast_layout,
     copy_table,
     gather,
-    iota,
-    load_vector,
     store_rows,
     table_chunks,
     table_rows,
     table_width,
+)
+from pallas_kernels.mosaic_common import (
+    COL,
+    NUM_SMS,
+    ROW,
+    SMEM_BYTES,
+    SMEM_SLACK,
+    cast_layout,
+    iota,
+    load_vector,
+    num_sms,
 )
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
@@ -710,4 +714,4 @@ def forward_mosaic_gpu(
 
 def forward(inputs, params: KernelParams):
     """(o, lse) from gpu.to_kernel_layout's inputs with the tiles measured fastest (default_tiles)."""
-    return forward_mosaic_gpu(*inputs, params=params)
+    return forward_mosaic_gpu(*inputs, params=params, num_ctas=num_sms())

@@ -102,7 +102,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import NUM_SMS, cdiv, is_hopper
+from pallas_kernels.common import cdiv, is_hopper
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_backward_common import (
@@ -127,6 +127,7 @@ from pallas_kernels.jagged_attention.sm90_dq import (
     dq_kernel,
     hist_rows,
 )
+from pallas_kernels.mosaic_common import NUM_SMS, num_sms
 
 HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
@@ -421,4 +422,4 @@ def backward_mosaic_gpu(
 
 def backward(residuals, d_out, params: KernelParams):
     """gpu.backward's contract with the default tiles (see supports())."""
-    return backward_mosaic_gpu(residuals, d_out, params)
+    return backward_mosaic_gpu(residuals, d_out, params, num_ctas=num_sms())

@@ -17,13 +17,12 @@ from pallas_kernels.jagged_attention.sm90_common import (
     LOG2_TO_BUCKET,
     LOG2E,
     ZERO_TILES,
-    cast_layout,
     copy_table,
     gather,
-    load_vector,
     store_rows,
     table_chunks,
 )
+from pallas_kernels.mosaic_common import cast_layout, load_vector
 
 RES = 64  # resident rows per consumer warpgroup
 COMPUTE_WGS = 2
@@ -244,21 +243,6 @@ def p_and_factor(z, mask, lse, params: KernelParams, lse_dim: int):
         p = jnp.where(mask, p, 0.0)
         g = p if params.activation == "softmax" else jnp.where(mask, g, 0.0)
     return p, g
-
-
-def persistent(num_ctas, num_items: int, heads: int):
-    """(iterations of this CTA, item_of(i) -> (head, item)): one (head, item) per CTA, or (persistent) items
-    cta, cta + num_ctas, ... of the flat list with heads fastest."""
-    if num_ctas is None:
-        return 1, lambda i: (lax.axis_index("heads"), lax.axis_index("items"))
-    cta = lax.axis_index("sm")
-    num_iters = cdiv_dyn(jnp.maximum(num_items * heads - cta, 0), num_ctas)
-
-    def item_of(i):
-        idx = cta + i * num_ctas
-        return idx % heads, idx // heads
-
-    return num_iters, item_of
 
 
 def rows_of(ref, row, size, h, d, col: int = 0, cols: int | None = None):

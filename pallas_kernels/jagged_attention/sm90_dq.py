@@ -27,7 +27,6 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     k_free,
     k_tiles,
     load_bias_res,
-    persistent,
     rows_of,
     score_grads,
     tile_bias,
@@ -35,16 +34,8 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     two_products,
     zero_tail,
 )
-from pallas_kernels.jagged_attention.sm90_common import (
-    ALIGN,
-    COL,
-    ROW,
-    TMA_BOX,
-    cast_layout,
-    iota,
-    load_vector,
-    store_rows,
-)
+from pallas_kernels.jagged_attention.sm90_common import ALIGN, TMA_BOX, store_rows
+from pallas_kernels.mosaic_common import COL, ROW, cast_layout, iota, load_vector, persistent
 
 # The bias tables' gradients (dQ kernel): each consumer owns a lane-private histogram per table in shared memory,
 # float32 [rows, LANES] (bucket b of lane l at b * LANES + l), so a warp's adds never meet on one address: a

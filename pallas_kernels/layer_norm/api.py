@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float
 
 from pallas_kernels import implementations
-from pallas_kernels.common import NUM_SMS, cdiv
+from pallas_kernels.common import cdiv
 from pallas_kernels.layer_norm import gpu, tiles
 from pallas_kernels.layer_norm.params import FAMILIES, NormParams
 from pallas_kernels.layer_norm.reference import layer_norm_reference
@@ -106,8 +106,11 @@ def _mosaic_params(rows, x, gate, with_input, rows_per_block, **common) -> tuple
         raise ValueError(
             f"layer_norm: {block} rows of {x.shape} do not fit the Mosaic GPU kernel's shared memory"
         )
+    # platform-only: the Mosaic GPU kernels' shared pieces, loaded when a call runs them
+    from pallas_kernels.mosaic_common import num_sms
+
     params = NormParams(
-        rows=block, family="mosaic", stages=sizes.stages, num_ctas=sizes.ctas_per_sm * NUM_SMS, **common
+        rows=block, family="mosaic", stages=sizes.stages, num_ctas=sizes.ctas_per_sm * num_sms(), **common
     )
     return params, padded
 
@@ -192,17 +195,13 @@ def _backend(params: NormParams):
 
 
 def _interpreter(params: NormParams):
-    """Mosaic GPU's CPU interpreter around a Mosaic kernel's call in interpret mode (a private jax module,
-    only reachable this way), else nothing. One warpgroup per CTA: no thread-pool size to check (see
-    norm_gemm/api.py's, whose warpgroups wait on each other)."""
-    if not (params.interpret and params.family == "mosaic"):
+    """Mosaic GPU's CPU interpreter around a Mosaic kernel's call in interpret mode, else nothing."""
+    if params.family != "mosaic":
         return contextlib.nullcontext()
-    # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
-    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+    # platform-only: the Mosaic GPU kernels' shared pieces, loaded when a call runs them
+    from pallas_kernels.mosaic_common import interpreter
 
-    return interpret_params.force_gpu_interpret_mode(
-        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
-    )
+    return interpreter(params.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

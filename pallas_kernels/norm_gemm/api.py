@@ -12,19 +12,15 @@ in the GEMM's prologue, written once, its column sums as partials) where the for
 fit, else from that reference in jnp; dW = xn^T dz (cuBLAS, xn recomputed from the row statistics) and
 LayerNorm's backward are jnp. It is autodiff's backward of the reference, without re-running the forward GEMM.
 
-Interpret mode needs XLA:CPU's thread pool to be larger than the kernel's three warpgroups: the Mosaic GPU
-interpreter runs each warpgroup as an XLA program whose callbacks (a barrier wait among them) XLA may run on
-its intra-op thread pool, and a callback that waits holds its pool thread. The pool has max(PJRT_NPROC or
-NPROC or the schedulable cores, CPU devices) threads; with two (a 2-core machine), two waiting warpgroups
-leave none for the third and the interpreter stops for good. `_interpreter()` refuses a pool smaller than
-INTERPRET_POOL_THREADS, naming the fix (tests/conftest.py's 8 fake CPU devices give 8 threads).
+Interpret mode needs XLA:CPU's thread pool to be larger than the kernel's three warpgroups, which wait on each
+other: the pool has max(PJRT_NPROC or NPROC or the schedulable cores, CPU devices) threads, two on a 2-core
+machine, where the interpreter would stop for good. mosaic_common.interpreter refuses such a pool, naming the
+fix (tests/conftest.py's 8 fake CPU devices give 8 threads).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -38,53 +34,12 @@ from pallas_kernels.norm_gemm.reference import (
     row_stats,
     silu_backward_reference,
 )
-from pallas_kernels.norm_gemm.tiles import BackwardTiles, Tiles
+from pallas_kernels.norm_gemm.tiles import COMPUTE_WGS, BackwardTiles, Tiles
 
 # The interpreter's tiles: one CTA, small tiles, so a CPU test runs in seconds.
 INTERPRET_TILES = Tiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
 INTERPRET_BACKWARD_TILES = BackwardTiles(block_m=64, block_n=64, block_k=64, stages=2, num_ctas=1)
-
-
-# The kernel's warpgroups (3), the interpreter's own waiting callback around them, and one thread left over
-# for work that does not wait (the module docstring says why the pool size matters).
-INTERPRET_POOL_THREADS = 5
-
-
-def xla_cpu_pool_threads() -> int:
-    """The threads of XLA:CPU's intra-op pool in this process, as XLA sizes it: PJRT_NPROC, else NPROC, else
-    the schedulable cores, at least the number of CPU devices (xla_force_host_platform_device_count)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    for name in ("PJRT_NPROC", "NPROC"):  # xla/pjrt/utils.cc DefaultThreadPoolSize
-        try:
-            cores = max(0, int(os.environ[name]))
-            break
-        except (KeyError, ValueError):
-            continue
-    try:
-        devices = len(jax.devices("cpu"))
-    except RuntimeError:  # no CPU backend in this process
-        devices = 0
-    return max(cores, devices)
-
-
-def _interpreter(detect_races: bool = False):
-    """Mosaic GPU's CPU interpreter (a private jax module, only reachable this way; tests and "interpret").
-    Refuses an XLA:CPU thread pool too small for the kernel's warpgroups, where the interpreter would
-    wait forever. `detect_races`: the interpreter's shared-memory race detector (tests)."""
-    # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
-    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
-
-    threads = xla_cpu_pool_threads()
-    if threads < INTERPRET_POOL_THREADS:
-        raise RuntimeError(
-            f"norm_gemm interpret mode: XLA:CPU's thread pool has {threads} threads, the Mosaic GPU "
-            f"interpreter needs {INTERPRET_POOL_THREADS} for this kernel (else its warpgroups wait on each "
-            "other forever); set NPROC=8 or XLA_FLAGS=--xla_force_host_platform_device_count=8 before jax "
-            "starts"
-        )
-    return interpret_params.force_gpu_interpret_mode(
-        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise", detect_races=detect_races)
-    )
+WARPGROUPS = COMPUTE_WGS + 1  # both kernels': the consumers and a TMA producer, which wait on each other
 
 
 def kernel_for(
@@ -131,8 +86,10 @@ def _run_kernel(x, gamma, beta, w, b, widths, kernel, tiles):
 
     stats = row_stats(x, EPS)
     affine = jnp.stack([jnp.asarray(gamma, jnp.float32), jnp.asarray(beta, jnp.float32)])
+    from pallas_kernels.mosaic_common import interpreter
+
     interpret = kernel == "gpu_interpret"
-    with _interpreter() if interpret else contextlib.nullcontext():
+    with interpreter(interpret, warpgroups=WARPGROUPS):
         pieces, z = norm_silu_gemm_sm90(x, stats, affine, w, b, widths, tiles, interpret=interpret)
     return pieces, (x, stats, gamma, beta, w, z)
 
@@ -171,11 +128,12 @@ def silu_backward(
     if kernel == "reference":
         return silu_backward_reference(d_pieces, z, w)
     # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
+    from pallas_kernels.mosaic_common import interpreter
     from pallas_kernels.norm_gemm.gpu_sm90_backward import silu_gemm_backward_sm90
 
     interpret = kernel == "gpu_interpret"
     d_pieces, z, w = tuple(jnp.asarray(p) for p in d_pieces), jnp.asarray(z), jnp.asarray(w)
-    with _interpreter() if interpret else contextlib.nullcontext():
+    with interpreter(interpret, warpgroups=WARPGROUPS):
         dxn, dz, partials = silu_gemm_backward_sm90(d_pieces, z, w, tiles, interpret=interpret)
     return dz, dxn, jnp.sum(partials, axis=0)
 

@@ -15,8 +15,6 @@ explicitly that does not take the shape is a ValueError.
 
 from __future__ import annotations
 
-import contextlib
-
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float
 
@@ -57,19 +55,6 @@ def _mosaic_tiles(rows: int, widths: set[int], interpret: bool, block_rows, bloc
     return tiles
 
 
-def _interpreter(interpret: bool):
-    """Mosaic GPU's CPU interpreter around the Mosaic kernel's call in interpret mode (a private jax module, only
-    reachable this way), else nothing."""
-    if not interpret:
-        return contextlib.nullcontext()
-    # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
-    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
-
-    return interpret_params.force_gpu_interpret_mode(
-        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
-    )
-
-
 def _tiles(rows: int, width: int, interpret: bool, block_rows, block_cols, num_warps):
     bm, bn = (8, 16) if interpret else (_BLOCK_ROWS, _BLOCK_COLS)
     bm, bn = block_rows or bm, block_cols or bn
@@ -108,10 +93,11 @@ def silu_backward_fp8(
     inv_scale = 1.0 / jnp.asarray(scale, jnp.float32)
     if family == "mosaic":
         # platform-only: the Mosaic GPU kernel, loaded when a call names it
+        from pallas_kernels.mosaic_common import interpreter
         from pallas_kernels.silu_backward_fp8 import gpu_sm90
 
         tiles = _mosaic_tiles(z.shape[0], widths, interpret, block_rows, block_cols, num_warps)
-        with _interpreter(interpret):
+        with interpreter(interpret):
             q, qt, col_max, col_sum = gpu_sm90.silu_backward_fp8(dys, z, inv_scale, tiles)
         return q, qt, jnp.max(col_max), jnp.sum(col_sum, axis=0)
 
