@@ -80,39 +80,38 @@ def tile_platform(kernel: str) -> str:
     return "cpu" if interpret(kernel) else kernel
 
 
-def load_backend(package: str, kernel: str) -> ModuleType:
-    """The backend module of `package` that runs a kernel name, e.g. gpu.py for "gpu_interpret"."""
-    name = f"{package}.{kernel.removesuffix('_interpret')}"
+def load_module(name: str) -> ModuleType:
+    """A backend module by its path, imported when first asked for."""
     try:
         return importlib.import_module(name)
     except ImportError as e:
-        raise ImportError(f"implementation {kernel!r} needs {name}, which failed to import: {e}") from e
+        raise ImportError(f"the backend {name} failed to import: {e}") from e
 
 
-# package: a kernel package's module path; kernel: one of KERNELS (params.interpret says the same);
-# params: the package's hashable KernelParams; inputs: the backend's to_kernel_layout tuple.
-@functools.partial(jax.custom_vjp, nondiff_argnames=("package", "kernel", "params"))
-def _kernel_call(inputs: tuple, package: str, kernel: str, params: Any):
-    return load_backend(package, kernel).forward(inputs, params)[0]
+# module: a backend module's path; params: its package's hashable KernelParams; inputs: the backend's
+# to_kernel_layout tuple.
+@functools.partial(jax.custom_vjp, nondiff_argnames=("module", "params"))
+def _kernel_call(inputs: tuple, module: str, params: Any):
+    return load_module(module).forward(inputs, params)[0]
 
 
-def _kernel_call_fwd(inputs: tuple, package: str, kernel: str, params: Any):
-    return load_backend(package, kernel).forward(inputs, params)
+def _kernel_call_fwd(inputs: tuple, module: str, params: Any):
+    return load_module(module).forward(inputs, params)
 
 
-def _kernel_call_bwd(package: str, kernel: str, params: Any, residuals, d_out):
-    return (load_backend(package, kernel).backward(residuals, d_out, params),)
+def _kernel_call_bwd(module: str, params: Any, residuals, d_out):
+    return (load_module(module).backward(residuals, d_out, params),)
 
 
 _kernel_call.defvjp(_kernel_call_fwd, _kernel_call_bwd)
 
 
-def run_kernel(package: str, kernel: str, params: Any, q, k, v, offsets, *extras) -> jax.Array:
-    """A package's kernel on [T, H, D] q, k, v: to_kernel_layout, the custom VJP, from_kernel_layout.
+def run_kernel(module: str, params: Any, q, k, v, offsets, *extras) -> jax.Array:
+    """A backend module's kernels on [T, H, D] q, k, v: to_kernel_layout, the custom VJP, from_kernel_layout.
 
     `extras` are the package's further array arguments of to_kernel_layout (after offsets, before params).
     """
-    backend = load_backend(package, kernel)
+    backend = load_module(module)
     inputs = backend.to_kernel_layout(q, k, v, offsets, *extras, params)
-    out = _kernel_call(inputs, package, kernel, params)
+    out = _kernel_call(inputs, module, params)
     return backend.from_kernel_layout(out, v, offsets, params)

@@ -270,7 +270,7 @@ class TestInterpretGPU(_Base):
 
     def test_bias_rows_is_the_reference_bias(self):
         # bias_rows[h, i, j] for row i of sequence b and column j < len_b: the reference's bias of (i, j)
-        from pallas_kernels.jagged_attention import gpu
+        from pallas_kernels.jagged_attention import gpu_layout
         from pallas_kernels.jagged_attention.params import KernelParams
 
         rng = np.random.default_rng(12)
@@ -292,7 +292,7 @@ class TestInterpretGPU(_Base):
             bias_rows=True,
         )
         zeros = jnp.zeros((CAPACITY, H, D))
-        inputs = gpu.to_kernel_layout(
+        inputs = gpu_layout.to_kernel_layout(
             zeros,
             zeros,
             zeros,
@@ -304,7 +304,7 @@ class TestInterpretGPU(_Base):
             params,
         )
         offsets_in, ts_in, pos_in, time_in = inputs[3], inputs[5], inputs[6], inputs[7]
-        got = gpu.bias_rows(
+        got = gpu_layout.bias_rows(
             offsets_in, ts_in, pos_in, time_in, params, total_rows=CAPACITY, heads=H, dtype=jnp.float32
         )
         got = np.asarray(got)
@@ -441,7 +441,7 @@ def test_random_lengths_forward(backend, lengths):
 def test_time_thresholds_reproduce_reference_buckets(num_time):
     # the GPU kernels find a cell's time bucket by comparing float32(max(dt, 1)) against these thresholds (no
     # per-cell log): it must equal the reference's bucket for every delta, at and beside each threshold too
-    from pallas_kernels.jagged_attention.gpu import time_thresholds
+    from pallas_kernels.jagged_attention.gpu_layout import time_thresholds
     from pallas_kernels.jagged_attention.reference import time_buckets
 
     width = max(16, 1 << (num_time - 1).bit_length())

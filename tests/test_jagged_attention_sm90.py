@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from experiments.benchmarks import shapes
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -26,7 +26,7 @@ def _static(n, activation, d=128, **kw):
 
 
 def _tables(b, h, t, num_pos=16, num_time=8):
-    """gpu.to_kernel_layout's (targets, ts, pos_tab, time_tab) inputs: random timestamps and tables."""
+    """gpu_layout.to_kernel_layout's (targets, ts, pos_tab, time_tab) inputs: random timestamps and tables."""
     rng = np.random.default_rng(0)
     return (
         jnp.asarray(rng.integers(0, 40, size=b), jnp.int32),
@@ -120,7 +120,9 @@ def test_supports():
     q256 = jnp.zeros((8, 2, 256), jnp.bfloat16)
     assert mosaic_gpu.supports(_static(4096, "silu", 256, num_pos=1041), q256, q256)
     assert not mosaic_gpu.supports(_static(8192, "silu", 256, num_pos=4113), q256, q256)
-    assert mosaic_gpu.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
+    assert mosaic_gpu.supports(
+        _static(256, "silu"), q[:7], q[:7]
+    )  # any T: gpu_layout.to_kernel_layout pads rows
     assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     for d, ok in ((64, True), (256, True), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
@@ -166,7 +168,7 @@ def test_interpret_matches_reference(activation, d, block_k, pingpong, window, b
     extra = dict(timestamps=ts, pos_bias=pos, time_bias=tim[:h]) if bias else {}
     bias_fields = dict(num_pos=5, num_time=8) if bias else {}
     params = _static(n, activation, d, max_attn_len=window, has_targets=True, **bias_fields)
-    inputs = gpu.to_kernel_layout(
+    inputs = gpu_layout.to_kernel_layout(
         q, k, v, jnp.asarray(offsets), targets, extra.get("timestamps"), extra.get("pos_bias"),
         extra.get("time_bias"), params,
     )  # fmt: skip

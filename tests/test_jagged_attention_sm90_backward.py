@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.jagged_attention import gpu, jagged_attention, kernels_in_use
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention, kernels_in_use
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -30,7 +30,7 @@ def _static(n, activation, d=128, **kw):
 
 
 def _residual_specs(t, h, b, d, dtype=jnp.bfloat16, num_pos=16, num_time=8):
-    """Shapes of gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias)."""
+    """Shapes of gpu_layout.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias)."""
     return (
         (sd((t, h, d), dtype),) * 3
         + (sd((b + 1,), jnp.int32), sd((b,), jnp.int32), sd((t,), jnp.int32))
@@ -143,7 +143,9 @@ def test_supports():
     assert mosaic_bwd.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
     assert mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float16), q.astype(jnp.float16))
     assert not mosaic_bwd.supports(_static(256, "silu", interpret=True), q, q)
-    assert mosaic_bwd.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
+    assert mosaic_bwd.supports(
+        _static(256, "silu"), q[:7], q[:7]
+    )  # any T: gpu_layout.to_kernel_layout pads rows
     assert not mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     assert not mosaic_bwd.supports(_static(256, "silu"), q, q[..., :64])  # Dqk != Dv
     bias = dict(num_pos=5, num_time=3)
@@ -223,10 +225,10 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     want = vjp(jnp.where(live, do.astype(jnp.float32), 0.0))
     params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **fields)
     pos, tim = tables or (None, None)
-    inputs = gpu.to_kernel_layout(q, k, v, off, tg, ts, pos, tim, params)
+    inputs = gpu_layout.to_kernel_layout(q, k, v, off, tg, ts, pos, tim, params)
     lse = jnp.zeros((h, t), jnp.float32)
     if activation == "softmax":  # the Triton forward's lse (interpret mode), with the bias where there is one
-        lse = gpu.forward(inputs, dataclasses.replace(params, interpret=True))[1][-2]
+        lse = gpu_layout.forward(inputs, dataclasses.replace(params, interpret=True))[1][-2]
     # o in float32: softmax delta = rowsum(dO * O) from a bf16 O is off by O's rounding in every cell of a row,
     # which the time-table gradient (a sum of dS whose rows sum to zero) amplifies past the bar; the kernels
     # take the residual O as it comes (the Triton backward has the same sensitivity to a bf16 O)
@@ -296,7 +298,7 @@ def _attention_loss(implementation, t, h, d, bias: bool):
 
 def test_any_token_count_runs_mosaic():
     """implementation="mosaic" lowers both Mosaic GPU kernels, the relative bias's table gradients included, for
-    a token count that is not a multiple of 8 (gpu.to_kernel_layout pads the rows; no Triton kernel in the
+    a token count that is not a multiple of 8 (gpu_layout.to_kernel_layout pads the rows; no Triton kernel in the
     graph); "triton" lowers the Triton ones. (T % 8 == 0 is every other lowering test's case.)"""
     t = 1001
     grad, args = _attention_loss("mosaic", t, 2, 128, bias=True)

@@ -25,7 +25,7 @@ import numpy as np
 from experiments.benchmarks import shapes
 from experiments.benchmarks.jagged_calls import fwd_flops
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -62,7 +62,7 @@ def _inputs(lengths, h, d, seed, extra_rows=0, dtype=jnp.bfloat16, bias: shapes.
 def _kernel_inputs(q, k, v, off, s, targets=None, extra=None):
     """The Triton backend's kernel inputs, which the Mosaic forward takes too."""
     extra = extra or {}
-    return gpu.to_kernel_layout(
+    return gpu_layout.to_kernel_layout(
         q, k, v, off, targets, extra.get("timestamps"), extra.get("pos_bias"), extra.get("time_bias"), s
     )
 

@@ -75,4 +75,5 @@ def block_attention(
         interpret=implementations.interpret(kernel),
         blocks=BlockSizes.get_default(implementations.tile_platform(kernel), block_size=block_size),
     )
-    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets)
+    module = f"{_PACKAGE}.{kernel.removesuffix('_interpret')}"
+    return implementations.run_kernel(module, params, q, k, v, offsets)

@@ -176,7 +176,8 @@ def jagged_attention(
             time_bias=time_bias,
         )
     extras = (num_targets, timestamps, pos_bias, time_bias)
-    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)
+    module = f"{_PACKAGE}.{'tpu' if kernel.startswith('tpu') else 'gpu_layout'}"
+    return implementations.run_kernel(module, params, q, k, v, offsets, *extras)
 
 
 def _plan(

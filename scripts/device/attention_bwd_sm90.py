@@ -33,7 +33,7 @@ import numpy as np
 
 from experiments.benchmarks import jagged_calls, shapes
 from experiments.benchmarks.jagged_calls import fwd_flops
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -230,10 +230,10 @@ def _one_forward(case: str):
     kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
     fields = dict(num_pos=bias.num_pos, num_time=bias.num_time) if bias else {}
     params = KernelParams.build(n, activation, d, options=MOSAIC, **fields)
-    inputs = gpu.to_kernel_layout(
+    inputs = gpu_layout.to_kernel_layout(
         q, k, v, off, None, kw.get("timestamps"), kw.get("pos_bias"), kw.get("time_bias"), params
     )
-    residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
+    residuals = jax.block_until_ready(jax.jit(lambda x: gpu_layout.forward(x, params)[1])(inputs))
     return name, q, k, v, do, off, params, residuals, 2.5 * fwd_flops(lengths, h, d, d)
 
 
