@@ -1,5 +1,5 @@
-"""The Hopper (Mosaic GPU) jagged attention forward (pallas_kernels/jagged_attention/gpu_sm90.py): the GPU
-backend's choice of forward, lowering for several configs, and GPU interpret mode vs reference.
+"""The Hopper (Mosaic GPU) jagged attention forward (pallas_kernels/jagged_attention/gpu_sm90.py): the forward
+the GPU backend runs by default and by name, lowering for several configs, and GPU interpret mode vs reference.
 
 Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
 primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
@@ -16,9 +16,9 @@ import pytest
 from experiments.benchmarks import shapes
 from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
-from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
+from tests.helpers import on_platform
 
 
 def _static(n, activation, d=128, **kw):
@@ -70,29 +70,30 @@ def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, windo
     assert text.count("mosaic_gpu") >= 1
 
 
-@pytest.mark.parametrize("hopper_forward", [True, False])
-def test_gpu_backend_picks_the_forward(hopper_forward):
-    """KernelOptions.hopper_forward decides which forward the GPU backend lowers (the Triton backward either
-    way, fed the Mosaic forward's residuals), and an unsupported call (head dim 32) keeps the Triton forward."""
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_gpu_backend_runs_the_named_forward(implementation):
+    """On Hopper the default (None) lowers the Mosaic GPU forward and backward wherever they take the call, and
+    the Triton kernels where not (head dim 32); "triton" lowers the Triton kernels only."""
     t, h = 1024, 2
     sd = jax.ShapeDtypeStruct
-    options = KernelOptions(hopper_forward=hopper_forward)
 
     def loss(q, k, v, offsets, ts, pos, tim):
         out = jagged_attention(
-            q, k, v, offsets, max_seq_len=256, implementation="gpu", options=options,
+            q, k, v, offsets, max_seq_len=256, implementation=implementation,
             timestamps=ts, pos_bias=pos, time_bias=tim,
         )  # fmt: skip
         return out.astype(jnp.float32).sum()
 
-    for d, mosaic in ((128, hopper_forward), (32, False)):
+    for d, mosaic in ((128, implementation is None), (32, False)):
         args = (sd((t, h, d), jnp.bfloat16),) * 3 + (
             sd((5,), jnp.int32), sd((t,), jnp.int32), sd((h, 16), jnp.float32), sd((h, 8), jnp.float32)
         )  # fmt: skip
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
-        assert ("mosaic_gpu" in text) == mosaic, (d, hopper_forward)
-        assert ("jagged_attention_fwd" in text) == (not mosaic), (d, hopper_forward)
-        assert "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text  # Triton backward
+        with on_platform("hopper"):
+            text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        assert ("mosaic_gpu" in text) == mosaic, (d, implementation)
+        assert ("jagged_attention_fwd" in text) == (not mosaic), (d, implementation)
+        triton_backward = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
+        assert triton_backward == (not mosaic), (d, implementation)
 
 
 def test_lowers_bias_tables_wider_than_one_tma_box():
@@ -127,13 +128,6 @@ def test_supports():
     for d, ok in ((64, True), (256, True), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
         assert mosaic_gpu.supports(_static(256, "silu", d), qd, qd) == ok, d
-
-
-def test_not_wanted_off_hopper():
-    """On this CPU the default (None) does not pick the Mosaic forward; True and False are obeyed."""
-    assert not mosaic_gpu.is_hopper()
-    assert not mosaic_gpu.wanted(None)
-    assert mosaic_gpu.wanted(True) and not mosaic_gpu.wanted(False)
 
 
 @pytest.mark.slow

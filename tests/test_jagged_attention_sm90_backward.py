@@ -1,6 +1,6 @@
 """The Hopper (Mosaic GPU) jagged attention backward (pallas_kernels/jagged_attention/gpu_sm90_backward.py): the
-GPU backend's choice of backward, lowering for several configs, and GPU interpret mode vs the reference's
-gradients.
+backward the GPU backend runs by default and by name, lowering for several configs, and GPU interpret mode vs
+the reference's gradients.
 
 Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
 primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
@@ -21,6 +21,7 @@ from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+from tests.helpers import on_platform
 
 sd = jax.ShapeDtypeStruct
 
@@ -91,48 +92,59 @@ def test_d256_shared_memory_budget():
         assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, {**tiles, **more}) > mosaic_bwd.SMEM_BYTES, more
 
 
-@pytest.mark.parametrize("hopper_backward", [True, False])
-def test_gpu_backend_picks_the_backward(hopper_backward):
-    """KernelOptions.hopper_backward decides which backward the GPU backend lowers; an unsupported call (head dim
-    32; a relative bias with hopper_backward_bias off) keeps the Triton backward."""
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_gpu_backend_runs_each_direction_by_default_or_by_name(implementation):
+    """On Hopper the default (None) takes the Mosaic GPU kernels for each direction on its own: both for a call
+    they take; the Mosaic forward and the Triton backward for one only the forward takes (a relative bias with
+    hopper_backward_bias off); Triton for both at head dim 32. "triton" lowers the Triton kernels only."""
     t, h = 1024, 2
-    options = KernelOptions(hopper_forward=False, hopper_backward=hopper_backward, hopper_backward_bias=False)
+    options = KernelOptions(hopper_backward_bias=False)
 
     def loss(q, k, v, offsets, *bias):
         extra = dict(zip(("timestamps", "pos_bias", "time_bias"), bias))
         out = jagged_attention(
-            q, k, v, offsets, max_seq_len=256, implementation="gpu", options=options, **extra
+            q, k, v, offsets, max_seq_len=256, implementation=implementation, options=options, **extra
         )
         return out.astype(jnp.float32).sum()
 
     bias = (sd((t,), jnp.int32), sd((h, 16), jnp.float32), sd((h, 8), jnp.float32))
-    for d, with_bias, mosaic in ((128, False, hopper_backward), (32, False, False), (128, True, False)):
+    default = implementation is None
+    for d, with_bias, forward, backward in (
+        (128, False, default, default),
+        (32, False, False, False),
+        (128, True, default, False),
+    ):
         args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + (bias if with_bias else ())
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
-        assert ("mosaic_gpu" in text) == mosaic, (d, with_bias, hopper_backward)
+        with on_platform("hopper"):
+            text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
+        assert ("jagged_attention_fwd" in text) == (not forward), (d, with_bias, implementation)
         triton = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
-        assert triton == (not mosaic), (d, with_bias, hopper_backward)
-    if hopper_backward:  # the bias by default; with both Mosaic directions no bias_rows array is built
-        options = KernelOptions(hopper_forward=True, hopper_backward=True)
+        assert triton == (not backward), (d, with_bias, implementation)
+        assert ("mosaic_gpu" in text) == (forward or backward), (d, with_bias, implementation)
+    if default:  # the bias by default; with both Mosaic directions no bias_rows array is built
+        options = KernelOptions()
         args = (sd((t, h, 128), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + bias
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        with on_platform("hopper"):
+            text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
         assert "jagged_attention_bwd_dq" not in text and "red.shared.add.f32" in text
         assert f"tensor<{h}x{t}x256xbf16>" not in text  # the [H, T, W] bias_rows array
 
 
 @pytest.mark.parametrize("d256", [True, False])
 def test_gpu_backend_picks_the_d256_backward(d256):
-    """At head dim 256 the GPU backend lowers the Mosaic backward only with KernelOptions.hopper_backward_d256."""
+    """At head dim 256 the default on Hopper lowers the Mosaic backward only with
+    KernelOptions.hopper_backward_d256 (the Triton one after the Mosaic forward otherwise)."""
     t, h, d = 1024, 2, 256
-    options = KernelOptions(hopper_forward=False, hopper_backward=True, hopper_backward_d256=d256)
+    options = KernelOptions(hopper_backward_d256=d256)
 
     def loss(q, k, v, offsets):
-        out = jagged_attention(q, k, v, offsets, max_seq_len=512, implementation="gpu", options=options)
+        out = jagged_attention(q, k, v, offsets, max_seq_len=512, options=options)
         return out.astype(jnp.float32).sum()
 
     args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),)
-    text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
-    assert ("mosaic_gpu" in text) == d256
+    with on_platform("hopper"):
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    assert "mosaic_gpu" in text and "jagged_attention_fwd" not in text
     assert ("jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text) == (not d256)
 
 
@@ -180,10 +192,13 @@ def test_supports():
         mosaic_bwd.backward_mosaic_gpu(_residual_specs(8, 2, 1, 256), q256, _static(256, "silu", 256, **bias))
 
 
-def test_not_wanted_off_hopper():
-    """On this CPU the default (None) does not pick the Mosaic backward; True and False are obeyed."""
-    assert not mosaic_bwd.wanted(None)
-    assert mosaic_bwd.wanted(True) and not mosaic_bwd.wanted(False)
+def test_the_default_picks_the_mosaic_backward_on_hopper_only():
+    """The default order takes the Mosaic backward on Hopper where it takes the call, Triton's on other GPUs, the
+    reference on this CPU (the platform of this process)."""
+    q = sd((1024, 2, 128), jnp.bfloat16)
+    assert kernels_in_use(q, q, max_seq_len=256, platform="hopper")[1] == "mosaic"
+    assert kernels_in_use(q, q, max_seq_len=256, platform="gpu")[1] == "triton"
+    assert kernels_in_use(q, q, max_seq_len=256)[1] == "reference"
 
 
 def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, **knobs):
@@ -313,17 +328,18 @@ def test_any_token_count_runs_mosaic():
 
 def test_kernels_in_use_names_the_families():
     """kernels_in_use reports what the call's own decision picks: Mosaic GPU for both directions by name (any T),
-    Triton by name, the reference on this CPU by default; a call the Mosaic kernels do not take, asked for by
-    name, is a ValueError naming the way out."""
+    Triton by name, the reference on this CPU by default, Triton interpreted as on a pre-Hopper GPU; a call the
+    Mosaic kernels do not take, asked for by name, is a ValueError naming the way out."""
     q = sd((1001, 2, 128), jnp.bfloat16)
     bias = dict(num_pos=128, num_time=64)
     assert kernels_in_use(q, q, max_seq_len=512, implementation="mosaic", **bias) == ("mosaic", "mosaic")
     assert kernels_in_use(q, q, max_seq_len=512, implementation="triton") == ("triton", "triton")
     assert kernels_in_use(q, q, max_seq_len=512) == ("reference", "reference")
-    assert kernels_in_use(q, q, max_seq_len=512, implementation="interpret") == (
+    assert kernels_in_use(q, q, max_seq_len=512, interpret=True) == (
         "triton (interpret)",
         "triton (interpret)",
     )
+    assert kernels_in_use(q, q, max_seq_len=512, platform="hopper") == ("mosaic", "mosaic")
     q32 = sd((1001, 2, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="implementation='mosaic'.*'triton'"):
         kernels_in_use(q32, q32, max_seq_len=512, implementation="mosaic")

@@ -2,7 +2,7 @@
 forwards side by side; this one sweeps the Mosaic GPU kernel's tiles and schedule).
 
 The kernel is pallas_kernels/jagged_attention/gpu_sm90.py; the Triton forward is jagged_attention with
-KernelOptions(hopper_forward=False) (with a bias: the bias_rows array it builds, or the computed bias past the
+implementation="triton" (with a bias: the bias_rows array it builds, or the computed bias past the
 array's cap, as the model runs it). First checks the
 Mosaic GPU forward (o and, for softmax, lse) against the float32 reference on fresh random inputs (relative
 L2 < 1e-2, no NaN, rows past offsets[B] zero), with and without the relative bias, then times both forwards
@@ -27,7 +27,6 @@ from experiments.benchmarks.jagged_calls import fwd_flops
 from experiments.benchmarks.timing import median_seconds
 from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
-from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 from pallas_kernels.mosaic_common import num_sms
@@ -74,10 +73,9 @@ def _mosaic(s, knobs: dict):
 
 def _triton(q, k, v, off, n, activation, extra):
     """The shipped Triton forward through the public entry point (its own bias_rows decision)."""
-    options = KernelOptions(hopper_forward=False)
     f = jax.jit(
         lambda q, k, v, off, extra: jagged_attention(
-            q, k, v, off, max_seq_len=n, activation=activation, implementation="gpu", options=options, **extra
+            q, k, v, off, max_seq_len=n, activation=activation, implementation="triton", **extra
         )
     )
     return lambda _inputs: f(q, k, v, off, extra)

@@ -21,10 +21,10 @@ from pallas_kernels.jagged_attention.params import KernelParams
 
 
 def forward(inputs, params: KernelParams):
-    """(o [T, H, Dv], residuals) from to_kernel_layout's inputs: the Mosaic GPU forward if params.hopper_forward,
-    else the Triton one. The residuals end with o, the softmax lse [H, T] and the bias_rows array, built here for
-    the Triton kernels (a small dummy when params.bias_rows is False: the kernels compute the bias; the Mosaic GPU
-    ones always do)."""
+    """(o [T, H, Dv], residuals) from to_kernel_layout's inputs: the forward kernel params.forward_kernel names.
+    The residuals end with o, the softmax lse [H, T] and the bias_rows array, built here for the Triton kernels
+    (a small dummy when params.bias_rows is False: the kernels compute the bias; the Mosaic GPU ones always
+    do)."""
     q, _, _, offsets, _, ts, pos_tab, time_tab = inputs
     t, heads, _ = q.shape
     bias = (
@@ -32,7 +32,7 @@ def forward(inputs, params: KernelParams):
         if params.bias_rows
         else jnp.zeros((1, 16, 16), q.dtype)
     )
-    if params.hopper_forward:
+    if params.forward_kernel == "mosaic":
         from pallas_kernels.jagged_attention import gpu_sm90  # platform-only: Mosaic GPU, on Hopper
 
         o, lse = gpu_sm90.forward(inputs, params)
@@ -43,8 +43,8 @@ def forward(inputs, params: KernelParams):
 
 def backward(residuals, d_out, params: KernelParams):
     """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's, d_out:
-    the Mosaic GPU backward if params.hopper_backward, else the Triton one."""
-    if params.hopper_backward:
+    the backward kernels params.backward_kernel names."""
+    if params.backward_kernel == "mosaic":
         from pallas_kernels.jagged_attention import gpu_sm90_backward  # platform-only: Mosaic GPU, on Hopper
 
         return gpu_sm90_backward.backward(residuals, d_out, params)
@@ -133,14 +133,14 @@ def to_kernel_layout(
 
     Head dims are zero-padded to powers of two (Triton tiles); the bias tables become float32 padded to a power
     of two wide, the time table with one extra row of bucket thresholds (time_thresholds); absent ones are
-    small dummies the kernels never read. When a Mosaic GPU kernel runs (params.hopper_forward or
-    hopper_backward), rows are padded to a multiple of gpu_sm90.ALIGN: Mosaic GPU tiles a TMA's whole GMEM
+    small dummies the kernels never read. When a Mosaic GPU kernel runs (either direction), rows are padded
+    to a multiple of tiling.MOSAIC_ALIGN: Mosaic GPU tiles a TMA's whole GMEM
     array in 8-row tiles (rows past offsets[B] are unused capacity, so the kernels' contract holds).
     """
     t, heads, dqk = q.shape
     rows = (
         -(-t // tiling.MOSAIC_ALIGN) * tiling.MOSAIC_ALIGN
-        if params.hopper_forward or params.hopper_backward
+        if "mosaic" in (params.forward_kernel, params.backward_kernel)
         else t
     )
     if rows != t:

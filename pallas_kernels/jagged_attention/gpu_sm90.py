@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cdiv, cdiv_dyn, is_hopper
+from pallas_kernels.common import cdiv, cdiv_dyn
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_common import (
@@ -93,11 +93,6 @@ COMPUTE_WGS = 2
 HEAD_DIMS = (64, 128, 256)  # multiples of 64 (the 128-byte swizzle); 256 needs 64-key tiles (shared memory)
 # output columns staged (and stored) at a time: D = 256 stores its tile in four quarters (shared memory)
 O_COLS = {64: 64, 128: 128, 256: 64}
-
-
-def wanted(hopper_forward: bool | None) -> bool:
-    """KernelOptions.hopper_forward resolved on this device: None means "on Hopper GPUs"."""
-    return is_hopper() if hopper_forward is None else hopper_forward
 
 
 def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int) -> int:

@@ -102,7 +102,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import cdiv, is_hopper
+from pallas_kernels.common import cdiv
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_backward_common import (
@@ -133,11 +133,6 @@ HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 register
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
 STAGE_COLS = 64  # D_SPLIT: outputs staged and stored 64 columns at a time (shared memory)
 SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
-
-
-def wanted(hopper_backward: bool | None) -> bool:
-    """KernelOptions.hopper_backward resolved on this device: None means "on Hopper GPUs"."""
-    return is_hopper() if hopper_backward is None else hopper_backward
 
 
 def default_tiles(head_dim: int) -> dict:
