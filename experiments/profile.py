@@ -36,7 +36,7 @@ import numpy as np
 from experiments import trace_analysis as ta
 from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
 from gem_jax.config import load_config
-from gem_jax.model.kernels import kernel_lines
+from gem_jax.kernels import kernel_lines
 from gem_jax.tasks import make_task
 from gem_jax.train.flops import device_peak_flops, train_step_flops_by_group
 from gem_jax.train.step import Trainer

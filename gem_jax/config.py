@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
+from gem_jax.kernels import check_kernels
 from gem_jax.paths import in_repository
 
 
@@ -260,7 +261,7 @@ class ModelConfig:
     # api.py DEFAULTS: the first backend that takes the call), or a backend by name (pallas_kernels/
     # implementations.py), refused when the config loads where it cannot run the model's calls. The same
     # function whichever runs, so a run may resume on another (e.g. GPU -> CPU). Train, bench and profile print
-    # what runs, one line per op (gem_jax/model/kernels.py).
+    # what runs, one line per op (gem_jax/kernels.py).
     # Jagged attention; "auto": Mosaic GPU on Hopper where it takes the call (forward and backward each), else
     # Triton; Triton on other GPUs; the TPU kernel; the reference on CPU.
     attention_implementation: Literal["auto", "mosaic", "triton", "tpu", "reference"] = setting(
@@ -709,9 +710,6 @@ def validate(config: Config, source: str) -> Config:
 def _validate_kernels(config: Config, source: str) -> None:
     """Every op's kernel setting can run the model's calls: a named backend that does not take them, or an
     "auto" whose default order has none that does on some platform, is refused here, not at the first step."""
-    # the model's calls, imported here: that module imports this one
-    from gem_jax.model.kernels import check_kernels
-
     try:
         check_kernels(config)
     except ValueError as e:

@@ -18,10 +18,10 @@ The platform is jax's default backend, a GPU of compute capability 9.x (H100, H2
 interpret=True the interpreter stands in for a GPU without Hopper's features (on a TPU host, for the TPU):
 None then picks as there.
 
-Backends are imported when first asked for, so CPU users never import Triton or Mosaic lowering code and a
-backend that fails to import fails there, loudly, naming it. `run_kernel` is the one place a backend module's
-functions are called (the contract, docs/architecture.md): the layout conversions as plain differentiable jnp,
-forward and backward bound into one `jax.custom_vjp`.
+Backend modules are imported when a call runs them, or when a decision asks a supports() that lives in one
+(the jagged attention Mosaic GPU kernels'), and a backend that fails to import fails there, loudly, naming it.
+`run_kernel` is the one place a backend module's functions are called (the contract, docs/architecture.md): the
+layout conversions as plain differentiable jnp, forward and backward bound into one `jax.custom_vjp`.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def test_log_file_keeps_messages_off_the_progress_bars_line(finished_run):
 
 def test_train_names_the_backend_that_runs_each_op(finished_run):
     """One line per op at start-up, each naming its backend and the key that decides it."""
-    from gem_jax.model.kernels import LABELS, OPS
+    from gem_jax.kernels import LABELS, OPS
 
     _, _, _, log = finished_run
     assert "kernels (jax " in log

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from gem_jax.config import ConfigError
+from gem_jax.kernels import in_use, kernel_lines
 from gem_jax.model.hstu import uvqk_fusion
-from gem_jax.model.kernels import in_use, kernel_lines
 from tests.helpers import model_logits_and_grads, on_platform, small_config
 
 WIDE = ("model.model_dim=128", "model.attention_dim=32", "model.value_dim=32")  # K 128, widths 64: tiles fit

@@ -32,7 +32,7 @@ import numpy as np
 from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
 from experiments.fp8_gemms import fp8_dots, summary
 from gem_jax.config import load_config
-from gem_jax.model.kernels import kernel_lines
+from gem_jax.kernels import kernel_lines
 from gem_jax.tasks import make_task
 from gem_jax.train.flops import device_peak_flops, nvidia_hstu_flops, train_step_flops
 from gem_jax.train.step import Trainer

@@ -15,6 +15,7 @@ import jax
 from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
+from gem_jax.kernels import attention_options
 from pallas_kernels.jagged_attention import jagged_attention
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
@@ -46,7 +47,6 @@ class AttentionSpec:
     @classmethod
     def from_config(cls, config: ModelConfig, *, activation: str | None = None) -> AttentionSpec:
         """The spec of `config`'s attention; `activation` overrides model.activation (SASRec: softmax)."""
-        gib = config.attention_bias_rows_gib
         implementation, interpret = config.kernel("attention")
         block_implementation, block_interpret = config.kernel("block_attention")
         return cls(
@@ -57,7 +57,7 @@ class AttentionSpec:
             block_interpret=block_interpret,
             max_attn_len=config.max_attn_len,
             weight_dropout=config.attention_dropout,
-            kernel_options=KernelOptions(bias_rows=gib > 0, bias_rows_max_bytes=int(gib * 2**30)),
+            kernel_options=attention_options(config),
         )
 
 

@@ -23,9 +23,9 @@ from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
 from gem_jax.config import ModelConfig
+from gem_jax.kernels import uvqk_widths
 from gem_jax.model.attention import AttentionSpec, attention
 from gem_jax.model.frequency_filter import FrequencyBranch
-from gem_jax.model.kernels import uvqk_widths
 from gem_jax.model.layers import Dense, LayerNorm, dropout
 from gem_jax.model.long_history import gather_rows, long_history_attention, pyramid_layout, scatter_rows
 from gem_jax.model.sasrec import SASRecLayer

@@ -34,8 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from gem_jax.distributed import agree, wait_for_all
+from gem_jax.kernels import kernel_lines
 from gem_jax.model import fp8_auto
-from gem_jax.model.kernels import kernel_lines
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import files, interrupt, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint

@@ -158,8 +158,10 @@ class _Plan:
 
 
 def _run_kernel(x, gamma, beta, w, b, plan: _Plan):
-    # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
+    # platform-only: Mosaic GPU's interpreter switch, loaded with the kernel
     from pallas_kernels.mosaic_common import interpreter
+
+    # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
     from pallas_kernels.norm_gemm.gpu_sm90 import norm_silu_gemm_sm90
 
     stats = row_stats(x, EPS)
@@ -193,8 +195,10 @@ def silu_backward(
     defaults, which must fit) or that reference ("reference")."""
     if kernel == "reference":
         return silu_backward_reference(d_pieces, z, w)
-    # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
+    # platform-only: Mosaic GPU's interpreter switch, loaded with the kernel
     from pallas_kernels.mosaic_common import interpreter
+
+    # platform-only: the Mosaic GPU kernel (Hopper, or its CPU interpreter), loaded when a call runs it
     from pallas_kernels.norm_gemm.gpu_sm90_backward import silu_gemm_backward_sm90
 
     tiles = tiles or _tiles("backward", interpret, None)

@@ -147,8 +147,10 @@ def silu_backward_fp8(
         return silu_backward_fp8_reference(dys, z, scale)
     inv_scale = 1.0 / jnp.asarray(scale, jnp.float32)
     if name == "mosaic":
-        # platform-only: the Mosaic GPU kernel, loaded where a call names it
+        # platform-only: Mosaic GPU's interpreter switch, loaded with the kernel
         from pallas_kernels.mosaic_common import interpreter
+
+        # platform-only: the Mosaic GPU kernel, loaded where a call names it
         from pallas_kernels.silu_backward_fp8 import gpu_sm90
 
         with interpreter(interpret):

@@ -1,22 +1,25 @@
 """Which kernel runs each op of the model, from its config: one line per op (`kernel_lines`, which train, bench
 and profile print) and the check, when a config loads, that every op's setting can run the model's calls
-(`check_kernels`).
+(`check_kernels`, which gem_jax/config.py calls).
 
 Each answer is the op's own decision (its package's kernels_in_use, the same function its calls make), asked
 with the shapes of one pack of `data.tokens_per_shard` tokens in the compute dtype. The ops and their keys
 (`model.<op>_implementation`, gem_jax/config.py): attention, block_attention, norm, silu_backward_fp8, uvqk.
+This module sits below the config (which calls it), so it reads a `Config` and its sections without
+importing their types.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
-from gem_jax.config import Config, ModelConfig
-from gem_jax.model.attention import AttentionSpec
 from pallas_kernels import implementations
 from pallas_kernels.block_attention import api as block_attention
 from pallas_kernels.jagged_attention import api as jagged_attention
+from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.layer_norm import api as layer_norm
 from pallas_kernels.norm_gemm import api as norm_gemm
 from pallas_kernels.silu_backward_fp8 import api as silu_backward_fp8
@@ -32,10 +35,21 @@ LABELS = {
 UNFUSED = "the norm kernel, XLA's GEMM, then SiLU"
 
 
+Config = Any  # gem_jax.config.Config (the module docstring says why it is not imported)
+ModelConfig = Any  # gem_jax.config.ModelConfig
+
+
 def uvqk_widths(m: ModelConfig) -> tuple[int, int, int, int]:
     """The widths of U, V, Q and K in an HSTU layer's uvqk projection."""
     h = m.num_heads
     return (h * m.value_dim, h * m.value_dim, h * m.attention_dim, h * m.attention_dim)
+
+
+def attention_options(m: ModelConfig) -> KernelOptions:
+    """The jagged attention kernels' variants of `m`: the bias_rows array's cap from
+    `model.attention_bias_rows_gib` (0: the kernels compute the bias)."""
+    gib = m.attention_bias_rows_gib
+    return KernelOptions(bias_rows=gib > 0, bias_rows_max_bytes=int(gib * 2**30))
 
 
 def unused(config: Config, op: str) -> str | None:
@@ -62,19 +76,18 @@ def in_use(config: Config, op: str, platform: str | None = None) -> str:
     ask = dict(interpret=interpret, platform=platform)
     rows, dtype = d.tokens_per_shard, jnp.dtype(p.compute_dtype)
     if op == "attention":
-        spec = AttentionSpec.from_config(m, activation="softmax" if m.layer == "sasrec" else None)
         shape = lambda dim: jax.ShapeDtypeStruct((rows, m.num_heads, dim), dtype)
         forward, backward = jagged_attention.kernels_in_use(
             shape(m.attention_dim),
             shape(m.value_dim),
             max_seq_len=d.max_history_len + d.num_candidates + m.num_context_tokens,
-            activation=spec.activation,
+            activation="softmax" if m.layer == "sasrec" else m.activation,  # SASRec's blocks: softmax
             has_targets=True,
-            max_attn_len=spec.max_attn_len,
+            max_attn_len=m.max_attn_len,
             num_pos=m.num_position_buckets or None,
             num_time=m.num_time_buckets or None,
             implementation=implementation,
-            options=spec.kernel_options,
+            options=attention_options(m),
             **ask,
         )
         return f"forward {forward}, backward {backward}"
