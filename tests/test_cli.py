@@ -65,6 +65,21 @@ def test_log_file_keeps_messages_off_the_progress_bars_line(finished_run):
     assert "100%" in bars[-1].split("\r")[-1]  # the closed bar's last state ends its own line
 
 
+def test_train_names_the_backend_that_runs_each_op(finished_run):
+    """One line per op at start-up, each naming its backend and the key that decides it."""
+    from gem_jax.kernels import LABELS, OPS
+
+    _, _, _, log = finished_run
+    assert "kernels (jax " in log
+    for op in OPS:
+        assert log.count(f"  {LABELS[op]}: ") == 1, op
+    assert (
+        "  attention: forward reference, backward reference (model.attention_implementation = 'reference')"
+        in log
+    )
+    assert "  layer norm: reference (model.norm_implementation = 'auto')" in log
+
+
 def test_rerunning_a_finished_run_says_so_with_its_metrics_and_total_time(finished_run):
     config, workdir, first, _ = finished_run
     log = io.StringIO()

@@ -34,9 +34,8 @@ import numpy as np
 from tqdm import tqdm
 
 from gem_jax.distributed import agree, wait_for_all
+from gem_jax.kernels import kernel_lines
 from gem_jax.model import fp8_auto
-from gem_jax.model.attention import kernel_summary
-from gem_jax.model.hstu import uvqk_summary
 from gem_jax.parallel import describe_mesh
 from gem_jax.train import compile_cache, files, interrupt, memory, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
@@ -299,10 +298,9 @@ def _train(
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
     say = _message_printer(bar)
     startup: dict[str, Any] = {}
-    if will_train and jax.process_index() == 0 and task.config.model.layer in ("hstu", "sasrec"):
-        say(kernel_summary(task.config))
-        if task.config.model.layer == "hstu":
-            say(uvqk_summary(task.config))
+    if will_train and jax.process_index() == 0:
+        for line in kernel_lines(task.config):
+            say(line)
 
     def save() -> None:
         nonlocal saved_step

@@ -3,9 +3,9 @@
 Why: the Triton backward (gpu.py: _dq_kernel, _dkv_kernel) is most of an hstu_nvidia train step; on Hopper its
 elementwise work does not overlap its MMAs. This is the backward of the Mosaic GPU forward's design (gpu_sm90.py):
 
-Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab,
-o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
-bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
+Contract: the same as gpu_layout.backward: gpu_layout.forward's residuals (q, k, v, offsets, targets, ts,
+pos_tab, time_tab, o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what
+it handles: bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
 KernelOptions.hopper_backward_bias: correct on the H200, but slower than the Triton backward there) the
 relative position and time bias; Dqk = Dv = 256 without a bias unless KernelOptions.hopper_backward_d256 is False
 (below, "Head dim 256"); the GPU backend runs the Triton backward for the others.
@@ -102,7 +102,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import NUM_SMS, cdiv, is_hopper
+from pallas_kernels.common import cdiv
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_backward_common import (
@@ -127,16 +127,12 @@ from pallas_kernels.jagged_attention.sm90_dq import (
     dq_kernel,
     hist_rows,
 )
+from pallas_kernels.mosaic_common import NUM_SMS, num_sms
 
 HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
 STAGE_COLS = 64  # D_SPLIT: outputs staged and stored 64 columns at a time (shared memory)
 SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
-
-
-def wanted(hopper_backward: bool | None) -> bool:
-    """KernelOptions.hopper_backward resolved on this device: None means "on Hopper GPUs"."""
-    return is_hopper() if hopper_backward is None else hopper_backward
 
 
 def default_tiles(head_dim: int) -> dict:
@@ -234,8 +230,8 @@ def backward_mosaic_gpu(
     num_ctas: int | None = NUM_SMS,
     interpret: bool = False,
 ):
-    """gpu.backward's cotangents (dq, dk, dv, None x 3, dpos, dtime) from gpu.forward's residuals, for the
-    calls supports() takes. The bias tables are gpu.to_kernel_layout's (float32, padded; the time table's extra
+    """gpu_layout.backward's cotangents (dq, dk, dv, None x 3, dpos, dtime) from gpu_layout.forward's residuals, for the
+    calls supports() takes. The bias tables are gpu_layout.to_kernel_layout's (float32, padded; the time table's extra
     threshold row gets no gradient); the bias is computed in the kernels (the residuals' bias_rows array is not
     read)."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, _ = residuals
@@ -285,7 +281,7 @@ def backward_mosaic_gpu(
     dummy = jnp.zeros((1, 32), jnp.float32)
     pos_rows = table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
     # with KernelOptions.time_grad_runs the dQ kernel also reads the time buckets' thresholds (time_tab's row
-    # `heads`, gpu.time_thresholds) and which sequences' timestamps never decrease
+    # `heads`, gpu_layout.time_thresholds) and which sequences' timestamps never decrease
     runs = params.has_time and params.options.time_grad_runs
     time_rows = table_rows(time_tab, heads + runs, time_width) if params.has_time else dummy
     bias_ins = (ts, pos_rows, time_rows)
@@ -428,5 +424,5 @@ def backward_mosaic_gpu(
 
 
 def backward(residuals, d_out, params: KernelParams):
-    """gpu.backward's contract with the default tiles (see supports())."""
-    return backward_mosaic_gpu(residuals, d_out, params)
+    """gpu_layout.backward's contract with the default tiles (see supports())."""
+    return backward_mosaic_gpu(residuals, d_out, params, num_ctas=num_sms())

@@ -16,14 +16,13 @@ from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
     LOG2E,
     ZERO_TILES,
-    cast_layout,
     copy_table,
     gather,
-    load_vector,
     store_rows,
     table_chunks,
     time_buckets,
 )
+from pallas_kernels.mosaic_common import cast_layout, load_vector
 
 RES = 64  # resident rows per consumer warpgroup
 COMPUTE_WGS = 2
@@ -250,21 +249,6 @@ def p_and_factor(z, mask, lse, params: KernelParams, lse_dim: int):
     return p, g
 
 
-def persistent(num_ctas, num_items: int, heads: int):
-    """(iterations of this CTA, item_of(i) -> (head, item)): one (head, item) per CTA, or (persistent) items
-    cta, cta + num_ctas, ... of the flat list with heads fastest."""
-    if num_ctas is None:
-        return 1, lambda i: (lax.axis_index("heads"), lax.axis_index("items"))
-    cta = lax.axis_index("sm")
-    num_iters = cdiv_dyn(jnp.maximum(num_items * heads - cta, 0), num_ctas)
-
-    def item_of(i):
-        idx = cta + i * num_ctas
-        return idx % heads, idx // heads
-
-    return num_iters, item_of
-
-
 def rows_of(ref, row, size, h, d, col: int = 0, cols: int | None = None):
     """[size, d] GMEM window of head h at `row` (ref is [T, H * d]); [size, cols] from its column `col`."""
     if cols is None or cols == d:
@@ -300,7 +284,7 @@ def load_bias_res(
 ):
     """Starts the TMAs of a consumer's resident rows' timestamps and its head's bias tables (each arriving once
     on barrier.at[wg]: bias_copies of them); with thr_tabs, also the time buckets' thresholds (time_ref's row
-    `heads`, gpu.time_thresholds)."""
+    `heads`, gpu_layout.time_thresholds)."""
     if ts_res2 is not None:
         plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
     if time_tabs is not None:

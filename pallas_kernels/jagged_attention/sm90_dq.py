@@ -27,7 +27,6 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     k_free,
     k_tiles,
     load_bias_res,
-    persistent,
     rows_of,
     score_grads,
     tile_bias,
@@ -35,17 +34,8 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     two_products,
     zero_tail,
 )
-from pallas_kernels.jagged_attention.sm90_common import (
-    ALIGN,
-    COL,
-    ROW,
-    TMA_BOX,
-    cast_layout,
-    iota,
-    load_vector,
-    store_rows,
-    time_buckets,
-)
+from pallas_kernels.jagged_attention.sm90_common import ALIGN, TMA_BOX, store_rows, time_buckets
+from pallas_kernels.mosaic_common import COL, ROW, cast_layout, iota, load_vector, persistent
 
 # The bias tables' gradients (dQ kernel): each consumer owns a lane-private histogram per table in shared memory,
 # float32 [rows, LANES] (bucket b of lane l at b * LANES + l), so a warp's adds never meet on one address: a
@@ -99,7 +89,7 @@ RUN_THRESHOLDS = 4
 
 
 def exact_bucket(thr_ref, gap, num_buckets: int):
-    """The time bucket of one scalar gap as the thresholds (gpu.time_thresholds, in shared memory) define it,
+    """The time bucket of one scalar gap as the thresholds (gpu_layout.time_thresholds, in shared memory) define it,
     the reference's exactly: time_buckets' log2 estimate, then one threshold up or down (log2's approximation
     is off by at most one bucket, at an edge)."""
     gap = jnp.maximum(gap, jnp.float32(1.0))

@@ -16,7 +16,7 @@ from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
 # Mosaic GPU tiles a TMA's GMEM array by (8, 64): the Hopper kernels need row starts, and so a token capacity,
-# that are multiples of this (gpu.to_kernel_layout pads the rows when a Mosaic GPU kernel runs)
+# that are multiples of this (gpu_layout.to_kernel_layout pads the rows when a Mosaic GPU kernel runs)
 MOSAIC_ALIGN = 8
 
 

@@ -33,12 +33,12 @@ import numpy as np
 
 from experiments.benchmarks import jagged_calls, shapes
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu, gpu_sm90, gpu_sm90_backward
+from pallas_kernels.jagged_attention import gpu_layout, gpu_sm90, gpu_sm90_backward
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 
 SHAPES = {"u1k": shapes.PEER_N1024, "u4k": shapes.PEER_N4096, "h4k": shapes.HEAVY_TAIL}
-MOSAIC = KernelOptions(hopper_forward=True, hopper_backward=True)
+MOSAIC = KernelOptions()
 # (label, bias on, the parts skipped (KernelOptions.bias_probe) and "+NAME" KernelOptions switched on); the
 # forward has no table gradients
 FORWARD = [
@@ -76,7 +76,7 @@ def _params(shape: shapes.JaggedShape, bias: bool, probe: tuple[str, ...]) -> Ke
     skips = tuple(name for name in probe if not name.startswith("+"))
     options = dataclasses.replace(MOSAIC, bias_probe=skips, **switches)
     params = KernelParams.build(shape.max_seq_len, "silu", shape.head_dim, options=options, **fields)
-    return dataclasses.replace(params, hopper_forward=True, hopper_backward=True)
+    return dataclasses.replace(params, forward_kernel="mosaic", backward_kernel="mosaic")
 
 
 def check(seed: int) -> bool:
@@ -161,7 +161,7 @@ def run(
 
     def layout(params, bias):
         args = (ts, pos, tim) if bias else (None, None, None)
-        return gpu.to_kernel_layout(q, k, v, off, None, *args, params)
+        return gpu_layout.to_kernel_layout(q, k, v, off, None, *args, params)
 
     for direction, variants in (("fwd", FORWARD), ("bwd", BACKWARD)):
         if only not in (None, direction):
@@ -181,7 +181,7 @@ def run(
                 # the shipped forward's residuals (bias_probe does not change them), and each backward kernel
                 # alone: a jit that returns only its outputs (XLA drops the other kernel's call)
                 full = _params(shape, bias, ())
-                fwd = jax.jit(lambda x, p=full: gpu.forward(x, p)[1])
+                fwd = jax.jit(lambda x, p=full: gpu_layout.forward(x, p)[1])
                 res_spec = jax.eval_shape(fwd, layout(full, bias))
                 kernels = {}
                 for kernel, keep in (("dkv", (1, 2)), ("dq", (0, 6, 7))):

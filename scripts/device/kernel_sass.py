@@ -47,18 +47,20 @@ def compile_one(variant: str, kernel: str) -> None:
     import numpy as np
 
     from experiments.benchmarks import shapes
-    from pallas_kernels.jagged_attention import gpu, gpu_sm90, gpu_sm90_backward
+    from pallas_kernels.jagged_attention import gpu_layout, gpu_sm90, gpu_sm90_backward
 
     shape = shapes.JaggedShape(batch=64, max_seq_len=1024, heads=4, head_dim=128)
     bias = variant != "nobias"
     probe = tuple(variant.split("-", 1)[1].split("+")) if "-" in variant else ()
     lengths, q, k, v, do, off, ts, pos, tim = attr._inputs(shape, np.random.default_rng(0))
     params = attr._params(shape, bias, probe)
-    inputs = gpu.to_kernel_layout(q, k, v, off, None, *((ts, pos, tim) if bias else (None,) * 3), params)
+    inputs = gpu_layout.to_kernel_layout(
+        q, k, v, off, None, *((ts, pos, tim) if bias else (None,) * 3), params
+    )
     if kernel == "fwd":
         jax.jit(lambda x: gpu_sm90.forward(x, params)[0]).lower(inputs).compile()
         return
-    residuals = jax.eval_shape(lambda x: gpu.forward(x, params)[1], inputs)
+    residuals = jax.eval_shape(lambda x: gpu_layout.forward(x, params)[1], inputs)
     keep = (1, 2) if kernel == "dkv" else (0, 6, 7)
     f = jax.jit(lambda res, do: [gpu_sm90_backward.backward_mosaic_gpu(res, do, params)[i] for i in keep])
     f.lower(residuals, do).compile()

@@ -148,7 +148,7 @@ esac
   cat "$LOGS/times.txt"
   for f in "$LOGS"/*.log; do
     echo; echo "## $(basename "$f")"
-    grep -h -E 'memory per device|train step: |tables planned again|does not fit| offload |^\||^ +[0-9]+\.[0-9]+  |^  (kernel|backward|reference|triton|mosaic)|implementation=None|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|kernels|: (unfused|norm_gemm)|"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
+    grep -h -E 'memory per device|train step: |tables planned again|does not fit| offload |^\||^ +[0-9]+\.[0-9]+  |^  (kernel|backward|reference|triton|mosaic)|implementation=None|: reference [0-9]|CHECK FAILED|FAIL|WRONG|ROW|failures|Error|"(device_step_s_median|mfu|mfu_nvidia)"|^kernels \(|^  (attention|block attention|layer norm|silu backward fp8|uvqk norm\+gemm): |"(cublas_lt_f8|fp8_pattern|scales_are_arguments)"' "$f" | head -120
   done
 } > "$OUT/$PART.md" 2>&1
 tar czf "$OUT/$PART.tgz" --exclude=trace --exclude="*.prof" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null
