@@ -109,6 +109,8 @@ class Family:
     # KernelOptions.hopper_backward_bias: the Mosaic GPU backward also takes the relative bias (the default;
     # False: such calls run the Triton backward after the Mosaic forward)
     hopper_backward_bias: bool = True
+    # KernelOptions.time_grad_runs: the Mosaic GPU dQ kernel's sorted path for the time gradient (drawn on a GPU)
+    time_grad_runs: bool = False
 
     def __str__(self) -> str:
         bias = [f"pos {self.num_pos}"] * bool(self.num_pos) + [f"time {self.num_time}"] * bool(self.num_time)
@@ -118,6 +120,7 @@ class Family:
             f"window={self.window} bias={'+'.join(bias) or 'none'}"
             + ("" if self.implementation is None else f" implementation={self.implementation}")
             + ("" if self.hopper_backward_bias else " hopper_backward_bias=False")
+            + (" time_grad_runs" if self.time_grad_runs else "")
         )
 
 
@@ -151,6 +154,8 @@ def make_family(seed: int, index: int, platform: str) -> Family:
     # on a GPU, the token capacity's residue mod 8 from a fourth stream: the Mosaic GPU kernels pad T to a
     # multiple of 8 (in interpret mode no kernel cares, and the CPU families stay as they were)
     residue = int(np.random.default_rng([seed, index, 3]).integers(0, 8)) if platform == "gpu" else 0
+    # on a GPU, half the families take the time gradient's sorted path (a fifth stream)
+    runs = platform == "gpu" and bool(np.random.default_rng([seed, index, 4]).random() < 0.5)
     return Family(
         capacity=max(pick("capacity"), n) + residue,
         batch=pick("batch"),
@@ -169,6 +174,7 @@ def make_family(seed: int, index: int, platform: str) -> Family:
         if cover
         else (None if rng.random() < 0.5 else "triton"),
         hopper_backward_bias=backward_bias,
+        time_grad_runs=runs,
     )
 
 
@@ -247,7 +253,9 @@ def _gradient_fn(family: Family, implementation: str | None, interpret: bool = F
             time_bias=tim,
             implementation=implementation or family.implementation,
             interpret=interpret,
-            options=KernelOptions(hopper_backward_bias=family.hopper_backward_bias),
+            options=KernelOptions(
+                hopper_backward_bias=family.hopper_backward_bias, time_grad_runs=family.time_grad_runs
+            ),
         )
         return jnp.sum(out.astype(jnp.float32) * do), out
 

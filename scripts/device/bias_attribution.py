@@ -33,7 +33,7 @@ import numpy as np
 
 from experiments.benchmarks import jagged_calls, shapes
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu_layout, gpu_sm90, gpu_sm90_backward
+from pallas_kernels.jagged_attention import gpu_layout, gpu_sm90, gpu_sm90_backward, jagged_attention
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 
@@ -84,8 +84,6 @@ def check(seed: int) -> bool:
     float32 reference on fresh inputs at a small shape, sorted and unsorted timestamps, with and without
     KernelOptions.time_grad_runs: output and the gradients of q, k, v and both tables, rel. L2 < 1e-2 each and
     finite."""
-    from pallas_kernels.jagged_attention import jagged_attention
-
     rng = np.random.default_rng(seed)
     shape = shapes.JaggedShape(batch=16, max_seq_len=1024, heads=4, head_dim=128)
     ok_all = True
