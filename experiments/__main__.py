@@ -31,6 +31,8 @@ import sys
 import traceback
 from pathlib import Path
 
+import jax
+
 from experiments import data, fuzz, sweep
 from experiments.profile import main as profile_main
 from gem_jax import distributed
@@ -48,8 +50,14 @@ from gem_jax.train.workdir_lock import WorkdirError
 
 # `bench NAME`: its module (whose main(argv) runs it) and what it measures; "GPU" ones need one to time.
 BENCHMARKS = {
-    "attention": ("experiments.benchmarks.attention", "jagged attention kernels, forward and backward (GPU)"),
-    "bias_rows": ("experiments.benchmarks.bias_rows", "building the attention's relative-bias array (GPU)"),
+    "attention": (
+        "experiments.benchmarks.attention",
+        "jagged attention kernels, forward and backward (GPU; --quick: CPU)",
+    ),
+    "bias_rows": (
+        "experiments.benchmarks.bias_rows",
+        "building the attention's relative-bias array (GPU; --quick: CPU)",
+    ),
     "block_attention": ("experiments.benchmarks.block_attention", "the block attention kernel (GPU)"),
     "mosaic_attention": ("experiments.benchmarks.mosaic_attention", "the Hopper forward's tiles (H100/H200)"),
     "train_step": (
@@ -68,11 +76,31 @@ BENCHMARKS = {
         "sparse lookup + row-wise update (GPU; --small: CPU)",
     ),
     "norm": ("experiments.benchmarks.norm", "the fused layer-norm kernels vs XLA's (GPU; --quick: CPU)"),
-    "norm_gemm": ("experiments.benchmarks.norm_gemm", "LN + GEMM + SiLU in one Hopper kernel vs XLA's route"),
+    "norm_gemm": (
+        "experiments.benchmarks.norm_gemm",
+        "LN + GEMM + SiLU in one Hopper kernel vs XLA's route (H100/H200; --quick: CPU)",
+    ),
     "silu_fp8": (
         "experiments.benchmarks.silu_fp8",
         "SiLU's backward with FP8 output vs XLA (GPU; --quick: CPU)",
     ),
+}
+
+
+# The benchmarks that time GPU kernels, and each one's flag for a run on CPU at small sizes (None: it has
+# none and needs a GPU). Without the flag on a CPU they would run the kernels in Pallas's interpreter at
+# full size, for tens of minutes: `bench` refuses instead (`_bench`).
+GPU_BENCHMARKS = {
+    "attention": "--quick",
+    "bias_rows": "--quick",
+    "block_attention": None,
+    "mosaic_attention": None,
+    "fp8": "--small",
+    "fp8_out": "--small",
+    "embeddings": "--small",
+    "norm": "--quick",
+    "norm_gemm": "--quick",
+    "silu_fp8": "--quick",
 }
 
 
@@ -83,8 +111,19 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train (or resume) a run")
-    train.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name})")
+    train = sub.add_parser(
+        "train",
+        help="train (or resume) a run",
+        description="Trains a run, or resumes it from its newest intact checkpoint. Without options: the main "
+        f"job, configs/{DEFAULT_CONFIG.name} into runs/{DEFAULT_CONFIG.stem}. docs/running.md has the run "
+        "directory, the resume rules and every failure's line and exit code.",
+    )
+    train.add_argument(
+        "--config",
+        default=None,
+        help=f"TOML config: a path, or a name in configs/ such as {DEFAULT_CONFIG.name} (default: "
+        f"configs/{DEFAULT_CONFIG.name}, the main job)",
+    )
     train.add_argument("--workdir", default=None, help="run directory (default: runs/<config name>)")
     train.add_argument(
         "--set",
@@ -116,10 +155,26 @@ def _parser() -> argparse.ArgumentParser:
         help="trace global steps A..B-1 with jax.profiler into <workdir>/profile (docs/profiling.md)",
     )
     ev = sub.add_parser(
-        "eval", help="validation metrics of a run's chosen checkpoint (best/), else its latest; reads only"
+        "eval",
+        help="validation metrics of a run's chosen checkpoint (best/), else its latest; reads only",
+        description="Validation metrics of a run's chosen checkpoint (best/), else its newest intact one, with "
+        "the run's recorded config; and the test metrics the run recorded (the test split is never scored "
+        "again). Reads only: it may run beside the trainer.",
     )
-    ev.add_argument("--workdir", required=True)
-    ev.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ev.add_argument(
+        "--workdir",
+        required=True,
+        help="the run directory a `train` wrote: its recorded config.toml, best/ and checkpoints/ are read",
+    )
+    ev.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a key of the recorded config for this evaluation only, e.g. --set train.eval_batches=2 "
+        "or --set data.eval_path=DIR (repeatable; nothing is written)",
+    )
     for p in (train, ev):
         group = p.add_argument_group("multi-process (see gem_jax/distributed.py)")
         group.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
@@ -138,7 +193,9 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="benchmarks (most need a GPU; each: bench NAME --help)",
-        description="Benchmarks; `bench NAME --help` gives each one's options.\n\n"
+        description="Benchmarks; `bench NAME --help` gives each one's options. Those marked GPU or H100/H200 time GPU "
+        "kernels: without a GPU they refuse to run unless given the flag named beside them (a run at small sizes "
+        "that checks they work, not a timing).\n\n"
         + "\n".join(f"  {name:17s} {what}" for name, (_, what) in sorted(BENCHMARKS.items())),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -178,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         return fuzz.main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        return importlib.import_module(BENCHMARKS[args.name][0]).main(args.args)
+        return _bench(args.name, args.args)
     if args.command == "sweep":
         return sweep.run(args)
 
@@ -240,6 +297,25 @@ def main(argv: list[str] | None = None) -> int:
         interrupt.exit_now(1, f"failed with {type(e).__name__}: {first} (the traceback is in {who}'s output)")
     print(_format_summary(summary, task.summary_lines(summary)))
     return 0
+
+
+def _bench(name: str, argv: list[str]) -> int:
+    """Runs `bench NAME`; a GPU benchmark on a machine without a GPU is refused in one line (exit 2) unless
+    it is asked for its small CPU run (or its help)."""
+    if name in GPU_BENCHMARKS and jax.default_backend() == "cpu" and not {"-h", "--help"} & set(argv):
+        flag = GPU_BENCHMARKS[name]
+        if flag is None:
+            print(f"bench {name} times GPU kernels and needs a GPU (jax found only the CPU)", file=sys.stderr)
+            return 2
+        if flag not in argv:
+            print(
+                f"bench {name} times GPU kernels: jax found only the CPU, where the kernels would run in "
+                f"Pallas's interpreter at full size for tens of minutes; add {flag} for a run at small sizes "
+                "(a check that it works, not a timing), or run it on a GPU",
+                file=sys.stderr,
+            )
+            return 2
+    return importlib.import_module(BENCHMARKS[name][0]).main(argv)
 
 
 def _stop(code: int, line: str, *, at_once: bool = False) -> int:

@@ -1,6 +1,6 @@
 """Randomized correctness sweep of the jagged-attention kernel against the float32 reference.
 
-    python -m experiments fuzz attention --seconds 360          (GPU: the Pallas kernel)
+    python -m experiments fuzz attention --seconds 360          (GPU: the Pallas kernels)
     python -m experiments fuzz attention --seconds 60 --max-cases 4   (CPU: the kernel in interpret mode)
     python -m experiments fuzz attention --seed 0 --replay 3:17  (one case again: family 3, case 17)
 
@@ -102,13 +102,15 @@ class Family:
     window: int
     num_pos: int  # 0: no position bias table
     num_time: int  # 0: no time bias table
-    # KernelOptions.hopper_forward: None runs the Mosaic GPU forward on Hopper where it supports the call
-    # (bf16, any T), False the Triton forward; so bf16 families cover both GPU forwards.
-    hopper_forward: bool | None = None
-    # KernelOptions.hopper_backward (None: the Mosaic GPU backward on Hopper where it supports the call) and
-    # hopper_backward_bias (it also takes the relative bias, the default; False: such calls run Triton's)
-    hopper_backward: bool | None = None
+    # The GPU kernels, by name: None runs the default (on Hopper Mosaic GPU where it takes the call, bf16 and any
+    # T, each direction), "triton" the Triton ones; so bf16 families cover both GPU families. The run's
+    # --implementation, when given, names the kernels of every family instead.
+    implementation: str | None = None
+    # KernelOptions.hopper_backward_bias: the Mosaic GPU backward also takes the relative bias (the default;
+    # False: such calls run the Triton backward after the Mosaic forward)
     hopper_backward_bias: bool = True
+    # KernelOptions.time_grad_runs: the Mosaic GPU dQ kernel's sorted path for the time gradient (drawn on a GPU)
+    time_grad_runs: bool = False
 
     def __str__(self) -> str:
         bias = [f"pos {self.num_pos}"] * bool(self.num_pos) + [f"time {self.num_time}"] * bool(self.num_time)
@@ -116,9 +118,9 @@ class Family:
             f"{self.dtype} {self.activation} T={self.capacity} B={self.batch} H={self.heads} "
             f"D={self.dqk}/{self.dv} N={self.max_seq_len} targets={'yes' if self.targets else 'no'} "
             f"window={self.window} bias={'+'.join(bias) or 'none'}"
-            + ("" if self.hopper_forward is None else f" hopper_forward={self.hopper_forward}")
-            + ("" if self.hopper_backward is None else f" hopper_backward={self.hopper_backward}")
+            + ("" if self.implementation is None else f" implementation={self.implementation}")
             + ("" if self.hopper_backward_bias else " hopper_backward_bias=False")
+            + (" time_grad_runs" if self.time_grad_runs else "")
         )
 
 
@@ -145,14 +147,15 @@ def make_family(seed: int, index: int, platform: str) -> Family:
     cover = index < len(COVER)
     num_pos = int(tables.choice([n // 2, n + 17] if cover else [1, 5, n // 2, n + 17]))
     num_time = int(tables.choice([12, 64] if cover else [1, 12, 64]))
-    # the backward's switches from a third stream (the families' other draws stay as they were): the covering
-    # bf16 families 0 and 2 run the Mosaic backward with their bias (after either forward)
+    # the Mosaic backward's bias switch from a third stream (the families' other draws stay as they were): the
+    # covering families take the bias in the Mosaic backward
     backward = np.random.default_rng([seed, index, 2])
-    hopper_backward = None if cover or backward.random() < 0.5 else False
     backward_bias = cover or bool(backward.random() < 0.5)
     # on a GPU, the token capacity's residue mod 8 from a fourth stream: the Mosaic GPU kernels pad T to a
     # multiple of 8 (in interpret mode no kernel cares, and the CPU families stay as they were)
     residue = int(np.random.default_rng([seed, index, 3]).integers(0, 8)) if platform == "gpu" else 0
+    # on a GPU, half the families take the time gradient's sorted path (a fifth stream)
+    runs = platform == "gpu" and bool(np.random.default_rng([seed, index, 4]).random() < 0.5)
     return Family(
         capacity=max(pick("capacity"), n) + residue,
         batch=pick("batch"),
@@ -166,10 +169,12 @@ def make_family(seed: int, index: int, platform: str) -> Family:
         window=int(rng.integers(1, n)) if switches["window"] else 0,
         num_pos=num_pos if switches["pos"] else 0,
         num_time=num_time if switches["time"] else 0,
-        # Covering families 0 and 2 (bf16) take one forward each; the others draw it.
-        hopper_forward=(None, None, False, None)[index] if cover else (None if rng.random() < 0.5 else False),
-        hopper_backward=hopper_backward,
+        # Covering families 0 and 2 (bf16) take one GPU family each; the others draw it.
+        implementation=(None, None, "triton", None)[index]
+        if cover
+        else (None if rng.random() < 0.5 else "triton"),
         hopper_backward_bias=backward_bias,
+        time_grad_runs=runs,
     )
 
 
@@ -229,8 +234,9 @@ def make_case(family: Family, seed: int, index: int, case: int) -> Case:
     )
 
 
-def _gradient_fn(family: Family, implementation: str) -> Callable:
-    """jit of (q, k, v, do, offsets, targets, timestamps, pos, time) -> (out, (dq, dk, dv, dpos, dtime))."""
+def _gradient_fn(family: Family, implementation: str | None, interpret: bool = False) -> Callable:
+    """jit of (q, k, v, do, offsets, targets, timestamps, pos, time) -> (out, (dq, dk, dv, dpos, dtime)) with
+    the named kernels (None: the family's)."""
 
     def loss(q, k, v, pos, tim, do, offsets, targets, timestamps):
         out = jagged_attention(
@@ -245,11 +251,10 @@ def _gradient_fn(family: Family, implementation: str) -> Callable:
             timestamps=timestamps,
             pos_bias=pos,
             time_bias=tim,
-            implementation=implementation,
+            implementation=implementation or family.implementation,
+            interpret=interpret,
             options=KernelOptions(
-                hopper_forward=family.hopper_forward,
-                hopper_backward=family.hopper_backward,
-                hopper_backward_bias=family.hopper_backward_bias,
+                hopper_backward_bias=family.hopper_backward_bias, time_grad_runs=family.time_grad_runs
             ),
         )
         return jnp.sum(out.astype(jnp.float32) * do), out
@@ -420,9 +425,10 @@ def _on_gpu() -> bool:
     return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
-def default_implementation() -> str:
-    """The compiled Pallas kernel on a GPU, the same kernel interpreted elsewhere."""
-    return "pallas" if _on_gpu() else "interpret"
+def default_implementation() -> str | None:
+    """The kernels every family runs unless the run names them: on a GPU each family's (None: as drawn), else
+    Triton's, interpreted."""
+    return None if _on_gpu() else "triton"
 
 
 def fuzz(
@@ -448,7 +454,10 @@ def fuzz(
             family = make_family(seed, index, sizes)
             compiled[index] = (
                 family,
-                (_gradient_fn(family, implementation), _gradient_fn(family, "reference")),
+                (
+                    _gradient_fn(family, implementation, interpret=not _on_gpu()),
+                    _gradient_fn(family, "reference"),
+                ),
             )
             report.families.append(family)
         return compiled[index]
@@ -485,10 +494,12 @@ def fuzz(
     return report
 
 
-def format_report(report: Report, seconds: float, implementation: str) -> str:
+def format_report(report: Report, seconds: float, implementation: str | None) -> str:
+    kernels = "each family's" if implementation is None else repr(implementation)
     lines = [
         f"{report.cases} cases in {seconds:.0f} s over {len(report.families)} families "
-        f"({report.compile_s:.0f} s compiling), kernel implementation={implementation!r}, "
+        f"({report.compile_s:.0f} s compiling), kernel implementation {kernels}"
+        f"{'' if _on_gpu() or implementation == 'reference' else ' (interpret)'}, "
         f"jax {jax.__version__} on {jax.devices()[0].device_kind}",
         "",
         "| check | dtype | worst rel. L2 (whole array) | worst rel. L2 (one sequence) | tolerance |",
@@ -524,7 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--implementation",
         default=None,
-        help='kernel implementation (default: "pallas" on GPU, else "interpret")',
+        help="the kernels of every family (default: on a GPU each family's, the default or Triton; else Triton "
+        "in Pallas's interpreter)",
     )
     parser.add_argument(
         "--sizes", choices=sorted(SIZES), default=None, help="size table (default: by platform)"

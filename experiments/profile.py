@@ -36,6 +36,7 @@ import numpy as np
 from experiments import trace_analysis as ta
 from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
 from gem_jax.config import load_config
+from gem_jax.kernels import kernel_lines
 from gem_jax.tasks import make_task
 from gem_jax.train.flops import device_peak_flops, train_step_flops_by_group
 from gem_jax.train.step import Trainer
@@ -173,6 +174,7 @@ def run_profile(
         "pipeline": pipeline_source(config),
         "pipeline_ms_per_batch": pipeline_s * 1e3,
         "pipeline_batches": timing.timed,
+        "kernels": kernel_lines(config),  # which backend runs each op
         "named_fraction": b.named_fraction,
         "peak_bytes_in_use": stats.get("peak_bytes_in_use"),
         "compiled_peak_bytes": compiled_peak,
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         pipeline_batches=args.pipeline_batches,
         out=args.out,
     )
+    print("\n".join(result.summary["kernels"]))
     print(result.markdown())
     print(f"\nTop {args.top} ops (ms/step, group, scope, kernels):")
     for op in result.breakdown.ops[: args.top]:

@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gem_jax.dtypes import FloatDtype, TableDtype
-from gem_jax.paths import in_repository
-from pallas_kernels.block_attention.block_sizes import BlockSizes
+from gem_jax.kernels import check_kernels
+from gem_jax.paths import config_file
 
 
 class ConfigError(ValueError):
@@ -215,9 +215,12 @@ class EmbeddingConfig:
     # not list in `slow_axes` (when it lists some), else the last data-parallel axis. two_d tables are
     # row-sharded over them and replicated over the others (the slow axes).
     fast_axes: tuple[str, ...] = setting((), may_change=True)
-    # Per-device budget; 0: the device's own limit (16 GiB where unknown).
+    # Device memory per device, in GiB; 0: what the device reports (`bytes_limit` of its memory_stats(): the
+    # memory jax's allocator may use, on GPUs XLA_PYTHON_CLIENT_MEM_FRACTION of the card), 16 GiB where it
+    # reports none (CPU). The train step must fit it whole (gem_jax/train/memory.py).
     device_memory_gib: float = setting(0.0, AT_LEAST_0, may_change=True)
-    # Share of that budget the tables and accumulators may use.
+    # The most of it the tables and accumulators in device memory may use; the planner puts tables in host
+    # memory (`offload`) when they need more, or when the rest of the step leaves them less.
     memory_fraction: float = setting(0.5, Range(0.0, 1.0, low_open=True), may_change=True)
 
     def resolved_tables(self) -> dict[str, TableConfig]:
@@ -257,34 +260,47 @@ class ModelConfig:
     num_layers: int = setting(2, AT_LEAST_1)
     activation: Literal["silu", "softmax"] = "silu"  # "silu": HSTU's
     layer: Literal["hstu", "sasrec"] = "hstu"  # "sasrec": SASRec's block (softmax attention + ReLU FFN)
-    # The same function computed by another kernel, so a run may resume on another (e.g. GPU -> CPU).
-    # "mosaic" / "triton": the GPU kernel family by name (pallas_kernels.jagged_attention.GPU_FAMILIES)
-    attention_implementation: Literal["auto", "reference", "pallas", "interpret", "mosaic", "triton"] = (
-        setting("auto", may_change=True)
+    # Which kernel runs each op, one key per op: "auto", the op's ordered default for the platform (its
+    # api.py DEFAULTS: the first backend that takes the call), or a backend by name (pallas_kernels/
+    # implementations.py), refused when the config loads where it cannot run the model's calls. The same
+    # function whichever runs, so a run may resume on another (e.g. GPU -> CPU). Train, bench and profile print
+    # what runs, one line per op (gem_jax/kernels.py).
+    # Jagged attention; "auto": Mosaic GPU on Hopper where it takes the call (forward and backward each), else
+    # Triton; Triton on other GPUs; the TPU kernel; the reference on CPU.
+    attention_implementation: Literal["auto", "mosaic", "triton", "tpu", "reference"] = setting(
+        "auto", may_change=True
     )
     # GPU kernels: the largest precomputed relative-bias array (H x T x max_seq_len, per layer, kept for the
     # backward) in GiB; 0: the kernels compute the bias (slower backward, no extra memory). The same
     # function either way.
     attention_bias_rows_gib: float = setting(8.0, AT_LEAST_0, may_change=True)
+    # BlockAttention over the older history (model.long_history); "auto": Triton on every GPU, the TPU kernel,
+    # the reference on CPU.
+    block_attention_implementation: Literal["auto", "triton", "tpu", "reference"] = setting(
+        "auto", may_change=True
+    )
     # The HSTU layers' norms (input norm with the residual's gradient, attention-output norm with the gate,
-    # the final norm) as pallas_kernels.layer_norm's fused kernels ("auto": on GPU, the Triton ones, Hopper
-    # included until the Mosaic GPU ones are measured on the H200; "mosaic" / "triton": that GPU family;
-    # "interpret": the Triton ones on CPU) or plain jnp ("reference"); the same function, so a run may resume
-    # on another. With precision.fp8_gemms = "backward" it also picks the kernel of uvqk's SiLU backward
-    # (pallas_kernels.silu_backward_fp8, which has both families too).
-    norm_implementation: Literal["auto", "reference", "pallas", "interpret", "mosaic", "triton"] = setting(
+    # the final norm) as pallas_kernels.layer_norm's fused kernels or plain jnp ("reference"); "auto": on
+    # every GPU the Triton ones where they take the width (Hopper included until the Mosaic GPU ones are
+    # measured on the H200), else the reference; the reference on CPU and TPU.
+    norm_implementation: Literal["auto", "mosaic", "triton", "reference"] = setting("auto", may_change=True)
+    # SiLU's backward writing its gradient in FP8 (pallas_kernels.silu_backward_fp8), where an HSTU layer's
+    # uvqk GEMM runs FP8 with precision.fp8_gemms = "backward"; "auto": Triton on every GPU where its tiles
+    # fit (Hopper included until the Mosaic GPU kernel is measured), else the reference.
+    silu_backward_fp8_implementation: Literal["auto", "mosaic", "triton", "reference"] = setting(
         "auto", may_change=True
     )
     # The HSTU layer's input norm, uvqk GEMM, bias, SiLU and split as one kernel (pallas_kernels.norm_gemm: the
     # norm applied to the GEMM's A tile in shared memory, bias + SiLU + split in its epilogue; its backward's
     # dX GEMM takes SiLU's derivative in). "off", the default (on the H200 both kernels ran slower than XLA,
     # docs/benchmarks.md): the norm kernel, XLA's GEMM, then SiLU. "auto": the Mosaic GPU kernel on Hopper
-    # where its tiles fit the pack, else "off"; "reference" / "pallas" / "interpret" as the other kernel
-    # settings. The same function, so a run may resume on another. Layers whose uvqk GEMM runs FP8, and
-    # model.frequency_mix (which reads the normalised rows), keep the unfused path.
-    uvqk_implementation: Literal["off", "auto", "reference", "pallas", "interpret"] = setting(
-        "off", may_change=True
-    )
+    # where its tiles fit the pack (a float32 residual stream, a 16-bit GEMM), else "off"; "mosaic" /
+    # "reference": that one. Layers whose uvqk GEMM runs FP8, and model.frequency_mix (which reads the
+    # normalised rows), keep the unfused path.
+    uvqk_implementation: Literal["off", "auto", "mosaic", "reference"] = setting("off", may_change=True)
+    # The kernels the keys above name ("mosaic", "triton", "tpu") run in Pallas's interpreter (on CPU: tests);
+    # "auto" and "reference" keys are unaffected.
+    interpret_kernels: bool = setting(False, may_change=True)
     max_attn_len: int = setting(0, AT_LEAST_0)
     num_position_buckets: int = setting(64, AT_LEAST_0)  # 0 disables the relative position bias
     num_time_buckets: int = setting(32, AT_LEAST_0)  # 0 disables the relative time bias
@@ -329,20 +345,13 @@ class ModelConfig:
     time_variant_taps: int = setting(0, AT_LEAST_0)  # 0: the whole retrieval.max_len window
     time_variant_basis: int = setting(32, AT_LEAST_1)  # basis filters the per-position filters are made from
 
-    # The `implementation=` the kernels take for each "auto"/name setting: "auto" is None, the platform's
-    # best (pallas_kernels/implementations.py). Read these, never the raw strings.
-    @property
-    def attention_kernel(self) -> str | None:
-        return None if self.attention_implementation == "auto" else self.attention_implementation
-
-    @property
-    def norm_kernel(self) -> str | None:
-        return None if self.norm_implementation == "auto" else self.norm_implementation
-
-    @property
-    def uvqk_kernel(self) -> str | None:
-        """norm_gemm's `implementation=` for `uvqk_implementation` (not "off")."""
-        return None if self.uvqk_implementation == "auto" else self.uvqk_implementation
+    def kernel(self, op: str) -> tuple[str | None, bool]:
+        """The (implementation=, interpret=) an op's kernel call takes for its key `model.{op}_implementation`
+        ("attention", "block_attention", "norm", "silu_backward_fp8", "uvqk"): "auto" is None, the op's
+        default order; a name runs in Pallas's interpreter where model.interpret_kernels says so. Read this,
+        never the raw strings."""
+        name = getattr(self, f"{op}_implementation")
+        return (None, False) if name == "auto" else (name, self.interpret_kernels and name != "reference")
 
 
 @dataclass(frozen=True)
@@ -439,6 +448,14 @@ class TrainConfig:
     # finished for this long; evaluations and saves are not counted (gem_jax/train/watchdog.py). 0: off.
     stall_timeout_s: float = setting(900.0, AT_LEAST_0, may_change=True)
     first_step_timeout_s: float = setting(3600.0, AT_LEAST_0, may_change=True)  # it compiles the step
+    # JAX's persistent compilation cache (gem_jax/train/compile_cache.py): "auto" ($JAX_COMPILATION_CACHE_DIR
+    # when set, else $XDG_CACHE_HOME/gem-jax/xla, i.e. ~/.cache/gem-jax/xla), "off", or a folder. A second
+    # run of a config on the same machine loads its compiled programs from it instead of compiling again.
+    compilation_cache: str = setting("auto", may_change=True)
+    # Refuse a run whose step does not fit the device's memory (gem_jax/train/memory.py): before compiling
+    # it (an estimate) and after (XLA's own figure). false: no check; a run that does not fit then fails at
+    # its first step.
+    check_memory: bool = setting(True, may_change=True)
 
 
 @dataclass(frozen=True)
@@ -490,7 +507,7 @@ class RetrievalConfig:
     contrastive_pooling: Literal["last", "mean"] = "last"
     # Whether the views are encoded with the model's dropout (CL4SRec's and ICLRec's training mode); false:
     # without (the gradient still flows). At model.dropout 0.5 the dropout noise hides which view is whose
-    # (the InfoNCE stays at chance, docs/results.md, round 4); without it the views are told apart.
+    # (the InfoNCE stays at chance, docs/results.md); without it the views are told apart.
     contrastive_dropout: bool = True
     # ICLRec's intent contrastive loss (Chen et al. 2022): every `intent_every_epochs` epochs (at the epoch's
     # start) every training example is encoded (no dropout, `contrastive_pooling`) and k-means
@@ -724,7 +741,17 @@ def validate(config: Config, source: str) -> Config:
     if d.kind == "interactions":
         _validate_retrieval(config, source)
     _validate_records(config, source)
+    _validate_kernels(config, source)
     return config
+
+
+def _validate_kernels(config: Config, source: str) -> None:
+    """Every op's kernel setting can run the model's calls: a named backend that does not take them, or an
+    "auto" whose default order has none that does on some platform, is refused here, not at the first step."""
+    try:
+        check_kernels(config)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _validate_records(config: Config, source: str) -> None:
@@ -794,14 +821,6 @@ def _validate_long_history(config: Config, source: str) -> None:
             f"{source}: `model.attention_dropout` ({m.attention_dropout}) is not implemented for "
             "`model.long_history = true` (it needs the padded attention; histories there are long)"
         )
-    if m.attention_implementation != "reference":  # the kernels' own limit, asked of them
-        try:
-            BlockSizes.get_default("gpu", block_size=m.block_size)
-        except ValueError as e:
-            raise ConfigError(
-                f"{source}: `model.block_size` ({m.block_size}) does not fit the Pallas BlockAttention "
-                f"kernel (attention_implementation={m.attention_implementation!r}): {e}"
-            ) from None
     if m.pyramid:
         if len(m.pyramid) != m.num_layers:
             raise ConfigError(
@@ -1011,24 +1030,61 @@ def _validate_retrieval(config: Config, source: str) -> None:
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
     """Loads a TOML file (or the defaults when `path` is None) and applies `key.sub=value` overrides."""
+    return _load(path, (), overrides, renamed={})
+
+
+# Values a run may have recorded that the keys no longer take, each with the value that computes the same
+# function: "pallas" (the platform's kernel) and "interpret" (a kernel in Pallas's interpreter) before every
+# kernel op took its backends' names. These keys may change on resume, so a recorded run reads them as "auto".
+RECORDED_RENAMES = {
+    f"model.{key}": {"pallas": "auto", "interpret": "auto"}
+    for key in ("attention_implementation", "norm_implementation", "uvqk_implementation")
+}
+
+
+def load_recorded_config(
+    path: str | Path, changes: Sequence[str] = (), overrides: Sequence[str] = ()
+) -> Config:
+    """load_config for a run directory's recorded config.toml, then the changes its last resume recorded and
+    `overrides` (all `key.sub=value`): in the file and the changes, values of RECORDED_RENAMES read as their
+    new names."""
+    return _load(path, changes, overrides, renamed=RECORDED_RENAMES)
+
+
+def _rename(key_path: list[str], value: Any, renamed: dict[str, dict[str, str]]) -> Any:
+    return renamed.get(".".join(key_path), {}).get(value, value) if isinstance(value, str) else value
+
+
+def _load(
+    path: str | Path | None,
+    changes: Sequence[str],
+    overrides: Sequence[str],
+    renamed: dict[str, dict[str, str]],
+) -> Config:
+    """The config of a TOML file (None: the defaults), then `changes` and `overrides` (`key.sub=value`); values
+    `renamed` names, in the file and the changes, read as their new ones."""
     values: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         source = str(path)
         try:
-            with open(in_repository(path), "rb") as f:
+            with open(config_file(path), "rb") as f:
                 values = tomllib.load(f)
         except FileNotFoundError:
-            tried = "" if Path(path).is_absolute() else f" (also tried {in_repository(path)})"
+            tried = "" if Path(path).is_absolute() else f" (also tried {config_file(path)})"
             raise ConfigError(f"config file not found: {path}{tried}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    for key in renamed:
+        section, name = key.split(".")
+        if isinstance(values.get(section), dict) and name in values[section]:
+            values[section][name] = _rename([section, name], values[section][name], renamed)
     config = _build(Config, values, "", source)
-    if overrides:
+    if changes or overrides:
         update: dict[str, Any] = {}
-        for text in overrides:
+        for i, text in enumerate([*changes, *overrides]):
             key_path, value = parse_override(text)
-            _set_path(update, key_path, value)
+            _set_path(update, key_path, _rename(key_path, value, renamed) if i < len(changes) else value)
         merged = _merge(config.to_dict(), update)
         config = _build(Config, merged, "", f"{source} with --set overrides")
         source = f"{source} with --set overrides"

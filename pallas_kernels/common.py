@@ -15,16 +15,6 @@ from jax import lax
 MASKED = -1e30
 
 
-NUM_SMS = 132  # H100/H200 SXM: the Hopper kernels' persistent grid
-
-
-def is_hopper() -> bool:
-    """Whether jax's default device is a Hopper GPU (compute capability 9.x: H100, H200); here, not in the
-    Mosaic GPU modules, so that choosing a kernel does not import Mosaic GPU on CPU."""
-    device = jax.devices()[0]
-    return device.platform == "gpu" and str(getattr(device, "compute_capability", "")).startswith("9")
-
-
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) of static non-negative ints."""
     return -(-a // b)

@@ -23,6 +23,29 @@ from gem_jax.precision import PrecisionPolicy
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@contextlib.contextmanager
+def on_platform(name: str):
+    """implementation=None picks as on `name` (one of implementations.PLATFORMS, e.g. "hopper"): the kernels
+    are then lowered for it here, not run. The jitted entry points' traces are dropped before and after, so
+    none made on this CPU is reused, nor one made here afterwards."""
+    from unittest import mock
+
+    from pallas_kernels import implementations
+    from pallas_kernels.block_attention import block_attention
+    from pallas_kernels.jagged_attention import jagged_attention
+
+    def clear():
+        jagged_attention.clear_cache()
+        block_attention.clear_cache()
+
+    clear()
+    try:
+        with mock.patch.object(implementations, "this_platform", lambda interpret=False: name):
+            yield
+    finally:
+        clear()
+
+
 def public_data_file(name: str) -> Path | None:
     """A public data file or folder (README, "Public data": e.g. "sasrec/Games.txt"), or None where no copy is here.
 

@@ -1,4 +1,4 @@
-"""`bench attention --preset`: issue 47's table on CPU at --quick sizes (the Triton kernels in interpret mode,
+"""`bench attention --preset`: the preset table on CPU at --quick sizes (the Triton kernels in interpret mode,
 the rest n/a), and its correctness check refusing a wrong implementation."""
 
 import contextlib

@@ -69,7 +69,7 @@ def test_bench_train_step_times_the_pipeline_after_every_workers_first_batch(mon
 
 @pytest.mark.slow
 def test_bench_bias_rows_checks_each_build_against_the_shipped_one(capsys):
-    """`bench bias_rows --quick` on CPU: every formulation that is not a bound equals gpu.bias_rows, and the
+    """`bench bias_rows --quick` on CPU: every formulation that is not a bound equals gpu_layout.bias_rows, and the
     forward runs with and without bias_rows."""
     from experiments.benchmarks import bias_rows
 

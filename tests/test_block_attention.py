@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from experiments.benchmarks import shapes
-from pallas_kernels.block_attention import block_attention, reference
+from pallas_kernels.block_attention import block_attention, kernels_in_use, reference
 from pallas_kernels.block_attention import block_table as table_lib
 
 
@@ -97,7 +97,7 @@ def _lengths_for(block_size):
 
 
 class _KernelTest:
-    IMPLEMENTATION: str = ""
+    IMPLEMENTATION: str = ""  # run in Pallas's interpreter
     BLOCK_SIZES = (16, 64, 128)
 
     def _check(
@@ -124,7 +124,15 @@ class _KernelTest:
 
         def run(impl):
             return lambda q, k, v: block_attention(
-                q, k, v, offsets, block_size=block_size, causal=causal, alpha=alpha, implementation=impl
+                q,
+                k,
+                v,
+                offsets,
+                block_size=block_size,
+                causal=causal,
+                alpha=alpha,
+                implementation=impl,
+                interpret=impl != "reference",
             )
 
         out, vjp = jax.vjp(run(self.IMPLEMENTATION), q, k, v)
@@ -162,16 +170,14 @@ class _KernelTest:
 
 
 class TestGpuInterpret(_KernelTest):
-    IMPLEMENTATION = "gpu_interpret"
+    IMPLEMENTATION = "triton"
 
 
 class TestTpuInterpret(_KernelTest):
-    IMPLEMENTATION = "tpu_interpret"
+    IMPLEMENTATION = "tpu"
 
 
-@pytest.mark.parametrize(
-    "implementation", ["gpu_interpret", pytest.param("tpu_interpret", marks=pytest.mark.slow)]
-)
+@pytest.mark.parametrize("implementation", ["triton", pytest.param("tpu", marks=pytest.mark.slow)])
 @hypothesis.settings(max_examples=3, deadline=None)
 @hypothesis.given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
@@ -180,20 +186,21 @@ class TestTpuInterpret(_KernelTest):
 )
 def test_random_lengths(implementation, lengths, spare, causal):
     hypothesis.assume(sum(lengths) + spare > 0)
-    test = TestGpuInterpret() if implementation == "gpu_interpret" else TestTpuInterpret()
+    test = TestGpuInterpret() if implementation == "triton" else TestTpuInterpret()
     test._check(
         lengths, 16, causal, jnp.float32, spare=spare, heads=1, dqk=16, dv=16, seed=sum(lengths) + spare
     )
 
 
 def test_interpret_is_a_kernel_on_cpu():
-    # "interpret" must run a kernel, not silently the reference: jaxprs differ.
+    # interpret=True with the default order must run a kernel (the GPU's, Triton), not silently the reference:
+    # jaxprs differ.
     q = jnp.ones((8, 1, 16))
     off = jnp.array([0, 8], jnp.int32)
-    jaxpr = str(
-        jax.make_jaxpr(lambda q: block_attention(q, q, q, off, block_size=16, implementation="interpret"))(q)
-    )
+    jaxpr = str(jax.make_jaxpr(lambda q: block_attention(q, q, q, off, block_size=16, interpret=True))(q))
     assert "pallas_call" in jaxpr
+    assert kernels_in_use(16, None, interpret=True) == "triton (interpret)"
+    assert kernels_in_use(16, None) == "reference"
 
 
 # --- validation ------------------------------------------------------------------------
@@ -207,8 +214,10 @@ def test_interpret_is_a_kernel_on_cpu():
         (dict(offsets=jnp.zeros((2, 2), jnp.int32)), "offsets must be"),
         (dict(offsets=jnp.zeros((3,), jnp.float32)), "integer"),
         (dict(block_size=0), "block_size must be a positive int, got 0"),
-        (dict(implementation="cuda"), "implementation must be one of"),
-        (dict(block_size=256, implementation="interpret"), "block_size=256"),
+        (dict(implementation="cuda"), "implementation must be None or one of"),
+        (dict(implementation="mosaic"), "implementation must be None or one of"),
+        (dict(block_size=256, implementation="triton", interpret=True), "block_size=256"),
+        (dict(block_size=256, interpret=True), "no backend of the gpu default order"),
     ],
 )
 def test_validation_names_the_bad_value(bad, message):
@@ -228,7 +237,8 @@ def test_validation_names_the_bad_value(bad, message):
         unchecked(args["q"], args["k"], args["v"], args["offsets"], **kwargs)
 
 
-def test_pallas_on_cpu_is_a_clear_error():
+def test_the_old_aliases_are_clear_errors():
     q = jnp.zeros((8, 1, 16))
-    with pytest.raises(ValueError, match="needs a GPU or TPU"):
-        block_attention(q, q, q, jnp.array([0, 8], jnp.int32), implementation="pallas")
+    for old in ("pallas", "gpu", "interpret", "gpu_interpret"):
+        with pytest.raises(ValueError, match=r"must be None or one of \('triton', 'tpu', 'reference'\)"):
+            block_attention(q, q, q, jnp.array([0, 8], jnp.int32), implementation=old)

@@ -4,12 +4,13 @@ lines of their own, and re-running a finished run says so with its metrics and t
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import re
 
 import pytest
 
-from experiments.__main__ import BENCHMARKS, _format_summary, _parser, main
+from experiments.__main__ import BENCHMARKS, GPU_BENCHMARKS, _format_summary, _parser, main
 from gem_jax.config import ConfigError, load_config
 from gem_jax.data.records.schema import ShardSet
 from gem_jax.tasks import make_task
@@ -62,6 +63,21 @@ def test_log_file_keeps_messages_off_the_progress_bars_line(finished_run):
     bars = [line for line in lines if "train:" in line]
     assert all(line.split("\r")[-1].startswith("train:") for line in bars), bars  # nothing after a bar
     assert "100%" in bars[-1].split("\r")[-1]  # the closed bar's last state ends its own line
+
+
+def test_train_names_the_backend_that_runs_each_op(finished_run):
+    """One line per op at start-up, each naming its backend and the key that decides it."""
+    from gem_jax.kernels import LABELS, OPS
+
+    _, _, _, log = finished_run
+    assert "kernels (jax " in log
+    for op in OPS:
+        assert log.count(f"  {LABELS[op]}: ") == 1, op
+    assert (
+        "  attention: forward reference, backward reference (model.attention_implementation = 'reference')"
+        in log
+    )
+    assert "  layer norm: reference (model.norm_implementation = 'auto')" in log
 
 
 def test_rerunning_a_finished_run_says_so_with_its_metrics_and_total_time(finished_run):
@@ -125,6 +141,44 @@ def test_bench_and_fuzz_help_say_what_each_does(capsys):
         main(["fuzz", "--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: python -m experiments fuzz") and "--seconds" in out and "--replay" in out
+
+
+def test_train_and_eval_help_describe_every_option_and_the_default_config_resolves_as_named(capsys):
+    for command in ("train", "eval"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        lines = capsys.readouterr().out.splitlines()
+        for i, line in enumerate(lines):
+            option = re.match(r"^  (--[a-z-]+)(?: [A-Z_:=]+)?(?:  +(\S.*))?$", line)
+            if option is None or option.group(1) in ("--num-processes", "--process-id"):
+                continue  # those two: the multi-process group's title says what they are
+            below = lines[i + 1] if i + 1 < len(lines) else ""
+            described = option.group(2) or re.match(r"^ {20,}\S", below)
+            assert described, f"{command} --help: {option.group(1)} has no description"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    default = re.search(r"default: configs/(\S+?), the main job", out).group(1)
+    assert load_config(default) == load_config(f"configs/{default}")  # the name the help gives works as given
+    assert load_config(default.removesuffix(".toml")) == load_config(f"configs/{default}")
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("nope.toml")
+
+
+def test_gpu_benchmarks_on_cpu_refuse_in_one_line_unless_asked_for_their_small_run(capsys, monkeypatch):
+    ran = []
+    for name, flag in GPU_BENCHMARKS.items():
+        module = importlib.import_module(BENCHMARKS[name][0])
+        monkeypatch.setattr(module, "main", lambda argv, name=name: ran.append((name, argv)) or 0)
+        assert main(["bench", name]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"bench {name} times GPU kernels"), err
+        assert (flag or "needs a GPU") in err[0]
+        if flag is not None:
+            assert main(["bench", name, flag]) == 0
+            assert f"{flag}: CPU" in BENCHMARKS[name][1]  # `bench --help` names the flag
+    assert ran == [(n, [f]) for n, f in GPU_BENCHMARKS.items() if f is not None]
+    assert not set(GPU_BENCHMARKS) & {"train_step", "pipeline", "balance"}  # these time the CPU's own work
 
 
 def test_the_ranking_summary_shows_the_chosen_checkpoint_and_the_test_split():

@@ -170,9 +170,14 @@ def test_every_choice_is_refused_naming_key_allowed_values_and_file(tmp_path):
             "data": '\npath = "x"',
             "model.sequence_mixer": '\n[data]\nkind = "interactions"\npath = "x"',
         }
+        # A kernel named for the model's calls must take them (the Mosaic GPU kernels' head dims and tiles).
+        context |= {
+            ("model.attention_implementation", "mosaic"): "\nattention_dim = 64\nvalue_dim = 64",
+            ("model.uvqk_implementation", "mosaic"): "\nmodel_dim = 256\nattention_dim = 64\nvalue_dim = 64",
+        }
         for value in ("bogus", *allowed):
             text = json.dumps(value)  # a TOML string, or true / false for a boolean choice
-            extra = context.get(section, "") + context.get(key, "")
+            extra = context.get((key, value), context.get(section, "")) + context.get(key, "")
             config.write_text(f"[{section}]\n{name} = {text}{extra}\n")
             if value in allowed:
                 assert getattr(load_config(config), key.split(".")[0]) is not None
@@ -240,6 +245,60 @@ def test_each_range_rejects_the_values_just_outside_it():
                 load_config(None, [_override(key, text)])
 
 
+# ----------------------------------------------------------------------------- kernel settings
+
+
+def test_old_kernel_names_are_refused_naming_the_new_ones():
+    for key in ("attention_implementation", "norm_implementation"):
+        with pytest.raises(ConfigError, match=rf"`model.{key}` must be one of \('auto', 'mosaic', 'triton'"):
+            load_config(None, [f'model.{key}="pallas"'])
+    with pytest.raises(ConfigError, match=r"must be one of \('off', 'auto', 'mosaic', 'reference'\)"):
+        load_config(None, ['model.uvqk_implementation="interpret"'])
+
+
+def test_a_kernel_that_cannot_run_the_models_calls_is_refused_at_load():
+    """The Mosaic GPU attention takes head dims 64, 128 and 256 (the default config's are 32), the Triton layer
+    norm powers of two; "auto" always finds one that runs, and an unused op's setting is not asked."""
+    with pytest.raises(
+        ConfigError, match=r"`model.attention_implementation = 'mosaic'`: .*Mosaic GPU forward"
+    ):
+        load_config(None, ["model.attention_implementation=mosaic"])
+    load_config(
+        None, ["model.attention_implementation=mosaic", "model.attention_dim=64", "model.value_dim=64"]
+    )
+    with pytest.raises(ConfigError, match=r"`model.norm_implementation = 'triton'`: .*width 96"):
+        load_config(None, ["model.norm_implementation=triton", "model.model_dim=96"])
+    load_config(None, ["model.norm_implementation=auto", "model.model_dim=96"])
+    load_config(None, ["model.silu_backward_fp8_implementation=mosaic"])  # no FP8 backward: not called
+    message = str(
+        pytest.raises(ConfigError, load_config, None, ["model.attention_implementation=mosaic"]).value
+    )
+    assert "\n" not in message and message.startswith("defaults with --set overrides: "), message
+
+
+def test_a_recorded_run_reads_the_old_kernel_names_as_auto(tmp_path):
+    """A run recorded before the kernels took their backends' names resumes: its "pallas" and "interpret"
+    (config.toml, or a change its last resume recorded) read as "auto", which computes the same function; a new
+    config or override with them is refused."""
+    from gem_jax.config import load_recorded_config
+    from gem_jax.train.run_record import RunRecord
+
+    path = tmp_path / "config.toml"
+    path.write_text(
+        '[model]\nattention_implementation = "interpret"\nnorm_implementation = "pallas"\n'
+        'uvqk_implementation = "pallas"\n'
+    )
+    m = load_recorded_config(path).model
+    assert (m.attention_implementation, m.norm_implementation, m.uvqk_implementation) == ("auto",) * 3
+    assert RunRecord(tmp_path).recorded_config().model == m
+    changed = load_recorded_config(path, ['model.norm_implementation="interpret"'], ["train.steps=5"])
+    assert changed.model.norm_implementation == "auto" and changed.train.steps == 5
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="must be one of"):
+        load_recorded_config(path, [], ['model.norm_implementation="interpret"'])
+
+
 # ----------------------------------------------------------------------------- resume rules
 
 
@@ -253,7 +312,7 @@ def test_resume_rules_come_from_the_fields():
     # docs/running.md lists exactly these keys.
     doc = (ROOT / "docs" / "running.md").read_text()
     listed = doc[doc.index("It may change only") : doc.index("These keys carry")]
-    assert set(re.findall(r"`([a-z_]+\.[a-z_.*]+)`", listed)) == set(MAY_CHANGE)
+    assert set(re.findall(r"`([a-z_]+\.[a-z0-9_.*]+)`", listed)) == set(MAY_CHANGE)
     # The synthetic data's fingerprint: generator settings in, batching and file settings out.
     base = data_fingerprint(Config())
     for key in ("data.num_workers=2", "data.examples_per_shard=8", "data.eval_examples=7", "data.path=x"):

@@ -226,8 +226,8 @@ def test_fp8_dense_matches_bf16_within_format_precision(recipe):
 _WIDTHS = (32, 32, 32, 32)  # SiLU's output split as HSTU splits U, V, Q, K
 
 
-def _silu_split(layer, x, implementation=None):
-    return layer.silu_split(x, _WIDTHS, implementation=implementation)
+def _silu_split(layer, x, implementation=None, interpret=False):
+    return layer.silu_split(x, _WIDTHS, implementation=implementation, interpret=interpret)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +235,7 @@ def _silu_split(layer, x, implementation=None):
     [
         pytest.param(lambda layer, x: (layer(x),), id="dense"),
         pytest.param(lambda layer, x: _silu_split(layer, x, "reference"), id="silu-reference"),
-        pytest.param(lambda layer, x: _silu_split(layer, x, "interpret"), id="silu-kernel"),
+        pytest.param(lambda layer, x: _silu_split(layer, x, "triton", interpret=True), id="silu-kernel"),
     ],
 )
 def test_backward_only_fp8_matches_within_format_precision(call):

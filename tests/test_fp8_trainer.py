@@ -34,7 +34,12 @@ def _state(workdir: Path, config):
 
 
 # Only the backward GEMMs in FP8, HSTU's gradient quantised in the SiLU-backward kernel (interpret mode).
-BACKWARD = ("precision.fp8_gemms=backward", "model.norm_implementation=interpret")
+BACKWARD = (
+    "precision.fp8_gemms=backward",
+    "model.norm_implementation=triton",
+    "model.silu_backward_fp8_implementation=triton",
+    "model.interpret_kernels=true",
+)
 
 
 @pytest.mark.slow

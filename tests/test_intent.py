@@ -1,4 +1,4 @@
-"""ICLRec's intent contrastive loss and the contrastive options (docs/results.md, round 4): k-means finds planted
+"""ICLRec's intent contrastive loss and the contrastive options (docs/results.md): k-means finds planted
 clusters, the de-noised InfoNCE against a direct computation, mean pooling, the centroids are computed
 at epoch starts only (and a resumed run recomputes the same ones), the loss wiring, and the new keys'
 validation."""

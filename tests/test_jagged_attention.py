@@ -25,6 +25,14 @@ CAPACITY = shapes.SMALL_CAPACITY  # token capacity; > offsets[B] in every case b
 LENGTHS = list(shapes.SMALL_LENGTHS)  # empty, length 1, not multiples of the tile, full
 
 
+REFERENCE = ("reference", False)
+
+
+def _kernel(kernel: tuple[str, bool]) -> dict:
+    """jagged_attention's keywords for a test's (implementation, interpret)."""
+    return dict(implementation=kernel[0], interpret=kernel[1])
+
+
 def _offsets(lengths):
     return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
 
@@ -51,7 +59,7 @@ def _rel(a, b):
 
 
 class _Base:
-    IMPLEMENTATION: str
+    KERNEL: tuple[str, bool]  # (implementation, interpret)
     BIAS = True  # backend supports pos_bias/time_bias
 
     def _case(
@@ -85,7 +93,7 @@ class _Base:
 
         def loss(impl, q, k, v, *tabs):
             extra = dict(zip(("pos_bias", "time_bias"), tabs))
-            o = jagged_attention(q, k, v, offsets, implementation=impl, **kw, **extra)
+            o = jagged_attention(q, k, v, offsets, **_kernel(impl), **kw, **extra)
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
         argnums = tuple(range(1, 4 + len(tables)))
@@ -93,12 +101,12 @@ class _Base:
         if grads:
             (got_g, got), (want_g, want) = (
                 jax.grad(loss, argnums=argnums, has_aux=True)(impl, *xs, *tables)
-                for impl, xs in ((self.IMPLEMENTATION, (q, k, v)), ("reference", f32))
+                for impl, xs in ((self.KERNEL, (q, k, v)), (REFERENCE, f32))
             )
         else:
             got, want, got_g, want_g = (
-                loss(self.IMPLEMENTATION, q, k, v, *tables)[1],
-                loss("reference", *f32, *tables)[1],
+                loss(self.KERNEL, q, k, v, *tables)[1],
+                loss(REFERENCE, *f32, *tables)[1],
                 (),
                 (),
             )
@@ -107,7 +115,7 @@ class _Base:
         assert not np.asarray(got[int(offsets[-1]) :]).any(), "rows past offsets[B] must be zero"
         for name, a, b in zip(["out", "dq", "dk", "dv", "dpos", "dtime"], (got, *got_g), (want, *want_g)):
             err = _rel(a, b)
-            assert err < tol, f"{self.IMPLEMENTATION} {activation} {name}: rel err {err:.2e} >= {tol}"
+            assert err < tol, f"{self.KERNEL} {activation} {name}: rel err {err:.2e} >= {tol}"
 
     @pytest.mark.parametrize("activation", ["silu", pytest.param("softmax", marks=pytest.mark.slow)])
     def test_plain_float32(self, activation):
@@ -126,7 +134,7 @@ class _Base:
         lengths = [40, 25]
         offsets = jnp.asarray(_offsets(lengths))
         q, k, v = (jnp.asarray(rng.standard_normal((CAPACITY, H, D)), jnp.float32) for _ in range(3))
-        kw = dict(max_seq_len=N, num_targets=jnp.array([3, 2], jnp.int32), implementation=self.IMPLEMENTATION)
+        kw = dict(max_seq_len=N, num_targets=jnp.array([3, 2], jnp.int32), **_kernel(self.KERNEL))
         changed = 38  # a target of sequence 0 (targets are rows 37, 38, 39)
         k2 = k.at[changed].add(1.0)
         v2 = v.at[changed].add(1.0)
@@ -203,7 +211,7 @@ def _with_excess_precision(fn):
 
 
 class TestInterpretGPU(_Base):
-    IMPLEMENTATION = "gpu_interpret"
+    KERNEL = ("triton", True)
 
     def test_position_gather_variant(self):
         # KernelOptions(pos_expanded=False), a benchmark variant: a per-cell gather of the position table
@@ -258,7 +266,7 @@ class TestInterpretGPU(_Base):
         offsets = jnp.asarray(_offsets(LENGTHS))
         ts = jnp.zeros((CAPACITY,), jnp.int32)
         tables = (jnp.zeros((H, 24), jnp.float32), jnp.zeros((H, 30), jnp.float32))
-        kw = dict(max_seq_len=N, implementation=self.IMPLEMENTATION, block_sizes=blocks, options=options)
+        kw = dict(max_seq_len=N, **_kernel(self.KERNEL), block_sizes=blocks, options=options)
 
         def loss(q, pos, time):
             return jnp.sum(
@@ -270,7 +278,7 @@ class TestInterpretGPU(_Base):
 
     def test_bias_rows_is_the_reference_bias(self):
         # bias_rows[h, i, j] for row i of sequence b and column j < len_b: the reference's bias of (i, j)
-        from pallas_kernels.jagged_attention import gpu
+        from pallas_kernels.jagged_attention import gpu_layout
         from pallas_kernels.jagged_attention.params import KernelParams
 
         rng = np.random.default_rng(12)
@@ -292,7 +300,7 @@ class TestInterpretGPU(_Base):
             bias_rows=True,
         )
         zeros = jnp.zeros((CAPACITY, H, D))
-        inputs = gpu.to_kernel_layout(
+        inputs = gpu_layout.to_kernel_layout(
             zeros,
             zeros,
             zeros,
@@ -304,7 +312,7 @@ class TestInterpretGPU(_Base):
             params,
         )
         offsets_in, ts_in, pos_in, time_in = inputs[3], inputs[5], inputs[6], inputs[7]
-        got = gpu.bias_rows(
+        got = gpu_layout.bias_rows(
             offsets_in, ts_in, pos_in, time_in, params, total_rows=CAPACITY, heads=H, dtype=jnp.float32
         )
         got = np.asarray(got)
@@ -333,7 +341,7 @@ class TestInterpretGPU(_Base):
             def loss(q, k, v, tb):
                 o = jagged_attention(
                     q, k, v, offsets, max_seq_len=N, activation="softmax", num_targets=targets,
-                    max_attn_len=20, timestamps=ts, time_bias=tb, implementation=impl,
+                    max_attn_len=20, timestamps=ts, time_bias=tb, **_kernel(impl),
                 )  # fmt: skip
                 return jnp.sum(o.astype(jnp.float32) * do)
 
@@ -342,8 +350,8 @@ class TestInterpretGPU(_Base):
         f32 = [x.astype(jnp.float32) for x in (q, k, v)]
         # every sequence all targets (more targets than rows too): the reference's dq, dk, dtime are exactly 0
         all_targets = jnp.asarray([0, 1, 60, 44, 2], jnp.int32)
-        got = _with_excess_precision(functools.partial(grads, self.IMPLEMENTATION, all_targets))(q, k, v)
-        want = grads("reference", all_targets, *f32)
+        got = _with_excess_precision(functools.partial(grads, self.KERNEL, all_targets))(q, k, v)
+        want = grads(REFERENCE, all_targets, *f32)
         scale = np.linalg.norm(np.asarray(want[2]))  # dv: the size of a gradient here
         for name, a, b in zip(("dq", "dk", "dtime"), (got[0], got[1], got[3]), (want[0], want[1], want[3])):
             assert not np.asarray(b).any()
@@ -354,15 +362,15 @@ class TestInterpretGPU(_Base):
         assert _rel(got[2], want[2]) < 1e-2
         # and a mix of histories and targets, against the reference at the bf16 tolerance
         mixed = jnp.asarray([0, 0, 3, 41, 1], jnp.int32)
-        got = _with_excess_precision(functools.partial(grads, self.IMPLEMENTATION, mixed))(q, k, v)
-        want = grads("reference", mixed, *f32)
+        got = _with_excess_precision(functools.partial(grads, self.KERNEL, mixed))(q, k, v)
+        want = grads(REFERENCE, mixed, *f32)
         for name, a, b in zip(("dq", "dk", "dv", "dtime"), got, want):
             assert _rel(a, b) < 1e-2, f"{name}: rel err {_rel(a, b):.2e}"
 
 
 @pytest.mark.slow
 class TestInterpretTPU(_Base):
-    IMPLEMENTATION = "tpu_interpret"
+    KERNEL = ("tpu", True)
 
     # XLA's excess-precision rewrite is not GPU-only. The TPU backward widens dO after tiling it (a gather
     # between the two converts), so the rewrite finds no round trip there and this passes with the delta
@@ -390,14 +398,14 @@ class TestInterpretTPU(_Base):
                     offsets,
                     max_seq_len=N,
                     activation="silu",
-                    implementation=impl,
+                    **_kernel(impl),
                     **{**extra, table: tab},
                 )
                 return jnp.sum(o * v), o
 
             (got_g, got), (want_g, want) = (
                 jax.grad(loss, argnums=(1, 2), has_aux=True)(impl, q, extra[table])
-                for impl in (self.IMPLEMENTATION, "reference")
+                for impl in (self.KERNEL, REFERENCE)
             )
             for name, a, b in zip(("out", "dq", "d" + table), (got, *got_g), (want, *want_g)):
                 assert _rel(a, b) < 1e-4, f"{table} {name}: rel err {_rel(a, b):.2e}"
@@ -441,7 +449,7 @@ def test_random_lengths_forward(backend, lengths):
 def test_time_thresholds_reproduce_reference_buckets(num_time):
     # the GPU kernels find a cell's time bucket by comparing float32(max(dt, 1)) against these thresholds (no
     # per-cell log): it must equal the reference's bucket for every delta, at and beside each threshold too
-    from pallas_kernels.jagged_attention.gpu import time_thresholds
+    from pallas_kernels.jagged_attention.gpu_layout import time_thresholds
     from pallas_kernels.jagged_attention.reference import time_buckets
 
     width = max(16, 1 << (num_time - 1).bit_length())

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.implementations import default_implementation
 from pallas_kernels.jagged_attention import jagged_attention
 
 
@@ -92,10 +91,3 @@ def test_bad_arguments_name_the_value():
         unchecked(x, x, x, off, max_seq_len=4, time_bias=jnp.zeros((2, 3)))
     with pytest.raises(ValueError, match=r"\(3,\)"):
         unchecked(x, x, x, off, max_seq_len=4, num_targets=jnp.zeros((3,), jnp.int32))
-
-
-def test_default_implementation_per_platform():
-    assert default_implementation("cpu") == "reference"
-    assert default_implementation("gpu") == "gpu"
-    assert default_implementation("tpu") == "tpu"
-    assert default_implementation() == "reference"  # tests run on CPU

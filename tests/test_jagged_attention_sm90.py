@@ -1,5 +1,5 @@
-"""The Hopper (Mosaic GPU) jagged attention forward (pallas_kernels/jagged_attention/gpu_sm90.py): the GPU
-backend's choice of forward, lowering for several configs, and GPU interpret mode vs reference.
+"""The Hopper (Mosaic GPU) jagged attention forward (pallas_kernels/jagged_attention/gpu_sm90.py): the forward
+the GPU backend runs by default and by name, lowering for several configs, and GPU interpret mode vs reference.
 
 Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
 primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from experiments.benchmarks import shapes
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
-from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
+from tests.helpers import on_platform
 
 
 def _static(n, activation, d=128, **kw):
@@ -26,7 +26,7 @@ def _static(n, activation, d=128, **kw):
 
 
 def _tables(b, h, t, num_pos=16, num_time=8):
-    """gpu.to_kernel_layout's (targets, ts, pos_tab, time_tab) inputs: random timestamps and tables."""
+    """gpu_layout.to_kernel_layout's (targets, ts, pos_tab, time_tab) inputs: random timestamps and tables."""
     rng = np.random.default_rng(0)
     return (
         jnp.asarray(rng.integers(0, 40, size=b), jnp.int32),
@@ -70,29 +70,30 @@ def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, windo
     assert text.count("mosaic_gpu") >= 1
 
 
-@pytest.mark.parametrize("hopper_forward", [True, False])
-def test_gpu_backend_picks_the_forward(hopper_forward):
-    """KernelOptions.hopper_forward decides which forward the GPU backend lowers (the Triton backward either
-    way, fed the Mosaic forward's residuals), and an unsupported call (head dim 32) keeps the Triton forward."""
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_gpu_backend_runs_the_named_forward(implementation):
+    """On Hopper the default (None) lowers the Mosaic GPU forward and backward wherever they take the call, and
+    the Triton kernels where not (head dim 32); "triton" lowers the Triton kernels only."""
     t, h = 1024, 2
     sd = jax.ShapeDtypeStruct
-    options = KernelOptions(hopper_forward=hopper_forward)
 
     def loss(q, k, v, offsets, ts, pos, tim):
         out = jagged_attention(
-            q, k, v, offsets, max_seq_len=256, implementation="gpu", options=options,
+            q, k, v, offsets, max_seq_len=256, implementation=implementation,
             timestamps=ts, pos_bias=pos, time_bias=tim,
         )  # fmt: skip
         return out.astype(jnp.float32).sum()
 
-    for d, mosaic in ((128, hopper_forward), (32, False)):
+    for d, mosaic in ((128, implementation is None), (32, False)):
         args = (sd((t, h, d), jnp.bfloat16),) * 3 + (
             sd((5,), jnp.int32), sd((t,), jnp.int32), sd((h, 16), jnp.float32), sd((h, 8), jnp.float32)
         )  # fmt: skip
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
-        assert ("mosaic_gpu" in text) == mosaic, (d, hopper_forward)
-        assert ("jagged_attention_fwd" in text) == (not mosaic), (d, hopper_forward)
-        assert "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text  # Triton backward
+        with on_platform("hopper"):
+            text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        assert ("mosaic_gpu" in text) == mosaic, (d, implementation)
+        assert ("jagged_attention_fwd" in text) == (not mosaic), (d, implementation)
+        triton_backward = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
+        assert triton_backward == (not mosaic), (d, implementation)
 
 
 def test_lowers_bias_tables_wider_than_one_tma_box():
@@ -120,18 +121,13 @@ def test_supports():
     q256 = jnp.zeros((8, 2, 256), jnp.bfloat16)
     assert mosaic_gpu.supports(_static(4096, "silu", 256, num_pos=1041), q256, q256)
     assert not mosaic_gpu.supports(_static(8192, "silu", 256, num_pos=4113), q256, q256)
-    assert mosaic_gpu.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
+    assert mosaic_gpu.supports(
+        _static(256, "silu"), q[:7], q[:7]
+    )  # any T: gpu_layout.to_kernel_layout pads rows
     assert not mosaic_gpu.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     for d, ok in ((64, True), (256, True), (32, False), (96, False)):
         qd = jnp.zeros((8, 2, d), jnp.bfloat16)
         assert mosaic_gpu.supports(_static(256, "silu", d), qd, qd) == ok, d
-
-
-def test_not_wanted_off_hopper():
-    """On this CPU the default (None) does not pick the Mosaic forward; True and False are obeyed."""
-    assert not mosaic_gpu.is_hopper()
-    assert not mosaic_gpu.wanted(None)
-    assert mosaic_gpu.wanted(True) and not mosaic_gpu.wanted(False)
 
 
 @pytest.mark.slow
@@ -166,7 +162,7 @@ def test_interpret_matches_reference(activation, d, block_k, pingpong, window, b
     extra = dict(timestamps=ts, pos_bias=pos, time_bias=tim[:h]) if bias else {}
     bias_fields = dict(num_pos=5, num_time=8) if bias else {}
     params = _static(n, activation, d, max_attn_len=window, has_targets=True, **bias_fields)
-    inputs = gpu.to_kernel_layout(
+    inputs = gpu_layout.to_kernel_layout(
         q, k, v, jnp.asarray(offsets), targets, extra.get("timestamps"), extra.get("pos_bias"),
         extra.get("time_bias"), params,
     )  # fmt: skip

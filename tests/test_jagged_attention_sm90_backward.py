@@ -1,6 +1,6 @@
 """The Hopper (Mosaic GPU) jagged attention backward (pallas_kernels/jagged_attention/gpu_sm90_backward.py): the
-GPU backend's choice of backward, lowering for several configs, and GPU interpret mode vs the reference's
-gradients.
+backward the GPU backend runs by default and by name, lowering for several configs, and GPU interpret mode vs
+the reference's gradients.
 
 Lowering (`lower(lowering_platforms=("cuda",))` on CPU) runs the whole Pallas -> Mosaic GPU lowering, so a
 primitive or layout Mosaic GPU rejects fails here; ptxas and the hardware only run on the device
@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.jagged_attention import gpu, jagged_attention, kernels_in_use
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention, kernels_in_use
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
+from tests.helpers import on_platform
 
 sd = jax.ShapeDtypeStruct
 
@@ -30,7 +31,7 @@ def _static(n, activation, d=128, **kw):
 
 
 def _residual_specs(t, h, b, d, dtype=jnp.bfloat16, num_pos=16, num_time=8):
-    """Shapes of gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias)."""
+    """Shapes of gpu_layout.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias)."""
     return (
         (sd((t, h, d), dtype),) * 3
         + (sd((b + 1,), jnp.int32), sd((b,), jnp.int32), sd((t,), jnp.int32))
@@ -91,48 +92,59 @@ def test_d256_shared_memory_budget():
         assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, {**tiles, **more}) > mosaic_bwd.SMEM_BYTES, more
 
 
-@pytest.mark.parametrize("hopper_backward", [True, False])
-def test_gpu_backend_picks_the_backward(hopper_backward):
-    """KernelOptions.hopper_backward decides which backward the GPU backend lowers; an unsupported call (head dim
-    32; a relative bias with hopper_backward_bias off) keeps the Triton backward."""
+@pytest.mark.parametrize("implementation", [None, "triton"])
+def test_gpu_backend_runs_each_direction_by_default_or_by_name(implementation):
+    """On Hopper the default (None) takes the Mosaic GPU kernels for each direction on its own: both for a call
+    they take; the Mosaic forward and the Triton backward for one only the forward takes (a relative bias with
+    hopper_backward_bias off); Triton for both at head dim 32. "triton" lowers the Triton kernels only."""
     t, h = 1024, 2
-    options = KernelOptions(hopper_forward=False, hopper_backward=hopper_backward, hopper_backward_bias=False)
+    options = KernelOptions(hopper_backward_bias=False)
 
     def loss(q, k, v, offsets, *bias):
         extra = dict(zip(("timestamps", "pos_bias", "time_bias"), bias))
         out = jagged_attention(
-            q, k, v, offsets, max_seq_len=256, implementation="gpu", options=options, **extra
+            q, k, v, offsets, max_seq_len=256, implementation=implementation, options=options, **extra
         )
         return out.astype(jnp.float32).sum()
 
     bias = (sd((t,), jnp.int32), sd((h, 16), jnp.float32), sd((h, 8), jnp.float32))
-    for d, with_bias, mosaic in ((128, False, hopper_backward), (32, False, False), (128, True, False)):
+    default = implementation is None
+    for d, with_bias, forward, backward in (
+        (128, False, default, default),
+        (32, False, False, False),
+        (128, True, default, False),
+    ):
         args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + (bias if with_bias else ())
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
-        assert ("mosaic_gpu" in text) == mosaic, (d, with_bias, hopper_backward)
+        with on_platform("hopper"):
+            text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
+        assert ("jagged_attention_fwd" in text) == (not forward), (d, with_bias, implementation)
         triton = "jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text
-        assert triton == (not mosaic), (d, with_bias, hopper_backward)
-    if hopper_backward:  # the bias by default; with both Mosaic directions no bias_rows array is built
-        options = KernelOptions(hopper_forward=True, hopper_backward=True)
+        assert triton == (not backward), (d, with_bias, implementation)
+        assert ("mosaic_gpu" in text) == (forward or backward), (d, with_bias, implementation)
+    if default:  # the bias by default; with both Mosaic directions no bias_rows array is built
+        options = KernelOptions()
         args = (sd((t, h, 128), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),) + bias
-        text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
+        with on_platform("hopper"):
+            text = _lowered(jax.grad(loss, argnums=(0, 1, 2, 5, 6)), *args)
         assert "jagged_attention_bwd_dq" not in text and "red.shared.add.f32" in text
         assert f"tensor<{h}x{t}x256xbf16>" not in text  # the [H, T, W] bias_rows array
 
 
 @pytest.mark.parametrize("d256", [True, False])
 def test_gpu_backend_picks_the_d256_backward(d256):
-    """At head dim 256 the GPU backend lowers the Mosaic backward only with KernelOptions.hopper_backward_d256."""
+    """At head dim 256 the default on Hopper lowers the Mosaic backward only with
+    KernelOptions.hopper_backward_d256 (the Triton one after the Mosaic forward otherwise)."""
     t, h, d = 1024, 2, 256
-    options = KernelOptions(hopper_forward=False, hopper_backward=True, hopper_backward_d256=d256)
+    options = KernelOptions(hopper_backward_d256=d256)
 
     def loss(q, k, v, offsets):
-        out = jagged_attention(q, k, v, offsets, max_seq_len=512, implementation="gpu", options=options)
+        out = jagged_attention(q, k, v, offsets, max_seq_len=512, options=options)
         return out.astype(jnp.float32).sum()
 
     args = (sd((t, h, d), jnp.bfloat16),) * 3 + (sd((5,), jnp.int32),)
-    text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
-    assert ("mosaic_gpu" in text) == d256
+    with on_platform("hopper"):
+        text = _lowered(jax.grad(loss, argnums=(0, 1, 2)), *args)
+    assert "mosaic_gpu" in text and "jagged_attention_fwd" not in text
     assert ("jagged_attention_bwd_dq" in text and "jagged_attention_bwd_dkv" in text) == (not d256)
 
 
@@ -143,7 +155,9 @@ def test_supports():
     assert mosaic_bwd.supports(_static(256, "silu", has_targets=True, max_attn_len=8), q, q)
     assert mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float16), q.astype(jnp.float16))
     assert not mosaic_bwd.supports(_static(256, "silu", interpret=True), q, q)
-    assert mosaic_bwd.supports(_static(256, "silu"), q[:7], q[:7])  # any T: gpu.to_kernel_layout pads rows
+    assert mosaic_bwd.supports(
+        _static(256, "silu"), q[:7], q[:7]
+    )  # any T: gpu_layout.to_kernel_layout pads rows
     assert not mosaic_bwd.supports(_static(256, "silu"), q.astype(jnp.float32), q.astype(jnp.float32))
     assert not mosaic_bwd.supports(_static(256, "silu"), q, q[..., :64])  # Dqk != Dv
     bias = dict(num_pos=5, num_time=3)
@@ -178,16 +192,33 @@ def test_supports():
         mosaic_bwd.backward_mosaic_gpu(_residual_specs(8, 2, 1, 256), q256, _static(256, "silu", 256, **bias))
 
 
-def test_not_wanted_off_hopper():
-    """On this CPU the default (None) does not pick the Mosaic backward; True and False are obeyed."""
-    assert not mosaic_bwd.wanted(None)
-    assert mosaic_bwd.wanted(True) and not mosaic_bwd.wanted(False)
+def test_the_default_picks_the_mosaic_backward_on_hopper_only():
+    """The default order takes the Mosaic backward on Hopper where it takes the call, Triton's on other GPUs, the
+    reference on this CPU (the platform of this process)."""
+    q = sd((1024, 2, 128), jnp.bfloat16)
+    assert kernels_in_use(q, q, max_seq_len=256, platform="hopper")[1] == "mosaic"
+    assert kernels_in_use(q, q, max_seq_len=256, platform="gpu")[1] == "triton"
+    assert kernels_in_use(q, q, max_seq_len=256)[1] == "reference"
 
 
-def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, **knobs):
+def _sessions(offsets, t, rng):
+    """Timestamps that never decrease within a sequence: steps of 1-100 inside each block of 64 rows from the
+    sequence's start and a jump of 2-5 x 10**4 between blocks, so that a mask-free 64 x 64 tile's cells span one
+    to three time buckets (the time gradient's sorted path, KernelOptions.time_grad_runs) and a diagonal tile's
+    many."""
+    ts = np.zeros(t, np.int64)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        rows = np.arange(hi - lo)
+        jumps = np.where(rows % 64 == 0, rng.integers(2 * 10**4, 5 * 10**4, size=hi - lo), 0)
+        ts[lo:hi] = rng.integers(0, 10**6) + np.cumsum(rng.integers(1, 101, size=hi - lo) + jumps)
+    return ts.astype(np.int32)
+
+
+def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None, heads=1, runs=None, **knobs):
     """(kernel's (dq, dk, dv[, dpos, dtime]), reference's, offsets): the Mosaic backward in GPU interpret mode,
     fed the reference's output and lse as the forward's residuals, on inputs whose rows past offsets[B] hold
-    NaN; bias: (position buckets, time buckets), unsorted timestamps."""
+    NaN; bias: (position buckets, time buckets), unsorted timestamps. runs: KernelOptions.time_grad_runs on,
+    with "sorted" timestamps (_sessions) or "unsorted" ones."""
     from jax._src.pallas.mosaic_gpu.interpret import params as gp
 
     h = heads  # the interpreter runs one head at a time: one by default
@@ -208,9 +239,11 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     fields = {}
     if bias is not None:
         ts = jnp.asarray(rng.integers(0, 10**7, size=t), jnp.int32)
+        if runs == "sorted":
+            ts = jnp.asarray(_sessions(offsets, t, rng))
         tables = tuple(jnp.asarray(rng.standard_normal((h, nb)), jnp.float32) for nb in bias)
         fields = dict(num_pos=bias[0], num_time=bias[1])
-        fields["options"] = KernelOptions(hopper_backward_bias=True)
+        fields["options"] = KernelOptions(hopper_backward_bias=True, time_grad_runs=runs is not None)
 
     def ref(q, k, v, *tables):
         extra = dict(timestamps=ts, pos_bias=tables[0], time_bias=tables[1]) if tables else {}
@@ -223,10 +256,10 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
     want = vjp(jnp.where(live, do.astype(jnp.float32), 0.0))
     params = _static(n, activation, d, max_attn_len=window, has_targets=targets, **fields)
     pos, tim = tables or (None, None)
-    inputs = gpu.to_kernel_layout(q, k, v, off, tg, ts, pos, tim, params)
+    inputs = gpu_layout.to_kernel_layout(q, k, v, off, tg, ts, pos, tim, params)
     lse = jnp.zeros((h, t), jnp.float32)
     if activation == "softmax":  # the Triton forward's lse (interpret mode), with the bias where there is one
-        lse = gpu.forward(inputs, dataclasses.replace(params, interpret=True))[1][-2]
+        lse = gpu_layout.forward(inputs, dataclasses.replace(params, interpret=True))[1][-2]
     # o in float32: softmax delta = rowsum(dO * O) from a bf16 O is off by O's rounding in every cell of a row,
     # which the time-table gradient (a sum of dS whose rows sum to zero) amplifies past the bar; the kernels
     # take the residual O as it comes (the Triton backward has the same sensitivity to a bf16 O)
@@ -256,6 +289,10 @@ def _interpret_case(activation, d, window, targets, lengths, n, seed, bias=None,
         # (and two heads on three persistent CTAs: per-head tables and histograms, per-CTA histogram rows)
         ("silu", 64, 40, True, [150, 0, 1, 37], (5, 8), dict(heads=2, num_ctas=3)),
         ("softmax", 64, 0, True, [130, 0, 1, 70], (80, 8), {}),
+        # the time gradient's sorted path (KernelOptions.time_grad_runs): mask-free tiles of sorted sequences
+        # through their buckets' thresholds, diagonal tiles cell by cell; unsorted sequences cell by cell
+        ("silu", 64, 0, True, [200, 0, 1, 37], (5, 64), dict(runs="sorted")),
+        ("silu", 64, 0, False, [200, 0, 1, 37], (5, 64), dict(runs="unsorted")),
         # head dim 256: the role-split dK/dV kernel (items of 64 keys; the exchange tile and the meeting per
         # query tile), 32-key dQ tiles, stores in 64-column slices; two heads on two persistent CTAs
         ("silu", 256, 0, True, [150, 0, 1, 37], None, {}),
@@ -296,7 +333,7 @@ def _attention_loss(implementation, t, h, d, bias: bool):
 
 def test_any_token_count_runs_mosaic():
     """implementation="mosaic" lowers both Mosaic GPU kernels, the relative bias's table gradients included, for
-    a token count that is not a multiple of 8 (gpu.to_kernel_layout pads the rows; no Triton kernel in the
+    a token count that is not a multiple of 8 (gpu_layout.to_kernel_layout pads the rows; no Triton kernel in the
     graph); "triton" lowers the Triton ones. (T % 8 == 0 is every other lowering test's case.)"""
     t = 1001
     grad, args = _attention_loss("mosaic", t, 2, 128, bias=True)
@@ -311,17 +348,18 @@ def test_any_token_count_runs_mosaic():
 
 def test_kernels_in_use_names_the_families():
     """kernels_in_use reports what the call's own decision picks: Mosaic GPU for both directions by name (any T),
-    Triton by name, the reference on this CPU by default; a call the Mosaic kernels do not take, asked for by
-    name, is a ValueError naming the way out."""
+    Triton by name, the reference on this CPU by default, Triton interpreted as on a pre-Hopper GPU; a call the
+    Mosaic kernels do not take, asked for by name, is a ValueError naming the way out."""
     q = sd((1001, 2, 128), jnp.bfloat16)
     bias = dict(num_pos=128, num_time=64)
     assert kernels_in_use(q, q, max_seq_len=512, implementation="mosaic", **bias) == ("mosaic", "mosaic")
     assert kernels_in_use(q, q, max_seq_len=512, implementation="triton") == ("triton", "triton")
     assert kernels_in_use(q, q, max_seq_len=512) == ("reference", "reference")
-    assert kernels_in_use(q, q, max_seq_len=512, implementation="interpret") == (
+    assert kernels_in_use(q, q, max_seq_len=512, interpret=True) == (
         "triton (interpret)",
         "triton (interpret)",
     )
+    assert kernels_in_use(q, q, max_seq_len=512, platform="hopper") == ("mosaic", "mosaic")
     q32 = sd((1001, 2, 32), jnp.bfloat16)
     with pytest.raises(ValueError, match="implementation='mosaic'.*'triton'"):
         kernels_in_use(q32, q32, max_seq_len=512, implementation="mosaic")
@@ -348,3 +386,16 @@ def test_bias_probe_skips_its_part():
     assert "red.shared.add.f32" not in plain and "st.shared.f32" in plain
     with pytest.raises(ValueError, match="bias_probe.*'pos_grads'"):
         KernelOptions(bias_probe=("pos_grads",))
+
+
+def test_time_grad_runs_lowers():
+    """KernelOptions.time_grad_runs (the time gradient's sorted path: scalar bucket ranges per tile, a uniform
+    branch, thresholds compared in inline Mosaic GPU code) lowers for the GPU, with the thresholds row and the
+    sequences' sortedness as inputs of the dQ kernel."""
+    t, h, b = 1024, 2, 3
+    residuals = _residual_specs(t, h, b, 128, num_pos=128, num_time=64)
+    options = KernelOptions(hopper_backward_bias=True, time_grad_runs=True)
+    params = _static(512, "silu", 128, num_pos=128, num_time=64, options=options)
+    f = lambda res, do: mosaic_bwd.backward_mosaic_gpu(res, do, params, num_ctas=132)[:3]
+    text = _lowered(f, residuals, sd((t, h, 128), jnp.bfloat16))
+    assert text.count("mosaic_gpu_v2") == 2 and "red.shared.add.f32" in text

@@ -43,7 +43,9 @@ def test_kernel_matches_reference(gated, with_input, dtype, tol):
     x, gate, scale, bias, probe = _inputs(0, (96, 64), dtype)
     gate = gate if gated else None
     ref = _value_and_grads("reference", x, gate, scale, bias, probe, with_input)
-    out = _value_and_grads("interpret", x, gate, scale, bias, probe, with_input, rows_per_block=16)
+    out = _value_and_grads(
+        "triton", x, gate, scale, bias, probe, with_input, interpret=True, rows_per_block=16
+    )
     for name, a, b in zip(
         ["loss", "dx", "dscale", "dbias", "dgate"], jax.tree.leaves(ref), jax.tree.leaves(out)
     ):
@@ -56,25 +58,28 @@ def test_forward_values_and_leading_axes():
     """[2, 3, 32] rows of width 64: the kernel's output is the reference's, with the input's shape."""
     x, gate, scale, bias, _ = _inputs(1, (2, 3, 32, 64), jnp.float32)
     ref = layer_norm_reference(x, scale, bias, gate)
-    out = layer_norm(x, scale, bias, gate, implementation="interpret")
+    out = layer_norm(x, scale, bias, gate, implementation="triton", interpret=True)
     assert out.shape == x.shape
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
     # Rows normalised: mean 0, variance 1 before scale and bias.
-    plain = layer_norm(x, None, jnp.zeros(64), implementation="interpret")
+    plain = layer_norm(x, None, jnp.zeros(64), implementation="triton", interpret=True)
     np.testing.assert_allclose(np.asarray(plain).mean(-1), 0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(plain).var(-1), 1, atol=1e-3)
 
 
 def test_odd_row_counts_and_unsupported_widths():
-    """37 rows run one row per program; a width of 48 (not a power of two) runs the reference."""
+    """37 rows run one row per program; a width of 48 (not a power of two) runs the reference by default (the
+    GPU's order, interpreted), and is refused by name."""
     assert block_rows(37, 64) == 1 and block_rows(96, 64) == 32 and block_rows(4096, 512) == 8
     assert kernel_applies(64) and not kernel_applies(48) and not kernel_applies(8)
     for shape in [(37, 64), (10, 48)]:
         x, gate, scale, bias, probe = _inputs(2, shape, jnp.float32)
         ref = _value_and_grads("reference", x, gate, scale, bias, probe, True)
-        out = _value_and_grads("interpret", x, gate, scale, bias, probe, True)
+        out = _value_and_grads(None, x, gate, scale, bias, probe, True, interpret=True)
         for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
             np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="width 48.*use implementation=None"):
+        _value_and_grads("triton", x, gate, scale, bias, probe, True, interpret=True)
 
 
 def test_bad_shapes_name_the_argument():
@@ -83,26 +88,30 @@ def test_bad_shapes_name_the_argument():
     unchecked = inspect.unwrap(layer_norm)
     x = jnp.zeros((8, 64))
     with pytest.raises(ValueError, match="bias"):
-        unchecked(x, jnp.ones(64), jnp.zeros(32), implementation="interpret")
+        unchecked(x, jnp.ones(64), jnp.zeros(32), implementation="triton", interpret=True)
     with pytest.raises(ValueError, match="gate"):
-        unchecked(x, jnp.ones(64), jnp.zeros(64), jnp.zeros((8, 32)), implementation="interpret")
+        unchecked(x, jnp.ones(64), jnp.zeros(64), jnp.zeros((8, 32)), implementation="triton", interpret=True)
     with pytest.raises(ValueError, match="rows_per_block"):
-        layer_norm(x, jnp.ones(64), jnp.zeros(64), implementation="interpret", rows_per_block=3)
+        layer_norm(x, jnp.ones(64), jnp.zeros(64), implementation="triton", interpret=True, rows_per_block=3)
 
 
 @pytest.mark.slow
 def test_the_hstu_model_runs_the_kernel_with_the_same_function():
-    """model.norm_implementation = "interpret" puts the kernels into every HSTU layer (widths 32 and 16;
+    """model.norm_implementation = "triton" (interpreted) puts the kernels into every HSTU layer (widths 32 and 16;
     float32, so the gate's one rounding less does not show): the logits and the gradients of every
     parameter are the reference's."""
     results = {}
-    for impl in ("reference", "interpret"):
-        c = small_config(f'model.norm_implementation="{impl}"', "precision.compute_dtype=float32")
+    for impl in ("reference", "triton"):
+        c = small_config(
+            f'model.norm_implementation="{impl}"',
+            "model.interpret_kernels=true",
+            "precision.compute_dtype=float32",
+        )
         model, logits, grads = model_logits_and_grads(c)
         results[impl] = (logits, grads)
-        if impl == "interpret":
-            assert model.tower.layers[0].input_norm.implementation == "interpret"
-    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["interpret"]
+        norm = model.tower.layers[0].input_norm
+        assert (norm.implementation, norm.interpret) == ((impl, True) if impl == "triton" else (impl, False))
+    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["triton"]
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-5)
     flat_ref, flat = nnx.to_flat_state(ref_grads), nnx.to_flat_state(grads)
     checked = 0
@@ -124,14 +133,20 @@ def test_bf16_output_from_a_float32_residual_stream():
     def run(implementation):
         def loss(x, scale, bias):
             passed, y = layer_norm(
-                x, scale, bias, with_input=True, out_dtype=jnp.bfloat16, implementation=implementation
+                x,
+                scale,
+                bias,
+                with_input=True,
+                out_dtype=jnp.bfloat16,
+                implementation=implementation,
+                interpret=implementation != "reference",
             )
             assert y.dtype == jnp.bfloat16 and passed.dtype == jnp.float32
             return jnp.sum(y.astype(jnp.float32) * probe) + jnp.sum(jnp.sin(passed))
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, scale, bias)
 
-    ref, out = run("reference"), run("interpret")
+    ref, out = run("reference"), run("triton")
     assert out[1][0].dtype == jnp.float32
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(out)):
         np.testing.assert_allclose(b, a, rtol=1e-3, atol=1e-3 * max(1.0, float(np.abs(a).max())))
@@ -146,23 +161,24 @@ def test_sharded_train_steps_run_the_kernels_inside_the_shard_map():
 
     assert jax.device_count() >= 2, "conftest sets 8 fake CPU devices"
     losses = {}
-    for impl in ("reference", "interpret"):
+    for impl in ("reference", "triton"):
         c = small_config(
             "parallel.mesh_shape=[2]",
             "precision.compute_dtype=float32",
             "model.num_layers=1",
             "model.wukong_layers=1",
             f'model.norm_implementation="{impl}"',
+            "model.interpret_kernels=true",
         )
         trainer = Trainer(make_task(c), make_task(c).mesh)
         state = trainer.init_state()
         batch = jax.device_put(next(stacks(c, shards=4)), trainer.batch_sharding)
         traced = str(jax.make_jaxpr(trainer.train_step)(state, batch))
-        assert ("layer_norm_bwd" in traced) == (impl == "interpret")  # the kernels are in the step
+        assert ("layer_norm_bwd" in traced) == (impl == "triton")  # the kernels are in the step
         curve = []
         for _ in range(2):
             state, m = trainer.train_step(state, batch)
             curve.append(float(m["loss"]))
         losses[impl] = curve
-    np.testing.assert_allclose(losses["interpret"], losses["reference"], rtol=1e-5)
+    np.testing.assert_allclose(losses["triton"], losses["reference"], rtol=1e-5)
     assert losses["reference"][1] != losses["reference"][0]  # the second step saw the first's update

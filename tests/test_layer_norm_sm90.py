@@ -57,28 +57,29 @@ def _check(ref, out, tol):
         np.testing.assert_allclose(b, a, rtol=tol, atol=tol * max(1.0, np.abs(a).max()), err_msg=name)
 
 
-def test_which_kernel_runs(monkeypatch):
-    """CPU: None is the reference, "interpret" the Triton kernel's interpreter (as before), "mosaic_interpret"
-    the Mosaic GPU kernel's. On a GPU, Hopper included, None runs Triton where it takes the width, else the
-    reference, until the Mosaic GPU kernels are measured on the H200; "mosaic" runs them. A family named
-    explicitly that does not take the width is refused."""
-    assert api.kernel_for(None, 512) == ("reference", False)
-    assert api.kernel_for("interpret", 512) == ("triton", True)
-    assert api.kernel_for("mosaic_interpret", 512) == ("mosaic", True)
-    assert api.kernel_for("triton", 512) == ("triton", False)
-    with pytest.raises(ValueError, match="mosaic"):
-        api.kernel_for("mosaic_interpret", 48)
+def test_which_kernel_runs():
+    """None: the reference on CPU and TPU; on every GPU, Hopper included, Triton where it takes the width, else
+    the reference, until the Mosaic GPU kernels are measured on the H200; interpreted, as on a pre-Hopper GPU.
+    A backend named explicitly that does not take the width is refused, naming what does."""
+    assert api.kernel_for(None, 512) == "reference"
+    assert api.kernel_for(None, 512, interpret=True) == "triton"
+    assert api.kernel_for("mosaic", 512, interpret=True) == "mosaic"
+    assert api.kernel_for("triton", 512) == "triton"
+    with pytest.raises(ValueError, match="width 48.*'reference'"):
+        api.kernel_for("mosaic", 48, interpret=True)
+    with pytest.raises(ValueError, match="must be None or one of"):
+        api.kernel_for("tpu", 512)
     assert tiles.mosaic_applies(96) and not tiles.mosaic_applies(64 + 16) and not tiles.mosaic_applies(2048)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert [api.kernel_for(None, w)[0] for w in (512, 1024, 96, 16, 48)] == [
-        "triton",
-        "triton",
-        "reference",  # a multiple of 32 but no power of two: only "mosaic" takes it
-        "triton",
-        "reference",
-    ]
-    assert api.kernel_for("mosaic", 96) == ("mosaic", False)
-    assert api.kernel_for("triton", 512) == ("triton", False)
+    for platform in ("hopper", "gpu"):
+        assert [api.kernel_for(None, w, platform=platform) for w in (512, 1024, 96, 16, 48)] == [
+            "triton",
+            "triton",
+            "reference",  # a multiple of 32 but no power of two: only "mosaic" takes it
+            "triton",
+            "reference",
+        ]
+    assert api.kernel_for(None, 512, platform="tpu") == "reference"
+    assert api.kernel_for("mosaic", 96) == "mosaic"
 
 
 def test_tiles_fit_shared_memory():
@@ -128,7 +129,7 @@ def test_kernel_matches_reference(gated, with_input):
     gate = gate if gated else None
     ref = _value_and_grads("reference", x, gate, scale, bias, probe, probe_x, with_input)
     out = _value_and_grads(
-        "mosaic_interpret", x, gate, scale, bias, probe, probe_x, with_input, rows_per_block=4
+        "mosaic", x, gate, scale, bias, probe, probe_x, with_input, interpret=True, rows_per_block=4
     )
     _check(ref, out, 2e-5)
 
@@ -137,7 +138,7 @@ def test_bf16_with_gate_and_residual():
     """bf16 rows of 512 (two chunks), the gate and the residual's gradient together."""
     x, gate, scale, bias, probe, probe_x = _inputs(1, (64, 512), jnp.bfloat16)
     ref = _value_and_grads("reference", x, gate, scale, bias, probe, probe_x, True)
-    out = _value_and_grads("mosaic_interpret", x, gate, scale, bias, probe, probe_x, True)
+    out = _value_and_grads("mosaic", x, gate, scale, bias, probe, probe_x, True, interpret=True)
     _check(ref, out, 3e-2)
 
 
@@ -149,14 +150,20 @@ def test_bf16_output_from_a_float32_residual_stream():
     def run(implementation):
         def loss(x, scale, bias):
             passed, y = layer_norm(
-                x, scale, bias, with_input=True, out_dtype=jnp.bfloat16, implementation=implementation
+                x,
+                scale,
+                bias,
+                with_input=True,
+                out_dtype=jnp.bfloat16,
+                implementation=implementation,
+                interpret=implementation != "reference",
             )
             assert y.dtype == jnp.bfloat16 and passed.dtype == jnp.float32
             return jnp.sum(y.astype(jnp.float32) * probe) + jnp.sum(passed * probe_x)
 
         return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, scale, bias)
 
-    ref, out = run("reference"), run("mosaic_interpret")
+    ref, out = run("reference"), run("mosaic")
     assert out[1][0].dtype == jnp.float32
     _check(ref, out, 1e-3)
 
@@ -167,7 +174,7 @@ def test_odd_row_counts_are_padded(shape):
     one chunk of 1- and 2-element vectors per lane. Values and gradients are the reference's, in x's shape."""
     x, gate, scale, bias, probe, probe_x = _inputs(3, shape, jnp.float32)
     ref = _value_and_grads("reference", x, gate, scale, bias, probe, probe_x, True)
-    out = _value_and_grads("mosaic_interpret", x, gate, scale, bias, probe, probe_x, True)
+    out = _value_and_grads("mosaic", x, gate, scale, bias, probe, probe_x, True, interpret=True)
     _check(ref, out, 2e-5)
 
 
@@ -201,13 +208,21 @@ def test_under_vmap_as_the_model_runs_it():
     def run(implementation):
         def loss(x, scale, bias, gate):
             def pack(x, gate, probe):
-                return jnp.sum(layer_norm(x, scale, bias, gate, implementation=implementation) * probe)
+                out = layer_norm(
+                    x,
+                    scale,
+                    bias,
+                    gate,
+                    implementation=implementation,
+                    interpret=implementation != "reference",
+                )
+                return jnp.sum(out * probe)
 
             return jnp.sum(jax.vmap(pack)(x, gate, probe))
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, scale, bias, gate)
 
-    _check(run("reference"), run("mosaic_interpret"), 2e-5)
+    _check(run("reference"), run("mosaic"), 2e-5)
 
 
 def test_rows_per_block_must_be_a_multiple_of_4_that_divides_the_rows():
@@ -215,7 +230,7 @@ def test_rows_per_block_must_be_a_multiple_of_4_that_divides_the_rows():
     for rows in (6, 16):
         with pytest.raises(ValueError, match="rows_per_block"):
             layer_norm(
-                x, jnp.ones(128), jnp.zeros(128), implementation="mosaic_interpret", rows_per_block=rows
+                x, jnp.ones(128), jnp.zeros(128), implementation="mosaic", interpret=True, rows_per_block=rows
             )
 
 
@@ -225,36 +240,19 @@ def test_wide_rows_many_blocks(dtype, tol):
     """hstu_nvidia's width, 1024 (four chunks), 520 rows with the api's default tiles, gate and residual."""
     x, gate, scale, bias, probe, probe_x = _inputs(6, (520, 1024), dtype)
     ref = _value_and_grads("reference", x, gate, scale, bias, probe, probe_x, True)
-    out = _value_and_grads("mosaic_interpret", x, gate, scale, bias, probe, probe_x, True)
+    out = _value_and_grads("mosaic", x, gate, scale, bias, probe, probe_x, True, interpret=True)
     _check(ref, out, tol)
 
 
-def _interpret_as_on_hopper(monkeypatch) -> list[int]:
-    """Makes implementation "interpret" pick the Mosaic GPU kernels (in their interpreter) where they take the
-    width, as a Hopper GPU picks them; returns the list the widths that did are appended to."""
-    picked = []
-    kernel_for = api.kernel_for
-
-    def hopper_interpreter(implementation, width):
-        if implementation == "interpret" and tiles.mosaic_applies(width):
-            picked.append(width)
-            return "mosaic", True
-        return kernel_for(implementation, width)
-
-    monkeypatch.setattr(api, "kernel_for", hopper_interpreter)
-    return picked
-
-
 @pytest.mark.slow
-def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypatch):
-    """The HSTU layers' norms (128 and 64 wide, float32) through the Mosaic GPU kernels in the interpreter, as
-    on a Hopper GPU ("interpret" is made to pick them where they take the width): the logits and the
-    gradients of every parameter are the reference norms'."""
+def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function():
+    """The HSTU layers' norms (128 and 64 wide, float32) through the Mosaic GPU kernels in the interpreter
+    (model.norm_implementation = "mosaic", as a Hopper run names them): the logits and the gradients of every
+    parameter are the reference norms'."""
     from flax import nnx
 
     from tests.helpers import model_logits_and_grads, small_config
 
-    picked = _interpret_as_on_hopper(monkeypatch)
     wide = (
         "model.model_dim=128",
         "model.attention_dim=32",
@@ -262,11 +260,12 @@ def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypat
         "precision.compute_dtype=float32",
     )
     results = {}
-    for impl in ("reference", "interpret"):
-        _, logits, grads = model_logits_and_grads(small_config(*wide, f'model.norm_implementation="{impl}"'))
+    for impl in ("reference", "mosaic"):
+        c = small_config(*wide, f'model.norm_implementation="{impl}"', "model.interpret_kernels=true")
+        model, logits, grads = model_logits_and_grads(c)
         results[impl] = logits, nnx.to_flat_state(grads)
-    assert picked, "no norm ran the Mosaic GPU kernels"
-    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["interpret"]
+    assert model.tower.layers[0].attn_norm.implementation == "mosaic" and model.tower.final_norm.interpret
+    (ref_logits, ref_grads), (logits, grads) = results["reference"], results["mosaic"]
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=1e-5)
     for (path, a), (_, b) in zip(ref_grads, grads):
         a, b = (np.asarray(v.get_value() if hasattr(v, "get_value") else v[...]) for v in (a, b))
@@ -275,6 +274,12 @@ def test_the_hstu_model_runs_the_mosaic_kernels_with_the_same_function(monkeypat
 
 def test_no_rows_need_no_kernel():
     """A 0-row x has no kernel grid: it takes the reference, shapes kept."""
-    for implementation in ("mosaic_interpret", "interpret"):
-        y = layer_norm(jnp.zeros((2, 0, 128)), jnp.ones(128), jnp.zeros(128), implementation=implementation)
+    for implementation in ("mosaic", "triton"):
+        y = layer_norm(
+            jnp.zeros((2, 0, 128)),
+            jnp.ones(128),
+            jnp.zeros(128),
+            implementation=implementation,
+            interpret=True,
+        )
         assert y.shape == (2, 0, 128)

@@ -15,8 +15,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the reverse. `gem_jax` alone is the package's __init__.
 FLOORS = (
     ("pallas_kernels",),
-    # dtypes: the one dtype table the config's choices come from; paths: where a relative path points
-    ("gem_jax.dtypes", "gem_jax.paths", "gem_jax.typing"),
+    # dtypes: the one dtype table the config's choices come from; paths: where a relative path points;
+    # kernels: which kernel runs each op for a config's calls (the config checks its settings with it)
+    ("gem_jax.dtypes", "gem_jax.paths", "gem_jax.typing", "gem_jax.kernels"),
     ("gem_jax.config",),
     ("gem_jax", "gem_jax.data", "gem_jax.distributed", "gem_jax.parallel", "gem_jax.precision"),
     ("gem_jax.embeddings",),

@@ -241,7 +241,8 @@ def test_older_history_changes_only_through_its_rows():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (("model.block_size=256", "model.attention_implementation=auto"), "<= 128"),
+        (("model.block_size=256", "model.block_attention_implementation=auto"), "<= 128"),
+        (("model.block_size=256", "model.block_attention_implementation=triton"), "<= 128"),
         (("model.pyramid=[1.0]",), "one per layer"),
         (("model.pyramid=[0.5, 1.0]",), "non-increasing"),
         (("model.pyramid=[1.0, 0.0]",), "(0, 1]"),
@@ -256,7 +257,7 @@ def test_config_validation(overrides, message):
 def test_pyramid_needs_long_history():
     with pytest.raises(ConfigError, match="long_history"):
         small_config("model.pyramid=[1.0, 0.5]")
-    small_config(*LONG, "model.block_size=256", "model.attention_implementation=reference")
+    small_config(*LONG, "model.block_size=256", "model.block_attention_implementation=reference")
 
 
 # configs/gem_long.toml shrunk to a CPU run: same tower options (4 layers, pyramid [1, 1, 0.5, 0.25],

@@ -28,7 +28,8 @@ def _bias_arrays(jaxpr, heads: int, rows: int) -> int:
 @pytest.mark.parametrize("gib, expect_array", [("8.0", True), ("0", False)])
 def test_bias_rows_setting_reaches_the_kernels(gib, expect_array):
     c = small_config(
-        "model.attention_implementation=interpret",
+        "model.attention_implementation=triton",
+        "model.interpret_kernels=true",
         "model.num_position_buckets=16",
         "model.num_time_buckets=8",
         f"model.attention_bias_rows_gib={gib}",

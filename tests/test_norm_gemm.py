@@ -9,8 +9,8 @@ kernel's three warpgroups as an XLA program whose callbacks XLA:CPU may run on i
 a callback waiting at a barrier holds its pool thread. The pool has max(NPROC or the cores, CPU devices)
 threads; with the 2 of a 2-core machine two waiting warpgroups leave none for the third, and the run stops
 for good (what was earlier taken for a multi-tile stall of the kernel: one tile only passed when the
-producer happened to get a thread first). conftest's devices make it 8; api._interpreter() refuses fewer
-than api.INTERPRET_POOL_THREADS instead of hanging.
+producer happened to get a thread first). conftest's devices make it 8; mosaic_common.interpreter() refuses
+fewer than pool_threads_needed(api.WARPGROUPS) instead of hanging.
 
 The interpreter runs TMA loads eagerly and wgmma synchronously, so it cannot see an asynchronous wgmma still
 reading a ring slot that a TMA load overwrites (gpu_sm90.py's last-k-step wait is argued there, not
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import mosaic_common
 from pallas_kernels.norm_gemm import api, norm_silu_gemm
 from pallas_kernels.norm_gemm.gpu_sm90 import norm_silu_gemm_sm90
 from pallas_kernels.norm_gemm.reference import norm_silu_gemm_reference, row_stats
@@ -53,6 +54,10 @@ def _fail_rather_than_hang(seconds: float = 240):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+def _interpreter(detect_races: bool = False):
+    return mosaic_common.interpreter(True, warpgroups=api.WARPGROUPS, detect_races=detect_races)
 
 
 def _close_to_reference(pieces, z, x, gamma, beta, w, b, widths):
@@ -84,7 +89,7 @@ def test_one_tile_in_the_interpreter_matches_the_reference():
     """One output tile (both consumers, the producer's K ring, the prologue, bias, SiLU and the stores of z
     and of the piece) against the reference, on rows whose mean is far from 0."""
     x, gamma, beta, w, b = _inputs(128, 128, (64,))
-    with _fail_rather_than_hang(), api._interpreter():
+    with _fail_rather_than_hang(), _interpreter():
         pieces, z = norm_silu_gemm_sm90(
             x, row_stats(x), jnp.stack([gamma, beta]), w, b, (64,), Tiles(64, 64, 64, 2, 1), interpret=True
         )
@@ -101,7 +106,7 @@ def test_tiles_in_m_and_n_over_two_pieces_in_the_interpreter():
 
     widths = (64, 64)
     x, gamma, beta, w, b = _inputs(256, 128, widths, seed=2)
-    with _fail_rather_than_hang(), api._interpreter(detect_races=True):
+    with _fail_rather_than_hang(), _interpreter(detect_races=True):
         pieces, z = norm_silu_gemm_sm90(
             x, row_stats(x), jnp.stack([gamma, beta]), w, b, widths, Tiles(64, 64, 64, 2, 1), interpret=True
         )
@@ -117,7 +122,7 @@ def test_two_ctas_loop_over_tiles_with_more_k_steps_than_stages_in_the_interpret
     barriers' phases move differently from tile to tile)."""
     widths = (64, 128)
     x, gamma, beta, w, b = _inputs(384, 320, widths, seed=3)
-    with _fail_rather_than_hang(), api._interpreter():
+    with _fail_rather_than_hang(), _interpreter():
         pieces, z = norm_silu_gemm_sm90(
             x, row_stats(x), jnp.stack([gamma, beta]), w, b, widths, Tiles(64, 64, 64, 3, 2), interpret=True
         )
@@ -127,12 +132,12 @@ def test_two_ctas_loop_over_tiles_with_more_k_steps_than_stages_in_the_interpret
 
 @pytest.mark.slow
 def test_api_under_jit_forward_and_gradient_in_the_interpreter():
-    """norm_silu_gemm(implementation="gpu_interpret") under jax.jit (4 tiles, 3 K steps through 2 stages):
+    """norm_silu_gemm(implementation="mosaic", interpret=True) under jax.jit (4 tiles, 3 K steps through 2 stages):
     its pieces against the reference, and jax.grad through its custom_vjp against autodiff of the
     reference, for every input."""
     widths = (64, 64)
     x, gamma, beta, w, b = _inputs(256, 192, widths, seed=4)
-    assert api.kernel_for("gpu_interpret", x.shape, widths) == ("gpu_interpret", api.INTERPRET_TILES)
+    assert api.kernels_for(x, w, widths, "mosaic", interpret=True) == ("mosaic", "mosaic")
     weights = [jax.random.normal(jax.random.key(11 + i), (256, wd)) for i, wd in enumerate(widths)]
 
     def loss(fn):
@@ -141,7 +146,7 @@ def test_api_under_jit_forward_and_gradient_in_the_interpreter():
 
         return f
 
-    kernel = functools.partial(norm_silu_gemm, implementation="gpu_interpret")
+    kernel = functools.partial(norm_silu_gemm, implementation="mosaic", interpret=True)
     args = (x, gamma, beta, w, b)
     with _fail_rather_than_hang():
         got = jax.jit(lambda *a: kernel(*a, widths))(*args)
@@ -161,10 +166,11 @@ def test_api_under_jit_forward_and_gradient_in_the_interpreter():
 def test_interpreter_refuses_a_thread_pool_it_would_hang_in(monkeypatch):
     """The run's pool (conftest's 8 fake devices) is large enough; a smaller one is refused, naming the fix,
     rather than left to wait forever."""
-    assert api.xla_cpu_pool_threads() >= api.INTERPRET_POOL_THREADS
-    monkeypatch.setattr(api, "xla_cpu_pool_threads", lambda: 2)
+    assert mosaic_common.xla_cpu_pool_threads() >= mosaic_common.pool_threads_needed(api.WARPGROUPS)
+    monkeypatch.setattr(mosaic_common, "xla_cpu_pool_threads", lambda: 2)
     with pytest.raises(RuntimeError, match="NPROC=8"):
-        api._interpreter()
+        _interpreter()
+    assert mosaic_common.pool_threads_needed(1) == 1  # one warpgroup waits on nobody
 
 
 def test_backward_matches_autodiff_of_the_reference():
@@ -179,7 +185,9 @@ def test_backward_matches_autodiff_of_the_reference():
     _, vjp = jax.vjp(lambda *a: norm_silu_gemm_reference(*a, widths)[0], x, gamma, beta, w, b)
     want = vjp(cotangents)
     saved = (x, row_stats(x), gamma, beta, w, z)
-    got = api._fused_bwd(widths, "gpu", None, b.dtype, saved, cotangents)
+    got = api._fused_bwd(
+        api._Plan(widths, "reference", False, api.INTERPRET_TILES, b.dtype), saved, cotangents
+    )
     for name, g, r in zip(("x", "gamma", "beta", "w", "b"), got, want):
         g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
         assert g.shape == r.shape, name
@@ -187,11 +195,14 @@ def test_backward_matches_autodiff_of_the_reference():
 
 
 def test_off_hopper_runs_the_reference_and_checks_its_arguments():
-    """On CPU (None or "gpu" without a Hopper GPU) the call is the reference, differentiable by autodiff;
-    shapes that do not fit are refused naming the argument."""
+    """On CPU (None: no Hopper GPU) the call is the reference, differentiable by autodiff; shapes that do not
+    fit are refused naming the argument, and so is the Mosaic kernel by name where its tiles do not fit."""
     widths = (64, 64)
     x, gamma, beta, w, b = _inputs(32, 64, widths)
-    assert api.kernel_for(None, x.shape, widths)[0] == "reference"
+    assert api.kernels_for(x, w, widths, None) == ("reference", "reference")
+    assert api.kernels_for(x, w, widths, None, platform="hopper") == ("reference", "reference")
+    with pytest.raises(ValueError, match="implementation='mosaic' does not take this call: .*tiles"):
+        norm_silu_gemm(x, gamma, beta, w, b, widths, implementation="mosaic", interpret=True)
     got = norm_silu_gemm(x, gamma, beta, w, b, widths)
     want = norm_silu_gemm_reference(x, gamma, beta, w, b, widths)[0]
     for g, r in zip(got, want):
@@ -209,12 +220,20 @@ def test_off_hopper_runs_the_reference_and_checks_its_arguments():
 
 
 def test_interpret_tiles_fit_only_whole_tiles():
-    """The kernel runs only where its tiles divide the shape (else the reference): M by 2 * block_m, K by
-    block_k, each width by block_n."""
+    """The kernel runs only where its tiles divide the shape (else the default order goes on to the reference):
+    M by 2 * block_m, K by block_k, each width by block_n."""
     tiles = Tiles(64, 64, 64, 2, 1)
     assert tiles.applies(128, 128, (64, 128))
     assert not tiles.applies(96, 128, (64,))
     assert not tiles.applies(128, 96, (64,))
     assert not tiles.applies(128, 128, (32, 96))
-    assert api.kernel_for("interpret", (256, 128), (64, 64))[0] == "gpu_interpret"
-    assert api.kernel_for("interpret", (200, 128), (64, 64))[0] == "reference"
+    sd = jax.ShapeDtypeStruct
+    w = sd((128, 128), jnp.bfloat16)
+    hopper = dict(interpret=True, platform="hopper")
+    assert api.kernels_for(sd((256, 128), jnp.float32), w, (64, 64), None, **hopper) == ("mosaic", "mosaic")
+    assert api.kernels_for(sd((200, 128), jnp.float32), w, (64, 64), None, **hopper)[0] == "reference"
+    assert api.kernels_for(sd((256, 128), jnp.bfloat16), w, (64, 64), None, **hopper)[0] == "reference"  # x
+    assert api.kernels_in_use(sd((256, 128), jnp.float32), w, (64, 64), "mosaic", interpret=True) == (
+        "mosaic (interpret)",
+        "mosaic (interpret)",
+    )

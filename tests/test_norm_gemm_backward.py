@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.mosaic_common import interpreter
 from pallas_kernels.norm_gemm import api, norm_silu_gemm
 from pallas_kernels.norm_gemm.gpu_sm90_backward import silu_gemm_backward_sm90
 from pallas_kernels.norm_gemm.reference import norm_silu_gemm_reference, row_stats, silu_backward_reference
@@ -84,41 +85,43 @@ def test_interpreter_matches_the_reference_over_several_tiles():
     the first D tile only, so a wrong owner or a missed store shows as NaN (the interpreter's uninitialised
     memory) or a wrong sum."""
     d_pieces, z, w = _backward_inputs(256, 128, (64, 128))
-    with api._interpreter():
+    with interpreter(True, warpgroups=api.WARPGROUPS):
         got = silu_gemm_backward_sm90(d_pieces, z, w, BackwardTiles(64, 64, 64, 2, 2), interpret=True)
     assert got[2].shape == (256 // 64, 192)
     _check(got, silu_backward_reference(d_pieces, z, w))
 
 
 def test_backward_kernel_choice():
-    """The backward kernel runs where the forward ran one and its tiles fit: interpret mode on CPU; "gpu"
-    without a Hopper GPU, or a shape its tiles do not divide, gets the jnp reference."""
-    assert api.backward_kernel_for("gpu_interpret", 128, 64, (64, 64)) == (
-        "gpu_interpret",
-        api.INTERPRET_BACKWARD_TILES,
-    )
-    assert api.backward_kernel_for("gpu", 128, 64, (64, 64))[0] == "reference"  # CPU: no Hopper
-    assert api.backward_kernel_for("gpu_interpret", 96, 64, (64,))[0] == "reference"  # M
-    assert api.backward_kernel_for("gpu_interpret", 128, 96, (64,))[0] == "reference"  # D
-    assert api.backward_kernel_for("gpu_interpret", 128, 64, (32, 96))[0] == "reference"  # a width
+    """By default on Hopper each direction takes the Mosaic kernel where its tiles fit: the backward's jnp
+    reference after the forward kernel where only the forward's fit (D = K not a multiple of the backward's
+    256-wide tiles); the Mosaic kernels by name need both to fit; the reference off Hopper."""
+    sd = jax.ShapeDtypeStruct
+    x, w = (lambda k: sd((256, k), jnp.float32)), (lambda k: sd((k, 256), jnp.bfloat16))
+    widths = (128, 128)
+    assert api.kernels_for(x(256), w(256), widths, None, platform="hopper") == ("mosaic", "mosaic")
+    assert api.kernels_for(x(128), w(128), widths, None, platform="hopper") == ("mosaic", "reference")
+    assert api.kernels_for(x(256), w(256), widths, None, platform="gpu") == ("reference", "reference")
+    assert api.kernels_for(x(256), w(256), widths, None) == ("reference", "reference")  # this CPU
+    with pytest.raises(ValueError, match="backward's tiles"):
+        api.kernels_for(x(128), w(128), widths, "mosaic")
     tiles = BackwardTiles()
     assert tiles.applies(196608, 512, (512,) * 4) and tiles.applies(65536, 1024, (1024,) * 4)
 
 
 @pytest.mark.slow
 def test_grad_through_both_kernels_matches_autodiff_of_the_reference():
-    """jax.grad of norm_silu_gemm in interpret mode (forward kernel: one tile, the interpreter's limit for it;
-    the backward kernel after it) against autodiff of the reference, for every input."""
+    """jax.grad of norm_silu_gemm in interpret mode (forward kernel: one tile, the interpreter's limit for it,
+    two K steps; the backward kernel after it) against autodiff of the reference, for every input."""
     widths = (64,)
-    x, gamma, beta, w, b = _layer_inputs(128, 64, 64, seed=3)
+    x, gamma, beta, w, b = _layer_inputs(128, 128, 64, seed=3)
     dy = jax.random.normal(jax.random.key(4), (128, 64)).astype(jnp.bfloat16)
 
     def loss(fn):
         return lambda *a: jnp.sum(fn(*a)[0].astype(jnp.float32) * dy.astype(jnp.float32))
 
-    got = jax.grad(loss(lambda *a: norm_silu_gemm(*a, widths, implementation="interpret")), argnums=range(5))(
-        x, gamma, beta, w, b
-    )
+    got = jax.grad(
+        loss(lambda *a: norm_silu_gemm(*a, widths, implementation="mosaic", interpret=True)), argnums=range(5)
+    )(x, gamma, beta, w, b)
     want = jax.grad(loss(lambda *a: norm_silu_gemm_reference(*a, widths)[0]), argnums=range(5))(
         x, gamma, beta, w, b
     )
@@ -137,7 +140,6 @@ def test_api_backward_with_the_kernel_matches_autodiff_of_the_reference():
     )
     _, vjp = jax.vjp(lambda *a: norm_silu_gemm_reference(*a, widths)[0], x, gamma, beta, w, b)
     want = vjp(cotangents)
-    got = api._fused_bwd(
-        widths, "gpu_interpret", None, b.dtype, (x, row_stats(x), gamma, beta, w, z), cotangents
-    )
+    plan = api._Plan(widths, "mosaic", True, api.INTERPRET_TILES, b.dtype)
+    got = api._fused_bwd(plan, (x, row_stats(x), gamma, beta, w, z), cotangents)
     _check_grads(got, want)

@@ -177,7 +177,7 @@ def test_allowed_changes_are_recorded_and_eval_applies_them(trained, tmp_path):
         "train.async_checkpointing=true",
         "train.steps=30",
         "train.log_every=3",
-        "model.attention_implementation=interpret",
+        "model.attention_implementation=triton",
     )
     plan = record.check(changed, data_fingerprint(changed))
     assert not plan.new and set(plan.changed) == {

@@ -33,7 +33,7 @@ def test_kernel_matches_reference(clip):
     amax = float(jnp.max(jnp.abs(silu_grad(jnp.concatenate(dys, 1), z))))
     scale = jnp.float32(amax / float(jnp.finfo(E5M2).max) / (4 if clip else 1))
     want = silu_backward_fp8_reference(dys, z, scale)
-    got = silu_backward_fp8(dys, z, scale, implementation="interpret")
+    got = silu_backward_fp8(dys, z, scale, implementation="triton", interpret=True)
     np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
     np.testing.assert_array_equal(_f32(got[1]), _f32(got[0]).T)
     np.testing.assert_allclose(float(got[2]), float(want[2]), rtol=1e-6)
@@ -50,13 +50,18 @@ def test_kernel_matches_reference(clip):
 
 
 def test_shapes_the_kernel_does_not_take_run_the_reference():
-    """Pieces of different widths, or rows its tile does not divide: same answer from the reference."""
+    """Pieces of different widths, or rows its tile does not divide: the default order runs the reference (same
+    answer); Triton by name refuses them, naming why."""
     for rows, widths in ((48, (16, 32, 16)), (36, (16, 16))):
         dys, z = _inputs(1, rows, widths)
-        got = silu_backward_fp8(dys, z, jnp.float32(1e-3), implementation="interpret")
+        got = silu_backward_fp8(dys, z, jnp.float32(1e-3), interpret=True)
         want = silu_backward_fp8_reference(dys, z, jnp.float32(1e-3))
         for a, b in zip(got, want):
             np.testing.assert_array_equal(_f32(a), _f32(b))
+        with pytest.raises(
+            ValueError, match="implementation='triton' does not take this call: (pieces|Triton)"
+        ):
+            silu_backward_fp8(dys, z, jnp.float32(1e-3), implementation="triton", interpret=True)
 
 
 def test_bad_shapes_are_errors():
@@ -67,17 +72,25 @@ def test_bad_shapes_are_errors():
         silu_backward_fp8((dys[0][:8], dys[1]), z, 1.0)
 
 
-def test_which_kernel_runs(monkeypatch):
-    """The Triton kernel is the default on every GPU, Hopper included (the Mosaic one is not measured yet); the
-    Mosaic kernel runs when named."""
-    assert api.kernel_for(None) == ("reference", False)
-    assert api.kernel_for("interpret") == ("triton", True)
-    assert api.kernel_for("mosaic_interpret") == ("mosaic", True)
-    assert api.kernel_for("mosaic") == ("mosaic", False)
-    assert api.kernel_for("triton_interpret") == ("triton", True)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert api.kernel_for(None) == ("triton", False)
-    assert api.kernel_for("pallas") == ("triton", False)
+def test_which_kernel_runs():
+    """The Triton kernel is the default on every GPU, Hopper included (the Mosaic one is not measured yet), the
+    reference on CPU and TPU; the Mosaic kernel runs when named; the old aliases are refused."""
+    rows, widths = 192, (128,) * 4
+    assert api.kernel_for(rows, widths, None)[0] == "reference"
+    assert api.kernel_for(rows, widths, None, interpret=True)[0] == "triton"
+    assert api.kernel_for(rows, widths, "mosaic", interpret=True)[0] == "mosaic"
+    assert api.kernel_for(rows, widths, "mosaic")[0] == "mosaic"
+    for platform, name in (
+        ("hopper", "triton"),
+        ("gpu", "triton"),
+        ("tpu", "reference"),
+        ("cpu", "reference"),
+    ):
+        assert api.kernel_for(rows, widths, None, platform=platform)[0] == name, platform
+    assert api.kernels_in_use(rows, widths, "triton", interpret=True) == "triton (interpret)"
+    for old in ("pallas", "gpu", "interpret", "mosaic_interpret"):
+        with pytest.raises(ValueError, match="must be None or one of"):
+            api.kernel_for(rows, widths, old)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +108,7 @@ def test_mosaic_kernel_matches_reference(rows, widths, tiles, clip):
     amax = float(jnp.max(jnp.abs(silu_grad(jnp.concatenate(dys, 1), z))))
     scale = jnp.float32(amax / float(jnp.finfo(E5M2).max) / (4 if clip else 1))
     want = silu_backward_fp8_reference(dys, z, scale)
-    got = silu_backward_fp8(dys, z, scale, implementation="mosaic_interpret", **tiles)
+    got = silu_backward_fp8(dys, z, scale, implementation="mosaic", interpret=True, **tiles)
     assert [a.shape for a in got] == [a.shape for a in want]
     assert got[0].dtype == got[1].dtype == E5M2
     np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
@@ -112,7 +125,7 @@ def test_mosaic_refuses_what_it_does_not_take():
     for rows, widths, kw in ((128, (32, 64), {}), (96, (64, 64), {}), (128, (64, 64), {"num_warps": 4})):
         dys, z = _inputs(4, rows, widths)
         with pytest.raises(ValueError, match="Mosaic GPU"):
-            silu_backward_fp8(dys, z, jnp.float32(1e-3), implementation="mosaic_interpret", **kw)
+            silu_backward_fp8(dys, z, jnp.float32(1e-3), implementation="mosaic", interpret=True, **kw)
 
 
 @pytest.mark.parametrize("tiles", [{}, {"block_rows": 128, "block_cols": 64}, {"block_cols": 256}])

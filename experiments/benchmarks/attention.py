@@ -4,7 +4,7 @@ Checks the Pallas kernel against the float32 reference on fresh random inputs fi
 and backward (median of many reps after warm-up) for the shapes in shapes.py, against the padded XLA reference
 and, for softmax, cuDNN. TFLOP/s use the usual count (docs/design.md): forward = sum_b 2 H (Dqk + Dv) L_b^2 / 2,
 backward = 2.5 x forward; backward times exclude the forward pass (residuals are computed once before timing);
-"useful" means the same count whatever the implementation computes. --preset runs issue 47's table instead
+"useful" means the same count whatever the implementation computes. --preset runs the preset table instead
 (attention_presets.py: Mosaic, Triton, cuDNN and tokamax side by side).
 """
 
@@ -30,7 +30,8 @@ from experiments.benchmarks.jagged_calls import (
     time_bwd,
 )
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu_sm90, jagged_attention
+from pallas_kernels import implementations
+from pallas_kernels.jagged_attention import jagged_attention
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 
@@ -39,22 +40,18 @@ def _time(fn, *args, reps: int) -> float:
     return median_seconds(fn, *args, reps=reps, warmup=3)
 
 
-def _kernel_impl() -> str:
-    return "interpret" if jax.default_backend() == "cpu" else "pallas"
+_INTERPRET = jax.default_backend() == "cpu"  # no GPU: the Triton kernels in Pallas's interpreter
 
 
-def _forwards(options: KernelOptions | None) -> list[tuple[str, KernelOptions | None]]:
-    """(label, options) of each GPU backend to time: on a Hopper GPU the Triton kernels (forward and backward)
-    and the Mosaic GPU ones (KernelOptions.hopper_forward and hopper_backward; a call the Mosaic backward does
-    not take, such as one with a relative bias, runs the Triton backward in both rows), elsewhere the
-    default."""
-    if not gpu_sm90.is_hopper():
-        return [("pallas (ours)", options)]
-    base = options or KernelOptions()
-    return [
-        ("ours, Triton", dataclasses.replace(base, hopper_forward=False, hopper_backward=False)),
-        ("ours, Mosaic GPU", dataclasses.replace(base, hopper_forward=True, hopper_backward=None)),
-    ]
+def _backends() -> list[tuple[str, str | None]]:
+    """(label, implementation) of each kernel backend to time, A/B by name: on a Hopper GPU the Triton kernels
+    and the default (Mosaic GPU where it takes the call, each direction on its own: a call the Mosaic backward
+    does not take runs the Triton backward), on other GPUs the default (Triton), on CPU Triton interpreted."""
+    if _INTERPRET:
+        return [("triton (interpret)", "triton")]
+    if not implementations.is_hopper():
+        return [("triton (ours)", None)]
+    return [("ours, Triton", "triton"), ("ours, Mosaic GPU", None)]
 
 
 def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
@@ -78,7 +75,7 @@ def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
                     time_bias=jnp.asarray(rng.standard_normal((h, 64)) * 0.3, jnp.float32),
                 )
 
-            def loss(q, k, v, pb, tb, impl, options):
+            def loss(q, k, v, pb, tb, impl, interpret):
                 kk = dict(kw, pos_bias=pb, time_bias=tb) if kw else {}
                 o = jagged_attention(
                     q,
@@ -88,7 +85,7 @@ def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
                     max_seq_len=n,
                     activation=activation,
                     implementation=impl,
-                    options=options,
+                    interpret=interpret,
                     **kk,
                 )
                 return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
@@ -97,9 +94,9 @@ def check(rng, shape: shapes.JaggedShape, bias_only=False) -> list[str]:
             argn = (0, 1, 2, 3, 4) if kw else (0, 1, 2)
             grads = jax.jit(jax.grad(loss, argnums=argn, has_aux=True), static_argnums=(5, 6))
             f32 = lambda x: None if x is None else x.astype(jnp.float32)
-            want = grads(f32(q), f32(k), f32(v), pb, tb, "reference", None)
-            for label, options in _forwards(None):
-                got = grads(q, k, v, pb, tb, _kernel_impl(), options)
+            want = grads(f32(q), f32(k), f32(v), pb, tb, "reference", False)
+            for label, impl in _backends():
+                got = grads(q, k, v, pb, tb, impl, _INTERPRET)
                 names = ["out", "dq", "dk", "dv", "dpos", "dtime"]
                 vals = [got[1]] + list(got[0])
                 refs = [want[1]] + list(want[0])
@@ -139,8 +136,8 @@ def bench_case(
         kw["time_bias"] = jnp.asarray(rng.standard_normal((h, num_time)) * 0.1, jnp.float32)
     if num_pos:
         kw["pos_bias"] = jnp.asarray(rng.standard_normal((h, num_pos)) * 0.1, jnp.float32)
-    for label, opts in _forwards(options):
-        fwd, bwd = fwd_bwd(jagged(_kernel_impl(), n, activation, block_sizes, opts, **kw))
+    for label, impl in _backends():
+        fwd, bwd = fwd_bwd(jagged(impl, n, activation, block_sizes, options, _INTERPRET, **kw))
         tf = _time(fwd, q, k, v, off, reps=reps)
         tb = time_bwd(bwd, q, k, v, off, do, reps=reps)
         out.append((name, label, flops / tf / 1e12, 2.5 * flops / tb / 1e12, tf * 1e3, tb * 1e3))
@@ -265,7 +262,7 @@ def main(argv: list[str]) -> int:
         "--preset",
         default="",
         metavar="NAME[,NAME...]",
-        help="only issue 47's table rows (attention_presets.py), every implementation side by side; 'all': "
+        help="only the preset rows (attention_presets.py), every implementation side by side; 'all': "
         f"every row. NAMEs: {', '.join(shapes.ATTENTION_PRESETS)}. With --quick: shrunk (B, N, H <= 2, 64, 2)",
     )
     args = p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Issue 47's table in one call: `python -m experiments bench attention --preset NAME[,NAME...]`.
+"""The preset table in one call: `python -m experiments bench attention --preset NAME[,NAME...]`.
 
 Each preset (shapes.ATTENTION_PRESETS: a shape, its activation, its targets) runs every implementation side by
 side: ours on the Mosaic GPU kernels (implementation="mosaic") and on the Triton ones ("triton"), and, on the
@@ -27,7 +27,7 @@ import numpy as np
 from experiments.benchmarks import shapes
 from experiments.benchmarks.jagged_calls import compare, fwd_bwd, fwd_flops, inputs, jagged, time_bwd
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu_sm90
+from pallas_kernels.implementations import is_hopper
 
 try:  # optional dependency: tokamax, the dense softmax anchor (a wheel on the device; needs jax >= 0.11.1)
     import tokamax
@@ -93,9 +93,9 @@ def _tokamax(q, k, v):
 def implementations(shape: shapes.JaggedShape, activation: str) -> list[Impl]:
     """Every implementation of IMPLEMENTATIONS for a preset, in that order; those this machine lacks with why."""
     n, gpu = shape.max_seq_len, jax.default_backend() == "gpu"
-    hopper = gpu_sm90.is_hopper()
+    hopper = is_hopper()
     mosaic = jagged("mosaic", n, activation) if hopper else None
-    triton = jagged("triton" if gpu else "interpret", n, activation)  # no GPU: the kernels in interpret mode
+    triton = jagged("triton", n, activation, interpret=not gpu)  # no GPU: the kernels in interpret mode
     impls = [
         Impl("mosaic", LABELS["mosaic"], activation, mosaic, "" if hopper else "needs a Hopper GPU"),
         Impl("triton", LABELS["triton"] + ("" if gpu else " (interpret)"), activation, triton),

@@ -1,7 +1,7 @@
 """How long the jagged attention's bias_rows array takes to build: `python -m experiments bench bias_rows`.
 
 The GPU kernels load the relative bias from an [H, T, W] array that XLA builds once per call
-(pallas_kernels.jagged_attention.gpu.bias_rows). This times the shipped build against other formulations and
+(pallas_kernels.jagged_attention.gpu_layout.bias_rows). This times the shipped build against other formulations and
 two lower bounds (the head-independent bucket array alone; writing the array without computing it), on the
 attention benchmark's uniform shape and a gem_h200-like heavy-tailed one, with the forward (bias_rows, bias
 computed in the kernels, no bias) beside them. Each variant is checked against the shipped build first.
@@ -17,17 +17,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu, jagged_attention, tiling
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention, tiling
 from pallas_kernels.jagged_attention.block_sizes import BlockSizes
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 
-# Every variant has gpu.bias_rows's signature: (offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype).
+# Every variant has gpu_layout.bias_rows's signature:
+# (offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype).
 
 
 def combined_table(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype):
     """One gather per element from an [H, P * NT] table of position + time sums (instead of two)."""
-    delta, bucket = gpu.bias_cells(offsets, ts, params, t=total_rows)
+    delta, bucket = gpu_layout.bias_cells(offsets, ts, params, t=total_rows)
     width = time_tab.shape[1]
     table = (pos_tab[:, : params.num_pos, None] + time_tab[:heads, None, :]).reshape(heads, -1)
     return table[:, jnp.clip(delta, 0, params.num_pos - 1) * width + bucket].astype(dtype)
@@ -35,7 +36,7 @@ def combined_table(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads,
 
 def bucket_array_only(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype):
     """Lower bound: the head- and layer-independent [T, W] time-bucket array (shared by a model's layers)."""
-    return gpu.bias_cells(offsets, ts, params, t=total_rows)[1]
+    return gpu_layout.bias_cells(offsets, ts, params, t=total_rows)[1]
 
 
 def write_only(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dtype):
@@ -45,7 +46,7 @@ def write_only(offsets, ts, pos_tab, time_tab, params, *, total_rows, heads, dty
 
 
 VARIANTS = {
-    "shipped (bucket array, two gathers)": gpu.bias_rows,
+    "shipped (bucket array, two gathers)": gpu_layout.bias_rows,
     "one gather from a pos + time table": combined_table,
     "bucket array alone (bound)": bucket_array_only,
     "write only (bound)": write_only,
@@ -67,7 +68,7 @@ def main(argv: list[str]) -> int:
             ("uniform N=1024 B=512", rng.integers(922, 1024, 512), 1024),
             ("log-normal median 400, cut at 2048", heavy, 2048),
         ]
-    impl = "interpret" if jax.default_backend() == "cpu" else "pallas"
+    kernel = dict(implementation="triton", interpret=jax.default_backend() == "cpu")  # the bias_rows array's
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
     ok = True
     for name, lengths, n in cases:
@@ -87,10 +88,10 @@ def main(argv: list[str]) -> int:
             bias_rows=True,
         )
         zeros = jnp.zeros((t, h, d), jnp.bfloat16)
-        inputs = gpu.to_kernel_layout(zeros, zeros, zeros, off, None, ts, pos, tim, params)
+        inputs = gpu_layout.to_kernel_layout(zeros, zeros, zeros, off, None, ts, pos, tim, params)
         build_args = (inputs[3], inputs[5], inputs[6], inputs[7])
         sizes = dict(total_rows=t, heads=h, dtype=jnp.bfloat16)
-        shipped = jax.jit(lambda *a: gpu.bias_rows(*a, params, **sizes))(*build_args)
+        shipped = jax.jit(lambda *a: gpu_layout.bias_rows(*a, params, **sizes))(*build_args)
         width = tiling.bias_width(n, params.blocks)
         print(f"{name}: T {t}, {h * t * width / 1e9:.2f} G cells (H x T x W)", flush=True)
         for label, fn in VARIANTS.items():
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> int:
             ("bias computed in the kernels", dict(bias, options=KernelOptions(bias_rows=False))),
             ("no bias", {}),
         ]:
-            f = jax.jit(functools.partial(jagged_attention, max_seq_len=n, implementation=impl, **kw))
+            f = jax.jit(functools.partial(jagged_attention, max_seq_len=n, **kernel, **kw))
             ms = median_seconds(f, q, k, v, off, reps=args.reps, warmup=2) * 1e3
             print(f"  forward, {label}: {ms:.3f} ms", flush=True)
     return 0 if ok else 1

@@ -1,6 +1,6 @@
 """Benchmark of BlockAttention: `python -m experiments bench block_attention [--smoke]`.
 
-1. Correctness: the kernel ("pallas" on GPU/TPU, "interpret" on CPU) against the fp32
+1. Correctness: the kernel (the platform's default, Triton interpreted on CPU) against the fp32
    reference on fresh random inputs (ragged, empty, exact-multiple sequences, spare
    capacity filled with NaN), forward and the three gradients, several block sizes.
 2. Flatness: time per token for histories of 1k, 4k, 16k, 64k events at a fixed ~4M
@@ -53,15 +53,17 @@ def _rel_err(x, y) -> float:
     return float(np.linalg.norm(x - y) / max(np.linalg.norm(y), 1e-30))
 
 
-def _kernel_impl() -> str:
-    return "interpret" if jax.default_backend() == "cpu" else "pallas"
+def _kernel() -> dict:
+    """The kernel keywords of the calls timed and checked: the platform's default backend; on CPU the GPU's
+    (Triton), interpreted."""
+    return dict(implementation=None, interpret=jax.default_backend() == "cpu")
 
 
 # --- 1. correctness ------------------------------------------------------------------
 
 
 def check(seed: int, smoke: bool, num_cases: int) -> bool:
-    impl = _kernel_impl()
+    kernel = _kernel()
     cases = [(16, False, jnp.float32), (64, True, jnp.bfloat16), (128, False, jnp.bfloat16)]
     if not smoke:
         cases += [(64, False, jnp.float32), (64, False, jnp.bfloat16), (16, True, jnp.bfloat16)]
@@ -81,27 +83,23 @@ def check(seed: int, smoke: bool, num_cases: int) -> bool:
         q, k, v = (x.at[real:].set(jnp.nan) for x in (q, k, v))  # spare capacity
         off = jnp.asarray(offsets)
 
-        def run(implementation):
+        def run(which):
             return jax.jit(
                 lambda q, k, v, do: (
                     jax.vjp(
                         lambda q, k, v: block_attention(
-                            q, k, v, off, block_size=block_size, causal=causal, implementation=implementation
+                            q, k, v, off, block_size=block_size, causal=causal, **which
                         ),
                         q,
                         k,
                         v,
                     )[1](do)
-                    + (
-                        block_attention(
-                            q, k, v, off, block_size=block_size, causal=causal, implementation=implementation
-                        ),
-                    )
+                    + (block_attention(q, k, v, off, block_size=block_size, causal=causal, **which),)
                 )
             )
 
-        got = run(impl)(q, k, v, do)
-        ref = run("reference")(
+        got = run(kernel)(q, k, v, do)
+        ref = run(dict(implementation="reference"))(
             q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), do.astype(jnp.float32)
         )
         errs = {name: _rel_err(g, r) for name, g, r in zip(("dq", "dk", "dv", "out"), got, ref)}
@@ -170,7 +168,7 @@ def flatness(args, results) -> None:
         flops = _block_flops(lengths, bs, heads, d, d, args.causal)
         impls = {
             "pallas": lambda q, k, v: block_attention(
-                q, k, v, off, block_size=bs, causal=args.causal, implementation=_kernel_impl()
+                q, k, v, off, block_size=bs, causal=args.causal, **_kernel()
             )
         }
         for name in args.baselines if not args.smoke else ():
@@ -218,7 +216,7 @@ def flatness(args, results) -> None:
 
 def crossover(args, results) -> None:
     heads, d, bs, s = args.heads, args.dim, args.block_size, args.suffix
-    impl = _kernel_impl()
+    kernel = _kernel()
     print(
         f"\n== crossover (per layer, fwd+bwd, causal softmax): ~{args.crossover_tokens} "
         f"tokens, suffix={s} events by jagged attention, prefix by BlockAttention bs={bs}",
@@ -241,14 +239,12 @@ def crossover(args, results) -> None:
         q, k, v, do = (_normal(7 * length + i, (t, heads, d), jnp.bfloat16) for i in range(4))
 
         def full(q, k, v):
-            return jagged_attention(
-                q, k, v, offj, max_seq_len=length, activation="softmax", implementation=impl
-            )
+            return jagged_attention(q, k, v, offj, max_seq_len=length, activation="softmax", **kernel)
 
         def tower(q, k, v):
             # Block attention also runs over the suffix rows (s / L of the work) and
             # is overwritten there: cheaper than gathering the prefix.
-            out = block_attention(q, k, v, split_off, block_size=bs, causal=True, implementation=impl)
+            out = block_attention(q, k, v, split_off, block_size=bs, causal=True, **kernel)
             return out.at[suf_idx].set(
                 jagged_attention(
                     q[suf_idx],
@@ -257,7 +253,7 @@ def crossover(args, results) -> None:
                     suf_off,
                     max_seq_len=suf_len,
                     activation="softmax",
-                    implementation=impl,
+                    **kernel,
                 )
             )
 

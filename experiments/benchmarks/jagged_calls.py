@@ -23,7 +23,7 @@ def inputs(lengths, h, d, rng, dtype=jnp.bfloat16):
     """(q, k, v, do, offsets) of fresh random values for sequences of these lengths."""
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     # token capacity: the tokens rounded up to a multiple of 8 (a packed batch's capacity is; the Mosaic GPU
-    # forward needs it, and without it the GPU backend quietly runs the Triton forward)
+    # forward needs it)
     t = -(-int(offsets[-1]) // 8) * 8
     keys = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
     q, k, v, do = (jax.random.normal(key, (t, h, d), jnp.float32).astype(dtype) for key in keys)
@@ -35,13 +35,14 @@ def fwd_flops(lengths, h, dqk, dv) -> float:
     return float(sum(2 * h * (dqk + dv) * int(l) ** 2 / 2 for l in lengths))
 
 
-def jagged(impl, n, activation, block_sizes=None, options=None, **kw):
+def jagged(impl, n, activation, block_sizes=None, options=None, interpret=False, **kw):
     """jagged_attention as a call f(q, k, v, offsets) with everything else fixed."""
     return functools.partial(
         jagged_attention,
         max_seq_len=n,
         activation=activation,
         implementation=impl,
+        interpret=interpret,
         block_sizes=block_sizes,
         options=options,
         **kw,

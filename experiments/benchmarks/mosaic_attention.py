@@ -2,7 +2,7 @@
 forwards side by side; this one sweeps the Mosaic GPU kernel's tiles and schedule).
 
 The kernel is pallas_kernels/jagged_attention/gpu_sm90.py; the Triton forward is jagged_attention with
-KernelOptions(hopper_forward=False) (with a bias: the bias_rows array it builds, or the computed bias past the
+implementation="triton" (with a bias: the bias_rows array it builds, or the computed bias past the
 array's cap, as the model runs it). First checks the
 Mosaic GPU forward (o and, for softmax, lse) against the float32 reference on fresh random inputs (relative
 L2 < 1e-2, no NaN, rows past offsets[B] zero), with and without the relative bias, then times both forwards
@@ -25,11 +25,11 @@ import numpy as np
 from experiments.benchmarks import shapes
 from experiments.benchmarks.jagged_calls import fwd_flops
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
-from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
+from pallas_kernels.mosaic_common import num_sms
 
 
 def _static(n, activation, d, window=0, targets=False, bias: shapes.RelativeBias | None = None):
@@ -61,7 +61,7 @@ def _inputs(lengths, h, d, seed, extra_rows=0, dtype=jnp.bfloat16, bias: shapes.
 def _kernel_inputs(q, k, v, off, s, targets=None, extra=None):
     """The Triton backend's kernel inputs, which the Mosaic forward takes too."""
     extra = extra or {}
-    return gpu.to_kernel_layout(
+    return gpu_layout.to_kernel_layout(
         q, k, v, off, targets, extra.get("timestamps"), extra.get("pos_bias"), extra.get("time_bias"), s
     )
 
@@ -73,10 +73,9 @@ def _mosaic(s, knobs: dict):
 
 def _triton(q, k, v, off, n, activation, extra):
     """The shipped Triton forward through the public entry point (its own bias_rows decision)."""
-    options = KernelOptions(hopper_forward=False)
     f = jax.jit(
         lambda q, k, v, off, extra: jagged_attention(
-            q, k, v, off, max_seq_len=n, activation=activation, implementation="gpu", options=options, **extra
+            q, k, v, off, max_seq_len=n, activation=activation, implementation="triton", **extra
         )
     )
     return lambda _inputs: f(q, k, v, off, extra)
@@ -181,7 +180,7 @@ CASES = {
 
 def _knob_sets(args) -> dict:
     base = dict(block_k=args.block_k or None, stages=args.stages or None, pingpong=bool(args.pingpong))
-    base.update(num_ctas=args.num_ctas or None)
+    base.update(num_ctas={0: None, -1: num_sms()}.get(args.num_ctas, args.num_ctas))
     sets = {"default": base}
     for spec in filter(None, args.sweep.split(",")):  # bk:stages
         bk, stages = (int(x) for x in spec.split(":"))
@@ -200,7 +199,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--stages", type=int, default=0, help="K/V ring slots; 0: the kernel's default")
     p.add_argument("--pingpong", type=int, default=1)
     p.add_argument(
-        "--num-ctas", type=int, default=mosaic_gpu.NUM_SMS, help="persistent grid size; 0: one CTA per item"
+        "--num-ctas", type=int, default=-1, help="persistent grid size; -1: one CTA per SM; 0: one per item"
     )
     p.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     p.add_argument(

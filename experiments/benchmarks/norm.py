@@ -38,11 +38,12 @@ TILES = [(None, None), (4, 4), (8, 4), (16, 4), (16, 8), (32, 8)]
 MOSAIC_ROWS = [None, 4, 8, 16, 32]
 
 
-def _fns(implementation, gated, with_input, rows_per_block=None, num_warps=None):
+def _fns(implementation, gated, with_input, rows_per_block=None, num_warps=None, interpret=False):
     norm = functools.partial(
         layer_norm,
         with_input=with_input,
         implementation=implementation,
+        interpret=interpret,
         rows_per_block=rows_per_block,
         num_warps=num_warps,
     )
@@ -78,17 +79,16 @@ def _inputs(key, rows: int, width: int):
 
 def _variants(gated, with_input, quick: bool, interpret: bool):
     """(label, (forward, grads)) of XLA's reference, the Triton kernels and the Mosaic GPU kernels."""
-    suffix = "_interpret" if interpret else ""
     out = [("reference (XLA)", _fns("reference", gated, with_input))]
     for r, w in TILES[:1] if quick else TILES:
         out.append(
             (
                 f"triton rows={r or 'default'} warps={w or 'default'}",
-                _fns("triton" + suffix, gated, with_input, r, w),
+                _fns("triton", gated, with_input, r, w, interpret),
             )
         )
     for r in MOSAIC_ROWS[:1] if quick else MOSAIC_ROWS:
-        out.append((f"mosaic rows={r or 'default'}", _fns("mosaic" + suffix, gated, with_input, r)))
+        out.append((f"mosaic rows={r or 'default'}", _fns("mosaic", gated, with_input, r, None, interpret)))
     return out
 
 
@@ -116,7 +116,7 @@ def main(argv: list[str]) -> int:
         bwd_bytes = row_bytes * (3 + 2 * gated + with_input)  # read x, dy (gate, dres); write dx (dgate)
         print(
             f"{name}: forward moves {fwd_bytes / 1e9:.2f} GB, backward {bwd_bytes / 1e9:.2f} GB; "
-            f"implementation=None runs {kernel_for(None, width)[0]} here",
+            f"implementation=None runs {kernel_for(None, width)} here",
             flush=True,
         )
         variants = _variants(gated, with_input, args.quick, interpret)

@@ -92,7 +92,7 @@ def main(argv: list[str]) -> int:
                 t = Tiles()
                 t = Tiles(num_ctas=(m // (2 * t.block_m)) * (sum(widths) // t.block_n))
             fn = jax.jit(
-                lambda *a, t=t, widths=widths: norm_silu_gemm(*a, widths, implementation="pallas", tiles=t)
+                lambda *a, t=t, widths=widths: norm_silu_gemm(*a, widths, implementation="mosaic", tiles=t)
             )
             label = f"kernel {name} {t or Tiles()}"
             ok = _check_and_time(label, fn, arrays, want, base, flops, args.reps, "reference") and ok
@@ -123,7 +123,7 @@ def _backward(m, k, widths, seed, reps, on_cpu, names) -> bool:
         if not t.applies(m, k, widths):
             print(f"  {label}: does not fit the shape", flush=True)
             continue
-        fn = jax.jit(lambda dp, z, w, t=t: silu_backward(dp, z, w, "gpu", t))
+        fn = jax.jit(lambda dp, z, w, t=t: silu_backward(dp, z, w, "mosaic", t))
         ok = _check_and_time(label, fn, (d_pieces, z, w), want, base, flops, reps, "jnp") and ok
     return ok
 

@@ -53,7 +53,7 @@ class RelativeBias:
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPreset:
-    """A row of issue 47's table (`bench attention --preset NAME`): a shape, its activation, and the targets in
+    """A row of the preset table (`bench attention --preset NAME`): a shape, its activation, and the targets in
     TFLOP/s, or as the name of an implementation timed in the same call ("cudnn", "tokamax"). A row without a
     backward target times the forward only."""
 
@@ -85,12 +85,12 @@ NVIDIA_D256 = JaggedShape(batch=64, max_seq_len=4096, heads=4, head_dim=256, len
 NVIDIA_D64 = JaggedShape(batch=16, max_seq_len=16384, heads=4, head_dim=64, lengths="equal")
 # dense causal, equal lengths (B=8 T=4096 H=16): the cuDNN and tokamax comparison, SiLU and softmax
 DENSE_H16 = JaggedShape(batch=8, max_seq_len=4096, heads=16, head_dim=128, lengths="equal")
-# dense causal softmax at D=256, equal lengths (B=4 T=8192 H=4): where tokamax leads cuDNN (issue 47)
+# dense causal softmax at D=256, equal lengths (B=4 T=8192 H=4): where tokamax leads cuDNN
 DENSE_D256 = JaggedShape(batch=4, max_seq_len=8192, heads=4, head_dim=256, lengths="equal")
 # the relative bias of configs/gem_h200.toml (num_position_buckets, num_time_buckets), and a wide one
 GEM_H200_BIAS = RelativeBias(num_pos=128, num_time=64)
 WIDE_BIAS = RelativeBias(num_pos=1024, num_time=64)
-# issue 47's table, a row a preset (H200, bf16, causal; docs/benchmarks.md): the peer's shapes, the dense
+# the preset table, a row a preset (H200, bf16, causal; docs/benchmarks.md): the peer's shapes, the dense
 # rows where cuDNN and tokamax (softmax) are the anchors, and NVIDIA's CUTLASS shapes at full length
 ATTENTION_PRESETS = {
     "u1k": AttentionPreset(PEER_N1024, "silu", 330),

@@ -62,14 +62,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quick", action="store_true", help="small shapes, default tiles only (smoke test, CPU)")
     args = p.parse_args(argv)
     cpu = jax.default_backend() == "cpu"
-    triton, mosaic = ("triton_interpret", "mosaic_interpret") if cpu else ("triton", "mosaic")
     shapes, tiles = (SHAPES, TILES) if not args.quick else ([("quick", 64, 32)], TILES[:1])
     variants = [
-        (f"triton {bm or 'default'} x {bn or 'default'}, warps {w or 'default'}", triton, bm, bn, w)
+        (f"triton {bm or 'default'} x {bn or 'default'}, warps {w or 'default'}", "triton", bm, bn, w)
         for bm, bn, w in tiles
     ]
     variants += [
-        (f"mosaic {bm or 'default'} x {bn or 'default'}", mosaic, bm, bn, None)
+        (f"mosaic {bm or 'default'} x {bn or 'default'}", "mosaic", bm, bn, None)
         for bm, bn in (MOSAIC_TILES if not args.quick else MOSAIC_TILES[:1])
     ]
     print(f"device={jax.devices()[0].device_kind} jax={jax.__version__}", flush=True)
@@ -90,7 +89,7 @@ def main(argv: list[str]) -> int:
         for label, kernel, bm, bn, warps in variants:
             run = jax.jit(
                 lambda d, z, s, k=kernel, bm=bm, bn=bn, w=warps: silu_backward_fp8(
-                    d, z, s, implementation=k, block_rows=bm, block_cols=bn, num_warps=w
+                    d, z, s, implementation=k, interpret=cpu, block_rows=bm, block_cols=bn, num_warps=w
                 )
             )
             try:

@@ -32,8 +32,7 @@ import numpy as np
 from experiments.benchmarks.pipeline import pipeline_source, time_pipeline
 from experiments.fp8_gemms import fp8_dots, summary
 from gem_jax.config import load_config
-from gem_jax.model.attention import kernel_summary
-from gem_jax.model.hstu import uvqk_summary
+from gem_jax.kernels import kernel_lines
 from gem_jax.tasks import make_task
 from gem_jax.train.flops import device_peak_flops, nvidia_hstu_flops, train_step_flops
 from gem_jax.train.step import Trainer
@@ -149,7 +148,7 @@ def main(argv: list[str]) -> int:
         "jax": jax.__version__,
         "devices": jax.device_count(),
         "pipeline": pipeline_source(config),
-        "kernels": [kernel_summary(config), uvqk_summary(config)] if config.model.layer == "hstu" else None,
+        "kernels": kernel_lines(config),  # which backend runs each op
         "pipeline_s_per_batch": pipeline.s_per_batch,
         "pipeline_batches": {"untimed": pipeline.untimed, "timed": pipeline.timed},
         "device_step_s_median": step_s,
@@ -174,6 +173,7 @@ def main(argv: list[str]) -> int:
         "gemm_calls": gemm_calls if jax.default_backend() == "gpu" else None,
         "fp8": fp8,
     }
+    print("\n".join(result["kernels"]))
     print(json.dumps(result, indent=1))
     if fp8 and jax.default_backend() == "gpu" and gemm_calls["cublas_lt_f8"] < fp8["fp8_pattern"]:
         print(

@@ -38,7 +38,7 @@ from gem_jax.embeddings.hashing import hash_ids, segment_ids
 from gem_jax.embeddings.offload import OffloadedTable
 from gem_jax.embeddings.optimizers import RowWiseAdagrad, SparseOptimizer
 from gem_jax.embeddings.optimizers import from_config as optimizer_from_config
-from gem_jax.embeddings.planner import Plan, device_memory_bytes, plan_tables
+from gem_jax.embeddings.planner import Plan, device_capacity, device_memory_bytes, plan_tables
 from gem_jax.parallel import fast_axes, shard_axes
 
 INIT_BLOCK_ROWS = 1 << 16  # rows drawn from one key (a table's values do not depend on how it is filled)
@@ -173,16 +173,24 @@ class EmbeddingCollection:
 
     @classmethod
     def from_config(
-        cls, config: Config, mesh: Mesh, extra_tables: Mapping[str, TableConfig] | None = None
+        cls,
+        config: Config,
+        mesh: Mesh,
+        extra_tables: Mapping[str, TableConfig] | None = None,
+        *,
+        budget_bytes: int | None = None,
     ) -> EmbeddingCollection:
-        """The collection the config describes (`extra_tables`: e.g. a model's data-sized table)."""
+        """The collection the config describes (`extra_tables`: e.g. a model's data-sized table). The
+        tables' budget per device: `budget_bytes`, else `embeddings.memory_fraction` of the device's memory
+        (`embeddings.device_memory_gib`, else what the device reports)."""
         e = config.embeddings
         batch_axes = shard_axes(config.parallel)
         fast = e.fast_axes
         if not fast and config.parallel.slow_axes:  # the topology says which axes stay inside a host
             fast = tuple(a for a in fast_axes(config.parallel) if a in batch_axes)
         tables = {**e.resolved_tables(), **(extra_tables or {})}
-        gib = e.device_memory_gib * (1 << 30) if e.device_memory_gib else device_memory_bytes()
+        if budget_bytes is None:
+            budget_bytes = int(device_capacity(e.device_memory_gib)[0] * e.memory_fraction)
         return cls(
             tables,
             e.resolved_features(),
@@ -190,7 +198,7 @@ class EmbeddingCollection:
             batch_axes,
             optimizer=optimizer_from_config(e.optimizer, e.adagrad_eps, e.adagrad_initial_accumulator),
             fast_axes=fast,
-            budget_bytes=int(gib * e.memory_fraction),
+            budget_bytes=budget_bytes,
         )
 
     # ------------------------------------------------------------------------- layout

@@ -37,7 +37,7 @@ from gem_jax.dtypes import DTYPES, TABLE_DTYPES
 
 SMALL_TABLE_BYTES = 2 << 20
 ACCUMULATOR_BYTES_PER_ROW = 4  # row-wise Adagrad: one fp32 per row
-_DEFAULT_DEVICE_BYTES = 16 << 30  # CPU devices report no memory limit
+DEFAULT_DEVICE_BYTES = 16 << 30  # CPU devices report no memory limit: `embeddings.device_memory_gib` sets one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,15 +75,15 @@ class Plan:
         for p in self.placements.values():
             devices = f"device {p.owner}" if p.sharding == "table_wise" else _devices_text(p, self.axis_sizes)
             lines.append(
-                f"| {p.name} | {p.rows:,} | {p.dim} | {p.dtype} | {_size(p.bytes)} | {p.sharding} | "
-                f"{devices} | {_size(p.bytes_per_device)} | {p.why} |"
+                f"| {p.name} | {p.rows:,} | {p.dim} | {p.dtype} | {size_text(p.bytes)} | {p.sharding} | "
+                f"{devices} | {size_text(p.bytes_per_device)} | {p.why} |"
             )
         per_device = self.bytes_per_device()
         mesh = " x ".join(f"{a}={self.axis_sizes[a]}" for a in self.batch_axes) or "one device"
         lines.append(
             f"\nmesh {mesh} (fast: {', '.join(self.fast_axes) or '-'}); per device: max "
-            f"{_size(int(per_device.max()))}, min {_size(int(per_device.min()))} of a "
-            f"{_size(self.budget_bytes)} budget"
+            f"{size_text(int(per_device.max()))}, min {size_text(int(per_device.min()))} of a "
+            f"{size_text(self.budget_bytes)} budget"
         )
         return "\n".join(lines)
 
@@ -99,7 +99,7 @@ class Plan:
         return out
 
 
-def _size(n: int) -> str:
+def size_text(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -124,14 +124,26 @@ def _devices_text(p: Placement, sizes: dict[str, int]) -> str:
     return f"{p.devices} (rows over {axes(p.row_axes)})"
 
 
-def device_memory_bytes(device=None) -> int:
-    """The device's memory limit (GPU/TPU report one), else 16 GiB."""
+def device_memory_bytes(device=None, default: int | None = DEFAULT_DEVICE_BYTES) -> int | None:
+    """The memory jax's allocator may use on `device` (GPU/TPU report it: `bytes_limit`), else `default`."""
     device = device or jax.devices()[0]
     try:
         stats = device.memory_stats() or {}
     except Exception:  # noqa: BLE001 - some backends raise instead of returning None
         stats = {}
-    return int(stats.get("bytes_limit", _DEFAULT_DEVICE_BYTES))
+    return int(stats["bytes_limit"]) if "bytes_limit" in stats else default
+
+
+def device_capacity(device_memory_gib: float = 0.0, device=None) -> tuple[int, str]:
+    """(bytes one device may use, where the figure comes from): `device_memory_gib` when set (the
+    `embeddings.device_memory_gib` key), else the device's own `bytes_limit`, else DEFAULT_DEVICE_BYTES."""
+    if device_memory_gib:
+        return int(device_memory_gib * (1 << 30)), "embeddings.device_memory_gib"
+    device = device or jax.devices()[0]
+    reported = device_memory_bytes(device, default=None)
+    if reported is None:
+        return DEFAULT_DEVICE_BYTES, f"{device.platform} devices report no limit: the default"
+    return reported, f"bytes_limit of the {device.device_kind}"
 
 
 def plan_tables(
@@ -140,7 +152,7 @@ def plan_tables(
     batch_axes: tuple[str, ...],
     *,
     fast_axes: tuple[str, ...] = (),
-    budget_bytes: int = _DEFAULT_DEVICE_BYTES // 2,
+    budget_bytes: int = DEFAULT_DEVICE_BYTES // 2,
     accumulator: bool = True,
 ) -> Plan:
     """Chooses a sharding type per table (rules in the module docstring).
@@ -189,7 +201,7 @@ def plan_tables(
         p = max(candidates, key=lambda p: (p.bytes_per_device, p.name))
         t = tables[p.name]
         why = (
-            f"does not fit: {_size(int(per_device.max()))} per device over the {_size(budget_bytes)} budget; "
+            f"does not fit: {size_text(int(per_device.max()))} per device over the {size_text(budget_bytes)} budget; "
             "host memory + HBM cache"
         )
         placements[p.name] = _place(
@@ -201,8 +213,8 @@ def plan_tables(
     if per_device.max() > budget_bytes:
         worst = int(per_device.argmax())
         raise ConfigError(
-            f"embedding plan: device {worst} needs {_size(int(per_device[worst]))} for tables, over its "
-            f"{_size(budget_bytes)} budget (embeddings.device_memory_gib x memory_fraction):\n{plan.format()}"
+            f"embedding plan: device {worst} needs {size_text(int(per_device[worst]))} for tables, over its "
+            f"{size_text(budget_bytes)} budget (the device's memory x embeddings.memory_fraction):\n{plan.format()}"
         )
     return plan
 
@@ -211,7 +223,7 @@ def _auto(t: TableConfig, total: int, g: int, f: int, slow: tuple[str, ...], bud
     if g == 1:
         return "data_parallel", "one device"
     if total <= SMALL_TABLE_BYTES:
-        return "data_parallel", f"small (<= {_size(SMALL_TABLE_BYTES)}): local lookups"
+        return "data_parallel", f"small (<= {size_text(SMALL_TABLE_BYTES)}): local lookups"
     if slow and f < g and t.rows % f == 0 and total // f <= budget:
         return "two_d", "all-to-all on the fast axes only"
     if t.rows % g == 0:

@@ -14,8 +14,9 @@ import dataclasses
 import jax
 from jaxtyping import ArrayLike, Float, Int
 
-from gem_jax.config import Config, ModelConfig
-from pallas_kernels.jagged_attention import jagged_attention, kernels_in_use
+from gem_jax.config import ModelConfig
+from gem_jax.kernels import attention_options
+from pallas_kernels.jagged_attention import jagged_attention
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 
@@ -24,7 +25,10 @@ from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 class AttentionSpec:
     """The static settings of a layer's attention calls (hashable), built once from the model config.
 
-    implementation: a pallas_kernels implementation name, or None for the platform's best (config "auto").
+    implementation, interpret: the jagged attention kernels (config `model.attention_implementation`: a
+      pallas_kernels name, or None for the op's default order) and whether in Pallas's interpreter.
+    block_implementation, block_interpret: the same for the long-history tower's BlockAttention
+      (`model.block_attention_implementation`).
     weight_dropout: dropout on the attention weights, applied when a call gets an rng.
     kernel_options: the GPU kernels' variants; the bias_rows array's cap comes from
       `model.attention_bias_rows_gib`, which trades H * T * max_seq_len elements of memory per call for a
@@ -33,6 +37,9 @@ class AttentionSpec:
 
     activation: str = "silu"
     implementation: str | None = None
+    interpret: bool = False
+    block_implementation: str | None = None
+    block_interpret: bool = False
     max_attn_len: int = 0
     weight_dropout: float = 0.0
     kernel_options: KernelOptions = KernelOptions()
@@ -40,13 +47,17 @@ class AttentionSpec:
     @classmethod
     def from_config(cls, config: ModelConfig, *, activation: str | None = None) -> AttentionSpec:
         """The spec of `config`'s attention; `activation` overrides model.activation (SASRec: softmax)."""
-        gib = config.attention_bias_rows_gib
+        implementation, interpret = config.kernel("attention")
+        block_implementation, block_interpret = config.kernel("block_attention")
         return cls(
             activation=activation or config.activation,
-            implementation=config.attention_kernel,
+            implementation=implementation,
+            interpret=interpret,
+            block_implementation=block_implementation,
+            block_interpret=block_interpret,
             max_attn_len=config.max_attn_len,
             weight_dropout=config.attention_dropout,
-            kernel_options=KernelOptions(bias_rows=gib > 0, bias_rows_max_bytes=int(gib * 2**30)),
+            kernel_options=attention_options(config),
         )
 
 
@@ -82,29 +93,12 @@ def attention(
             q, k, v, offsets, **common, weight_dropout=spec.weight_dropout, dropout_rng=rng
         )
     return jagged_attention(
-        q, k, v, offsets, **common, implementation=spec.implementation, options=spec.kernel_options
-    )
-
-
-def kernel_summary(config: Config) -> str:
-    """One line naming the jagged attention kernels a run's layers use, forward and backward ("mosaic",
-    "triton", "tpu", "reference"), as the calls themselves decide (kernels_in_use) for a pack of
-    `data.tokens_per_shard` tokens in the compute dtype. train prints it at start-up."""
-    m, d = config.model, config.data
-    spec = AttentionSpec.from_config(m)
-    dtype = jax.numpy.dtype(config.precision.compute_dtype)
-    shape = lambda dim: jax.ShapeDtypeStruct((d.tokens_per_shard, m.num_heads, dim), dtype)
-    longest = d.max_history_len + d.num_candidates + m.num_context_tokens
-    forward, backward = kernels_in_use(
-        shape(m.attention_dim),
-        shape(m.value_dim),
-        max_seq_len=longest,
-        activation=spec.activation,
-        has_targets=True,
-        max_attn_len=spec.max_attn_len,
-        num_pos=m.num_position_buckets or None,
-        num_time=m.num_time_buckets or None,
+        q,
+        k,
+        v,
+        offsets,
+        **common,
         implementation=spec.implementation,
+        interpret=spec.interpret,
         options=spec.kernel_options,
     )
-    return f"attention kernels: forward {forward}, backward {backward} (jax {jax.__version__}, {jax.default_backend()})"

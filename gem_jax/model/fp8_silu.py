@@ -36,6 +36,7 @@ class _Static:
     w_dtype: Any
     b_dtype: Any  # None: no bias
     implementation: str | None  # of the SiLU-backward kernel
+    interpret: bool
 
 
 def split_widths(a: Array, widths: tuple[int, ...]) -> tuple[Array, ...]:
@@ -64,7 +65,9 @@ def _dense_silu_fwd(static: _Static, x, w, b, scales, probe):
 def _dense_silu_bwd(static: _Static, res, dys):
     xq_t, wq, z, scales, x_amax, w_amax = res
     x_scale, w_scale, g_scale = scales
-    gq, gq_t, g_amax, db = silu_backward_fp8(dys, z, g_scale, implementation=static.implementation)
+    gq, gq_t, g_amax, db = silu_backward_fp8(
+        dys, z, g_scale, implementation=static.implementation, interpret=static.interpret
+    )
     hi = jax.lax.Precision.HIGHEST  # the gradient GEMMs accumulate without cuBLASLt's fast mode (fp8.py)
     dx = scaled_dot(gq, wq, g_scale, w_scale, (1, 1), static.x_dtype, hi)  # dZ W^T: [M, K]
     dw = scaled_dot(xq_t, gq_t, x_scale, g_scale, (1, 1), static.w_dtype, hi)  # X^T dZ: [K, N]
@@ -87,6 +90,7 @@ def dense_silu_split(
     *,
     compute_dtype,
     implementation: str | None = None,
+    interpret: bool = False,
 ) -> tuple[Float[Array, "rows _"], ...]:
     """split(SiLU(x w + b), widths) in `compute_dtype`; the backward's GEMMs in FP8 with the delayed
     `scales` (x_scale, w_scale, g_scale) of the layer's FP8 state and `probe` its amax probe."""
@@ -103,5 +107,6 @@ def dense_silu_split(
         w.dtype,
         None if b is None else jnp.asarray(b).dtype,
         implementation,
+        interpret,
     )
     return _dense_silu(static, x, w, b, tuple(scales), probe)

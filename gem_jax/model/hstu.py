@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import ArrayLike, Float, Int
 
-from gem_jax.config import Config, ModelConfig
+from gem_jax.config import ModelConfig
+from gem_jax.kernels import uvqk_widths
 from gem_jax.model.attention import AttentionSpec, attention
 from gem_jax.model.frequency_filter import FrequencyBranch
 from gem_jax.model.layers import Dense, LayerNorm, dropout
@@ -41,42 +42,24 @@ from gem_jax.precision import PrecisionPolicy
 from pallas_kernels.norm_gemm import api as norm_gemm
 
 
-def uvqk_widths(c: ModelConfig) -> tuple[int, int, int, int]:
-    """The widths of U, V, Q and K in the uvqk projection's output (no Q or K for the time-variant mixer)."""
-    h = c.num_heads
-    qk = 0 if c.sequence_mixer == "time_variant" else h * c.attention_dim
-    return (h * c.value_dim, h * c.value_dim, qk, qk)
-
-
-def uvqk_fusion(c: ModelConfig, rows: int, x_dtype, compute_dtype, *, fp8: bool) -> str | None:
-    """What runs an HSTU layer's input norm + uvqk GEMM + SiLU + split for a pack of `rows` tokens: a
-    pallas_kernels.norm_gemm implementation ("gpu", "gpu_interpret", "reference"), or None for the unfused
-    path (the norm kernel, XLA's GEMM, SiLU). `model.uvqk_implementation` decides; "auto" takes the Mosaic
-    GPU kernel only where it applies (Hopper, tiles that fit, a float32 residual stream, a 16-bit GEMM), an
-    explicit name takes norm_gemm's choice (its reference where its kernel does not apply). An FP8 uvqk
-    GEMM, the frequency and wavelet branches and the time-variant mixer keep the unfused path."""
+def uvqk_fusion(c: ModelConfig, rows: int, x_dtype, compute_dtype, *, fp8: bool) -> tuple[str, bool] | None:
+    """The (implementation=, interpret=) of pallas_kernels.norm_gemm that runs an HSTU layer's input norm + uvqk
+    GEMM + SiLU + split for a pack of `rows` tokens, or None for the unfused path (the norm kernel, XLA's GEMM,
+    SiLU). `model.uvqk_implementation` decides: "auto" takes the op's default order (the Mosaic GPU kernel on
+    Hopper where it takes the call: tiles that fit, a float32 residual stream, a 16-bit GEMM) and the unfused
+    path where that is the reference; a name is that backend. An FP8 uvqk GEMM, the frequency and wavelet
+    branches and the time-variant mixer keep the unfused path."""
     if c.uvqk_implementation == "off" or fp8 or c.frequency_mix > 0 or c.wavelet_mix > 0:
         return None
     if c.sequence_mixer != "attention":
         return None
-    kernel, _ = norm_gemm.kernel_for(c.uvqk_kernel, (rows, c.model_dim), uvqk_widths(c))
-    dtypes_fit = jnp.dtype(x_dtype) == jnp.float32 and jnp.dtype(compute_dtype) in (jnp.bfloat16, jnp.float16)
-    if not dtypes_fit:
-        kernel = "reference"
-    if c.uvqk_implementation == "auto" and kernel == "reference":
-        return None
-    return kernel
-
-
-def uvqk_summary(config: Config) -> str:
-    """One line naming what runs the HSTU layers' input norm + uvqk GEMM for a pack of
-    `data.tokens_per_shard` tokens (train prints it at start-up, beside the attention kernels)."""
-    m, p = config.model, config.precision
-    kernel = uvqk_fusion(m, config.data.tokens_per_shard, jnp.float32, p.compute_dtype, fp8=False)
-    what = "unfused (norm kernel, XLA GEMM, SiLU)" if kernel is None else f"norm_gemm {kernel}"
-    fp8_named = p.fp8 is not False and any("hstu/0/uvqk".startswith(prefix) for prefix in p.fp8_layers)
-    note = "; unfused where its GEMM runs FP8" if kernel is not None and fp8_named else ""
-    return f"uvqk: {what} (model.uvqk_implementation = {m.uvqk_implementation!r}{note})"
+    implementation, interpret = c.kernel("uvqk")
+    if implementation is not None:
+        return implementation, interpret
+    x = jax.ShapeDtypeStruct((rows, c.model_dim), x_dtype)
+    w = jax.ShapeDtypeStruct((c.model_dim, sum(uvqk_widths(c))), compute_dtype)
+    forward, _ = norm_gemm.kernels_for(x, w, uvqk_widths(c), None)
+    return None if forward == "reference" else (forward, False)
 
 
 class HSTULayer(nnx.Module):
@@ -97,11 +80,15 @@ class HSTULayer(nnx.Module):
         self.max_targets = max_targets  # static bound on candidates per sequence (long-history layouts)
         self.attention_spec = AttentionSpec.from_config(c)
         h, dv = c.num_heads, c.value_dim
-        norm = c.norm_kernel
-        self.glue_implementation = norm  # the glue kernels: layer norms, the FP8 SiLU backward
-        self.input_norm = LayerNorm(c.model_dim, policy, rngs=rngs, implementation=norm)
+        norm, norm_interpret = c.kernel("norm")
+        self.silu_kernel = c.kernel(
+            "silu_backward_fp8"
+        )  # (implementation, interpret) of the FP8 SiLU backward
+        self.input_norm = LayerNorm(
+            c.model_dim, policy, rngs=rngs, implementation=norm, interpret=norm_interpret
+        )
         self.uvqk = Dense(f"{name}/uvqk", c.model_dim, sum(uvqk_widths(c)), policy, rngs=rngs)
-        self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs, implementation=norm)
+        self.attn_norm = LayerNorm(h * dv, policy, rngs=rngs, implementation=norm, interpret=norm_interpret)
         self.out = Dense(f"{name}/out", h * dv, c.model_dim, policy, rngs=rngs, axes=("mlp", "embed"))
         zeros = nnx.initializers.zeros
         attends = c.sequence_mixer == "attention"
@@ -153,14 +140,17 @@ class HSTULayer(nnx.Module):
         with jax.named_scope(f"{self.name}/uvqk"):
             fused = uvqk_fusion(c, t, x.dtype, self.uvqk.compute_dtype, fp8=self.uvqk.fp8 is not None)
             if fused is not None:  # the norm on the GEMM's A tile, SiLU and the split in its epilogue
-                u, v, q, k = self.fused_uvqk(x, fused)
+                u, v, q, k = self.fused_uvqk(x, *fused)
             else:
                 # x: the residual stream (its gradient joins the norm's backward); xn straight in the GEMM's
                 # dtype (bf16 from a float32 stream), unless a frequency or wavelet branch reads it too.
                 out_dtype = self.uvqk.compute_dtype if not self.branches() else None
                 x, xn = self.input_norm(x, with_input=True, out_dtype=out_dtype)
-                # The glue kernels' setting also picks the FP8 SiLU-backward kernel (precision.fp8_gemms).
-                u, v, q, k = self.uvqk.silu_split(xn, uvqk_widths(c), implementation=self.glue_implementation)
+                # With precision.fp8_gemms = "backward", SiLU's backward quantises in its own kernel.
+                implementation, interpret = self.silu_kernel
+                u, v, q, k = self.uvqk.silu_split(
+                    xn, uvqk_widths(c), implementation=implementation, interpret=interpret
+                )
         attention_rng = None if rng is None else jax.random.fold_in(rng, 1)
         if self.time_variant is not None:
             with jax.named_scope(f"{self.name}/time_variant"):
@@ -203,7 +193,7 @@ class HSTULayer(nnx.Module):
         return [b for b in named if b[2] is not None]
 
     def fused_uvqk(
-        self, x: Float[ArrayLike, "T D"], implementation: str
+        self, x: Float[ArrayLike, "T D"], implementation: str, interpret: bool
     ) -> tuple[Float[ArrayLike, "T _"], ...]:
         """U, V, Q, K = split(SiLU(LN(x) W + b)) through pallas_kernels.norm_gemm (this layer's parameters)."""
         norm, dense = self.input_norm, self.uvqk
@@ -216,6 +206,7 @@ class HSTULayer(nnx.Module):
             dense.bias[...] if dense.bias is not None else jnp.zeros(dense.kernel.shape[1], jnp.float32),
             uvqk_widths(self.config),
             implementation=implementation,
+            interpret=interpret,
         )
 
     def attend(self, q, k, v, offsets, num_targets, timestamps, *, max_seq_len: int, rng: jax.Array | None):
@@ -289,7 +280,10 @@ class HSTUTower(nnx.Module):
                 for i in range(config.num_layers)
             ]
         )
-        self.final_norm = LayerNorm(config.model_dim, policy, rngs=rngs, implementation=config.norm_kernel)
+        norm, norm_interpret = config.kernel("norm")
+        self.final_norm = LayerNorm(
+            config.model_dim, policy, rngs=rngs, implementation=norm, interpret=norm_interpret
+        )
         self.residual_dtype = policy.residual  # the stream between layers (precision.residual_dtype)
         # Consecutive layers sharing a pyramid fraction run on one compacted layout: (start, stop, fraction).
         self.stages = tuple(_runs(config.pyramid or (1.0,) * config.num_layers))

@@ -62,11 +62,16 @@ class Dense(nnx.Module):
         return y.astype(self.compute_dtype)
 
     def silu_split(
-        self, x: Float[ArrayLike, "*rows din"], widths: tuple[int, ...], *, implementation: str | None = None
+        self,
+        x: Float[ArrayLike, "*rows din"],
+        widths: tuple[int, ...],
+        *,
+        implementation: str | None = None,
+        interpret: bool = False,
     ) -> tuple[Float[Array, "*rows _"], ...]:
         """split(SiLU(self(x)), widths) along the last axis. With `precision.fp8_gemms = "backward"` and the
         delayed recipe, the backward GEMMs run in FP8 with the gradient quantised inside SiLU's backward
-        kernel (gem_jax/model/fp8_silu.py; `implementation` picks that kernel)."""
+        kernel (gem_jax/model/fp8_silu.py; `implementation` and `interpret` pick that kernel)."""
         recipe = None if self.fp8 is None else self.fp8.recipe
         if recipe is None or recipe.gemms != "backward" or recipe.kind != "delayed" or x.ndim != 2:
             return split_widths(jax.nn.silu(self(x)), widths)
@@ -80,6 +85,7 @@ class Dense(nnx.Module):
             widths,
             compute_dtype=self.compute_dtype,
             implementation=implementation,
+            interpret=interpret,
         )
 
 
@@ -96,9 +102,10 @@ def fp8_decisions(model: nnx.Module) -> list[FP8Decision]:
 class LayerNorm(nnx.Module):
     """LayerNorm with float32 statistics (a "sensitive" op in any precision policy).
 
-    `implementation` (a pallas_kernels name; None: the platform's best) runs it as the fused layer-norm
-    kernel of pallas_kernels.layer_norm, which can also multiply by a gate and pass its input through for a
-    residual (`with_input`) in the same pass; "reference" is plain jnp, which XLA fuses as it can.
+    `implementation` (a pallas_kernels name; None: the op's default order for the platform) runs it as the
+    fused layer-norm kernel of pallas_kernels.layer_norm (in Pallas's interpreter with `interpret`), which can
+    also multiply by a gate and pass its input through for a residual (`with_input`) in the same pass;
+    "reference" is plain jnp, which XLA fuses as it can.
     """
 
     def __init__(
@@ -109,12 +116,14 @@ class LayerNorm(nnx.Module):
         rngs: nnx.Rngs,
         use_scale: bool = True,
         implementation: str | None = "reference",
+        interpret: bool = False,
     ):
         self.scale = (
             param(rngs, nnx.initializers.ones, (dim,), ("embed",), policy.param_dtype) if use_scale else None
         )
         self.bias = param(rngs, nnx.initializers.zeros, (dim,), ("embed",), policy.param_dtype)
         self.implementation = implementation
+        self.interpret = interpret
 
     def __call__(
         self,
@@ -134,6 +143,7 @@ class LayerNorm(nnx.Module):
             with_input=with_input,
             out_dtype=out_dtype,
             implementation=self.implementation,
+            interpret=self.interpret,
         )
 
 

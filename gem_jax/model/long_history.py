@@ -165,8 +165,8 @@ def long_history_attention(
       block_size: BlockAttention block over the older prefix.
       max_seq_len: static bound on any sequence length of this pack; the recent layout's jagged
         attention uses min(max_seq_len, num_context + recent_len + max_targets) (SiLU divides by it).
-      spec, pos_bias, time_bias: as `attention` (spec.implementation runs the block attention too; no weight
-        dropout here).
+      spec, pos_bias, time_bias: as `attention` (spec.block_implementation runs the block attention; no
+        weight dropout here).
 
     Returns:
       [T, H, Dv] in v.dtype.
@@ -184,7 +184,8 @@ def long_history_attention(
         block_offsets,
         block_size=block_size,
         causal=True,
-        implementation=spec.implementation,
+        implementation=spec.block_implementation,
+        interpret=spec.block_interpret,
     )
 
     capacity = recent_capacity(t, b, num_context=num_context, recent_len=recent_len, max_targets=max_targets)

@@ -34,11 +34,10 @@ import numpy as np
 from tqdm import tqdm
 
 from gem_jax.distributed import agree, wait_for_all
+from gem_jax.kernels import kernel_lines
 from gem_jax.model import fp8_auto
-from gem_jax.model.attention import kernel_summary
-from gem_jax.model.hstu import uvqk_summary
 from gem_jax.parallel import describe_mesh
-from gem_jax.train import files, interrupt, watchdog
+from gem_jax.train import compile_cache, files, interrupt, memory, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.profiling import TraceWindow
@@ -262,12 +261,18 @@ def _train(
         _line(describe_mesh(task.mesh, task.config.parallel))
         if task.config.precision.fp8 == "auto":
             _line(fp8_auto.describe(task.config.precision, trainer.fp8_decisions))
-    if task.describe():
-        _line(task.describe())
-    evaluate = task.evaluator(trainer)
     total = task.total_steps()
     with interrupt.blocked():  # grain worker processes start in here: Ctrl-C must not reach them
         data_iter = iter(task.train_data(jax.process_index(), jax.process_count()))
+        # A batch's shapes for the memory plan, made before anything is allocated; a fresh run trains on it
+        # first, a resumed one draws its next batch from the restored position.
+        probe = next(data_iter)
+        trainer, planned = _fit_memory(task, trainer, probe)
+        if task.describe():
+            _line(task.describe())
+        if jax.process_index() == 0:
+            _line(planned.line())
+        evaluate = task.evaluator(trainer)
         if latest is not None:
             state, saved = checkpoints.restore(latest, *trainer.saved_target, data_iter)
             state = trainer.from_saved_form(state)
@@ -278,7 +283,8 @@ def _train(
         step = start = int(state.step)
         already_finished = progress.stopped is not None or step >= total
         will_train = not already_finished and (stop_after is None or step < stop_after)
-        first = next(data_iter) if will_train else None
+        first = (probe if latest is None else next(data_iter)) if will_train else None
+        del probe
     writer = MetricsWriter(workdir, resume_step=start)
     peak = device_peak_flops(jax.devices()[0].device_kind)
     throughput = _Throughput()
@@ -291,10 +297,10 @@ def _train(
     if tc.progress and jax.process_index() == 0 and will_train:
         bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
     say = _message_printer(bar)
-    if will_train and jax.process_index() == 0 and task.config.model.layer in ("hstu", "sasrec"):
-        say(kernel_summary(task.config))
-        if task.config.model.layer == "hstu":
-            say(uvqk_summary(task.config))
+    startup: dict[str, Any] = {}
+    if will_train and jax.process_index() == 0:
+        for line in kernel_lines(task.config):
+            say(line)
 
     def save() -> None:
         nonlocal saved_step
@@ -328,11 +334,36 @@ def _train(
 
             compiled, compiled_for = None, None
             refresh = getattr(task, "refresh", None)  # optional: `Task` documents it
+            if first is not None:
+                # Compiled ahead (or loaded from the persistent cache: gem_jax/train/compile_cache.py),
+                # timed, and XLA's memory figure checked before the first step allocates anything.
+                t_lower = time.perf_counter()
+                lowered = trainer.lower_step(state, first)
+                lowered_s = time.perf_counter() - t_lower
+                compiled, compile_report = compile_cache.compile_timed(lowered)
+                compiled_for = _shapes(first)
+                planned = dataclasses.replace(planned, compiled=memory.compiled_bytes(compiled))
+                if jax.process_index() == 0:
+                    say(
+                        compile_report.line("train step", lowered_s)
+                        + (
+                            f"; XLA: {memory.size_text(planned.compiled)} per device"
+                            if planned.compiled
+                            else ""
+                        )
+                    )
+                if tc.check_memory:
+                    memory.check(planned)
+                startup = {
+                    "step_compile_s": compile_report.seconds,
+                    "step_compile_cached": compile_report.from_cache,
+                    "step_lower_s": lowered_s,
+                    "startup_s": time.perf_counter() - t_start,
+                }
             if multi and first is not None:
-                # Compile first, then meet: the first step's collectives then start together. A process
+                # Compiled first, then meet: the first step's collectives then start together. A process
                 # that compiled longer (a restart, a loaded host) would otherwise reach them more than
                 # gloo's 30 s after the others (gem_jax/distributed.py: wait_for_all).
-                compiled, compiled_for = trainer.lower_step(state, first).compile(), _shapes(first)
                 wait_for_all(f"gem_jax/first_step/{step}", tc.first_step_timeout_s)
             while step < total and progress.stopped is None and not signal_pending():
                 if stop_after is not None and step >= stop_after:
@@ -462,7 +493,41 @@ def _train(
         "train_time_s": progress.train_time_s if already_finished else time.perf_counter() - t_train,
         "devices": jax.device_count(),
         "device_kind": jax.devices()[0].device_kind,
+        # Start-up of this invocation: the step's compile (or load from the compilation cache), seconds
+        # from the trainer's start to its first step, and the memory plan (bytes per device).
+        **startup,
+        "memory_capacity_bytes": planned.capacity,
+        "memory_estimate_bytes": planned.estimate,
+        "memory_compiled_bytes": planned.compiled,
     }
+
+
+def _fit_memory(task: Task, trainer: Trainer, stack: Any) -> tuple[Trainer, memory.StepMemory]:
+    """The step's memory per device, planned before it compiles (gem_jax/train/memory.py). When the
+    estimate exceeds the device's memory and tables planned `auto` could leave it, the tables are
+    planned again with what the rest of the step leaves them (a new trainer on the new plan). Raises
+    ConfigError, in one line, when the step still does not fit (unless `train.check_memory` is off)."""
+    config = task.config
+    capacity = memory.device_capacity(config)
+    state = trainer.abstract_sharded_state
+    traced, extra = trainer.trace_step(state, stack)
+    planned = memory.plan_step(traced, state, extra, capacity)
+    if planned.fits or not config.train.check_memory:
+        return trainer, planned
+    budget = memory.table_budget(planned, config.embeddings.memory_fraction)
+    if memory.replan_tables(task, budget):
+        if jax.process_index() == 0:
+            _line(
+                f"the step needs ~{memory.size_text(planned.estimate)} per device of "
+                f"{memory.size_text(planned.capacity)}: tables planned again for the "
+                f"{memory.size_text(budget)} the rest of the step leaves them"
+            )
+        trainer = Trainer(task, task.mesh)
+        state = trainer.abstract_sharded_state
+        traced, extra = trainer.trace_step(state, stack)
+        planned = memory.plan_step(traced, state, extra, capacity)
+    memory.check(planned)
+    return trainer, planned
 
 
 def _shapes(stack: Any) -> Any:

@@ -37,7 +37,7 @@ from typing import Any
 
 import jax
 
-from gem_jax.config import Config, ConfigError, DataConfig, config_to_toml, load_config, schema_keys
+from gem_jax.config import Config, ConfigError, DataConfig, config_to_toml, load_recorded_config, schema_keys
 from gem_jax.data.records.dataset import records_fingerprint
 from gem_jax.data.synthetic import stream_version
 from gem_jax.paths import in_repository
@@ -219,7 +219,7 @@ class RunRecord:
                     continue
                 changes = [f"{k}={json.dumps(v[1])}" for k, v in last.get("changed", {}).items()]
                 break
-        return load_config(self.config_path, [*changes, *overrides])
+        return load_recorded_config(self.config_path, changes, overrides)
 
     def with_run_choices(self, config: Config) -> Config:
         """`config` with the FP8 layers the recorded run chose, where `config` asks for "auto" and leaves the
@@ -229,7 +229,7 @@ class RunRecord:
         if p.fp8 != "auto" or p.fp8_auto_choice is not None or not self.has_run():
             return config
         try:
-            recorded = load_config(self.config_path).precision
+            recorded = load_recorded_config(self.config_path).precision
         except ConfigError:  # `check` says why the record does not load
             return config
         if recorded.fp8 != "auto":
@@ -243,7 +243,7 @@ class RunRecord:
         if not self.has_run():
             return Plan(new=True, changed={}, record=None)
         try:
-            recorded = load_config(self.config_path)
+            recorded = load_recorded_config(self.config_path)
         except ConfigError as e:
             raise RecordMismatch(
                 f"the recorded config of {self.workdir} does not load with this code ({e}); "

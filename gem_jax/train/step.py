@@ -43,6 +43,7 @@ from gem_jax.model import fp8
 from gem_jax.model.layers import fp8_decisions
 from gem_jax.parallel import batch_sharding, shard_axes, state_shardings
 from gem_jax.precision import PrecisionPolicy
+from gem_jax.train import compile_cache
 from gem_jax.train.optimizer import learning_rate_schedule, make_optimizer
 from gem_jax.train.task import Task
 
@@ -65,6 +66,7 @@ class Trainer:
     def __init__(self, task: Task, mesh: Mesh):
         self.task = task
         self.config = config = task.config
+        compile_cache.configure(config.train.compilation_cache)  # before the first compile
         self.mesh = mesh
         self.embeddings = task.embeddings  # an EmbeddingCollection, or None (the model owns its tables)
         # FP8's settings as the layers get them (one object, built from the config by the policy)
@@ -184,6 +186,26 @@ class Trainer:
         emb_state, slots, counts = self.stage(state.embeddings, local_stack)
         state, metrics = run(state.replace(embeddings=emb_state), batch, slots)
         return state, {**metrics, **counts}
+
+    @property
+    def abstract_sharded_state(self) -> TrainState:
+        """The state as shapes with their shardings: traced (`trace_step`) or compiled without allocating it."""
+        return jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            self.abstract_state,
+            self.state_shardings,
+        )
+
+    def trace_step(self, state: TrainState, local_stack: Any) -> tuple[jax.stages.Traced, list[Any]]:
+        """`train_step` traced on `state` (arrays or `abstract_sharded_state`) and this stack's shapes, for
+        the memory plan (gem_jax/train/memory.py); returns it and the arguments after the state (the device
+        batch, and where tables are offloaded their slot ids, all -1: no row is staged)."""
+        batch = self.to_device(local_stack)
+        if not self.offloaded:
+            return self.train_step.trace(state, batch), [batch]
+        rows = jax.eval_shape(self._host_rows, local_stack)
+        slots = self.to_device({n: np.full(r.shape, -1, np.int32) for n, r in rows.items()})
+        return self.train_step.trace(state, batch, slots), [batch, slots]
 
     def lower_step(self, state: TrainState, local_stack: Any) -> jax.stages.Lowered:
         """`train_step` lowered for this stack's shapes, for ahead-of-time compiles (benchmarks, memory

@@ -1,7 +1,8 @@
-"""The public BlockAttention entry point: validation, tiles and kernel parameters, backend dispatch.
+"""The public BlockAttention entry point: validation, the backend (`kernel_for`), tiles and kernel parameters.
 
-Backends (gpu.py, tpu.py) follow the kernel-package contract (docs/architecture.md); implementations.run_kernel
-binds their forward and backward into the custom VJP. Implementation names: pallas_kernels/implementations.py.
+Names as every kernel op (pallas_kernels/implementations.py): "triton" (gpu.py, every GPU, Hopper included),
+"tpu" (tpu.py), "reference"; implementation=None takes DEFAULTS[platform]. Backends follow the kernel-package
+contract (docs/architecture.md); implementations.run_kernel binds their forward and backward into the custom VJP.
 """
 
 from __future__ import annotations
@@ -19,9 +20,48 @@ from pallas_kernels.block_attention.params import KernelParams
 from pallas_kernels.checks import check_jagged_qkv
 
 _PACKAGE = "pallas_kernels.block_attention"
+NAMES = ("triton", "tpu", "reference")
+DEFAULTS = {"hopper": ("triton",), "gpu": ("triton",), "tpu": ("tpu",), "cpu": ("reference",)}
+_MODULES = {"triton": "gpu", "tpu": "tpu"}  # each kernel's backend module
 
 
-@functools.partial(jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation"))
+def _why_not(name: str, block_size: int) -> str | None:
+    """None if backend `name` takes blocks of block_size tokens, else why not (the kernels' tile limit)."""
+    if name == "reference":
+        return None
+    try:
+        BlockSizes.get_default(implementations.tile_platform(name, False), block_size=block_size)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def kernel_for(
+    block_size: int, implementation: str | None, *, interpret: bool = False, platform: str | None = None
+) -> str:
+    """The backend ("triton", "tpu", "reference") that runs a block_attention call: the one decision.
+    `implementation` if it takes the call (else a ValueError), for None the first of DEFAULTS[platform] that
+    does (platform None: this process's): on an H100 Triton."""
+    return implementations.choose(
+        "block_attention",
+        implementation,
+        names=NAMES,
+        defaults=DEFAULTS,
+        why_not=lambda name: _why_not(name, block_size),
+        interpret=interpret,
+        platform=platform,
+    )
+
+
+def kernels_in_use(
+    block_size: int, implementation: str | None, *, interpret: bool = False, platform: str | None = None
+) -> str:
+    """The backend kernel_for picks, as train prints it (" (interpret)" where interpreted)."""
+    name = kernel_for(block_size, implementation, interpret=interpret, platform=platform)
+    return implementations.describe(name, interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("block_size", "causal", "alpha", "implementation", "interpret"))
 def block_attention(
     q: Float[ArrayLike, "T H Dqk"],
     k: Float[ArrayLike, "T H Dqk"],
@@ -32,6 +72,7 @@ def block_attention(
     causal: bool = False,
     alpha: float | None = None,
     implementation: str | None = None,
+    interpret: bool = False,
 ) -> Float[ArrayLike, "T H Dv"]:
     """Softmax attention inside consecutive blocks of each jagged sequence.
 
@@ -47,10 +88,8 @@ def block_attention(
       block_size: tokens per block (default 64).
       causal: restrict each token to earlier-or-equal tokens of its block.
       alpha: score scale, default 1/sqrt(Dqk).
-      implementation: None (the Pallas kernel on GPU/TPU, else "reference"),
-        "reference", "pallas" (the GPU or TPU kernel), "interpret" (the platform's
-        kernel in Pallas interpret mode; the GPU kernel on CPU), or a backend
-        ("gpu", "gpu_interpret", "tpu", "tpu_interpret"); see pallas_kernels/implementations.py.
+      implementation: None (DEFAULTS for the platform), "triton", "tpu" or "reference" (kernel_for).
+      interpret: the kernel runs in Pallas's interpreter (CPU tests).
 
     Returns:
       [T, H, Dv] in v.dtype; rows past offsets[B] are zero.
@@ -60,7 +99,7 @@ def block_attention(
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
     if alpha is not None and not isinstance(alpha, (int, float)):
         raise ValueError(f"alpha must be a Python float or None, got {alpha!r}")
-    kernel = implementations.resolve(implementation)
+    kernel = kernel_for(block_size, implementation, interpret=interpret)
     if alpha is None:
         alpha = 1.0 / float(q.shape[-1]) ** 0.5
     offsets = offsets.astype(jnp.int32)
@@ -72,7 +111,10 @@ def block_attention(
         block_size=block_size,
         causal=causal,
         alpha=float(alpha),
-        interpret=implementations.interpret(kernel),
-        blocks=BlockSizes.get_default(implementations.tile_platform(kernel), block_size=block_size),
+        interpret=interpret,
+        blocks=BlockSizes.get_default(
+            implementations.tile_platform(kernel, interpret), block_size=block_size
+        ),
     )
-    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets)
+    module = f"{_PACKAGE}.{_MODULES[kernel]}"
+    return implementations.run_kernel(module, params, q, k, v, offsets)

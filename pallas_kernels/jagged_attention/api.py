@@ -1,10 +1,16 @@
-"""The one public entry point: validates shapes, picks a backend, builds the kernels' parameters once.
+"""The one public entry point: validates shapes, picks the kernels, builds their parameters once.
 
-Backends (gpu.py, tpu.py) follow the kernel-package contract (docs/architecture.md): `to_kernel_layout` and
-`from_kernel_layout` (layout conversions in jnp, differentiated by JAX as usual), `forward(inputs, params)` ->
-(out, residuals) and `backward(residuals, d_out, params)` -> the inputs' cotangents, which
-implementations.run_kernel binds into one `jax.custom_vjp`. Every decision a backend obeys (tiles, whether the
-bias_rows array is used) is made here, in KernelParams. Implementation names: pallas_kernels/implementations.py.
+Which kernels run: `kernels_for`, one decision per call and direction (forward, backward). Names as every kernel
+op (pallas_kernels/implementations.py): "mosaic" (gpu_sm90.py forward, gpu_sm90_backward.py backward: Hopper),
+"triton" (gpu.py), "tpu" (tpu.py), "reference". implementation=None takes the first of DEFAULTS[platform]
+whose kernel takes the call, for each direction on its own: on Hopper Mosaic GPU wherever its supports() takes
+the call, else Triton; Triton on other GPUs; the TPU kernel on TPU; the reference on CPU.
+
+Backends (gpu_layout.py for both GPU families, tpu.py) follow the kernel-package contract
+(docs/architecture.md): `to_kernel_layout` and `from_kernel_layout` (layout conversions in jnp, differentiated
+by JAX as usual), `forward(inputs, params)` -> (out, residuals) and `backward(residuals, d_out, params)` -> the
+inputs' cotangents, which implementations.run_kernel binds into one `jax.custom_vjp`. Every decision a backend
+obeys (the kernels of each direction, tiles, whether the bias_rows array is used) is made here, in KernelParams.
 """
 
 from __future__ import annotations
@@ -25,15 +31,20 @@ from pallas_kernels.jagged_attention.reference import jagged_attention_reference
 from pallas_kernels.jagged_attention.tiling import bias_width
 
 ACTIVATIONS = ("silu", "softmax")
-# The GPU backend's two kernel families, by name: Mosaic GPU (gpu_sm90*.py: wgmma, TMA; Hopper only) and
-# Triton (gpu.py; deprecated by jax on Hopper, kept for pre-Hopper GPUs). implementation=None (or "gpu",
-# "pallas") runs Mosaic GPU on Hopper wherever it takes the call, Triton otherwise.
-GPU_FAMILIES = ("mosaic", "triton")
+NAMES = ("mosaic", "triton", "tpu", "reference")
+# implementation=None, per platform (implementations.PLATFORMS) and direction: the first whose kernel takes the
+# call. Triton stays for pre-Hopper GPUs (jax deprecates it on Hopper).
+DEFAULTS = {"hopper": ("mosaic", "triton"), "gpu": ("triton",), "tpu": ("tpu",), "cpu": ("reference",)}
+GPU_KERNELS = (
+    "mosaic",
+    "triton",
+)  # the GPU backend's families: one layout, so each direction may take either
 _PACKAGE = "pallas_kernels.jagged_attention"
 
 
 def _tiles_and_bias_rows(
     kernel: str,
+    interpret: bool,
     q,
     v,
     *,
@@ -52,12 +63,12 @@ def _tiles_and_bias_rows(
             rows=q.shape[0], heads=q.shape[1], width=width, itemsize=q.dtype.itemsize
         )
 
-    wanted = has_bias and kernel.startswith("gpu")  # only the GPU kernels read a bias_rows array
+    wanted = has_bias and kernel in GPU_KERNELS  # only the GPU kernels read a bias_rows array
     if block_sizes is not None:
         return block_sizes, wanted and fits(block_sizes)
     default = functools.partial(
         BlockSizes.get_default,
-        implementations.tile_platform(kernel),
+        implementations.tile_platform(kernel, interpret),
         head_dim=max(q.shape[-1], v.shape[-1]),
         max_seq_len=max_seq_len,
         has_bias=has_bias,
@@ -76,6 +87,7 @@ def _tiles_and_bias_rows(
         "alpha",
         "max_attn_len",
         "implementation",
+        "interpret",
         "block_sizes",
         "options",
     ),
@@ -95,6 +107,7 @@ def jagged_attention(
     pos_bias: Float[ArrayLike, "H P"] | None = None,
     time_bias: Float[ArrayLike, "H NT"] | None = None,
     implementation: str | None = None,
+    interpret: bool = False,
     block_sizes: BlockSizes | None = None,
     options: KernelOptions | None = None,
 ) -> Float[ArrayLike, "T H Dv"]:
@@ -113,9 +126,9 @@ def jagged_attention(
       timestamps: int32[T] seconds, needed iff time_bias is given.
       pos_bias: [H, P], adds pos_bias[h, min(i - j, P - 1)] to the score.
       time_bias: [H, NT], adds time_bias[h, min(floor(log(max(ts_i - ts_j, 1)) / 0.301), NT - 1)].
-      implementation: None (best for the platform), "reference", "pallas", "interpret", a backend ("gpu",
-        "gpu_interpret", "tpu", "tpu_interpret"; pallas_kernels/implementations.py), or a GPU kernel family,
-        "mosaic" or "triton" (GPU_FAMILIES; a call the Mosaic GPU kernels do not take is a ValueError).
+      implementation: None (DEFAULTS for the platform, per direction), "mosaic", "triton", "tpu" or
+        "reference" (both directions; one that does not take the call is a ValueError): kernels_for.
+      interpret: the kernels run in Pallas's interpreter (CPU tests).
       block_sizes: kernel tiles; None: BlockSizes.get_default for the backend.
       options: kernel variants (benchmarks A/B them); None: KernelOptions(), the shipped kernel.
 
@@ -146,9 +159,8 @@ def jagged_attention(
     if options is not None and not isinstance(options, KernelOptions):
         raise ValueError(f"options must be a KernelOptions or None, got {options!r}")
     offsets = offsets.astype(jnp.int32)
-    kernel, params = _plan(
+    call = _call_params(
         q,
-        v,
         max_seq_len=max_seq_len,
         activation=activation,
         alpha=alpha,
@@ -156,11 +168,11 @@ def jagged_attention(
         max_attn_len=max_attn_len,
         num_pos=None if pos_bias is None else pos_bias.shape[1],
         num_time=None if time_bias is None else time_bias.shape[1],
-        implementation=implementation,
-        block_sizes=block_sizes,
+        interpret=interpret,
         options=options,
     )
-    if kernel == "reference":
+    params = _plan(call, q, v, implementation=implementation, block_sizes=block_sizes)
+    if params is None:
         return jagged_attention_reference(
             q,
             k,
@@ -176,12 +188,12 @@ def jagged_attention(
             time_bias=time_bias,
         )
     extras = (num_targets, timestamps, pos_bias, time_bias)
-    return implementations.run_kernel(_PACKAGE, kernel, params, q, k, v, offsets, *extras)
+    module = f"{_PACKAGE}.{'tpu' if params.forward_kernel == 'tpu' else 'gpu_layout'}"
+    return implementations.run_kernel(module, params, q, k, v, offsets, *extras)
 
 
-def _plan(
+def _call_params(
     q,
-    v,
     *,
     max_seq_len: int,
     activation: str,
@@ -190,26 +202,12 @@ def _plan(
     max_attn_len: int,
     num_pos: int | None,
     num_time: int | None,
-    implementation: str | None,
-    block_sizes: BlockSizes | None,
+    interpret: bool,
     options: KernelOptions | None,
-) -> tuple[str, KernelParams | None]:
-    """(kernel name, KernelParams): every decision about how a call runs, made once (q, v: arrays or shapes).
-
-    The kernel name is "reference" (params None) or one of implementations.KERNELS. For "gpu", the params say
-    which family runs each direction (hopper_forward, hopper_backward): the one named by implementation=
-    ("mosaic", "triton"), else Mosaic GPU where KernelOptions and the device allow it and it takes the call.
-    """
-    family = implementation if implementation in GPU_FAMILIES else None
-    kernel = implementations.resolve("gpu" if family else implementation)
-    if kernel == "reference":
-        return kernel, None
-    has_bias = num_pos is not None or num_time is not None
-    options = options or KernelOptions()
-    blocks, bias_rows = _tiles_and_bias_rows(
-        kernel, q, v, max_seq_len=max_seq_len, has_bias=has_bias, block_sizes=block_sizes, options=options
-    )
-    params = KernelParams.build(
+) -> KernelParams:
+    """The call's KernelParams before the kernels are chosen (GPU tiles, no bias_rows array): what the
+    backends' supports() read. options None: KernelOptions(), the shipped kernel."""
+    return KernelParams.build(
         max_seq_len,
         activation,
         q.shape[-1],
@@ -218,34 +216,84 @@ def _plan(
         has_targets=has_targets,
         num_pos=num_pos,
         num_time=num_time,
-        interpret=implementations.interpret(kernel),
-        blocks=blocks,
-        bias_rows=bias_rows,
+        interpret=interpret,
         options=options,
     )
-    if kernel != "gpu" or family == "triton":
-        return kernel, params
-    # platform-only: the Mosaic GPU backend is imported only where a GPU kernel may run
+
+
+def _why_not(name: str, direction: str, params: KernelParams, q, v) -> str | None:
+    """None if backend `name` takes this call in `direction` ("forward", "backward"), else why not: only the
+    Mosaic GPU kernels take some calls only (gpu_sm90.supports, gpu_sm90_backward.supports)."""
+    if name != "mosaic":
+        return None
+    # platform-only: the Mosaic GPU modules, imported where a call may run them or names them
     from pallas_kernels.jagged_attention import gpu_sm90, gpu_sm90_backward
 
-    forward = (family == "mosaic" or gpu_sm90.wanted(options.hopper_forward)) and gpu_sm90.supports(
-        params, q, v
+    module = gpu_sm90 if direction == "forward" else gpu_sm90_backward
+    if module.supports(params, q, v):
+        return None
+    if params.interpret:
+        return f"the Mosaic GPU {direction} has no interpret mode here (tests call its kernels directly)"
+    return (
+        f"the Mosaic GPU {direction} ({module.__name__}.supports) does not take q {q.dtype} {tuple(q.shape)}, "
+        f"v {v.dtype} {tuple(v.shape)}, activation={params.activation!r}, bias tables of "
+        f"{params.num_pos if params.has_pos else None} / {params.num_time if params.has_time else None} buckets"
     )
-    backward = (family == "mosaic" or gpu_sm90_backward.wanted(options.hopper_backward)) and (
-        gpu_sm90_backward.supports(params, q, v)
+
+
+def kernels_for(
+    params: KernelParams, q, v, implementation: str | None, *, platform: str | None = None
+) -> tuple[str, str]:
+    """(forward, backward): which kernels run a call, the one decision. Both directions run `implementation`
+    when named (a ValueError where one does not take the call); for None each takes the first of DEFAULTS
+    that takes the call (platform None: this process's), the backward among the forward's family: on an H100
+    Mosaic GPU where gpu_sm90.supports / gpu_sm90_backward.supports take the call, else Triton."""
+    choose = functools.partial(
+        implementations.choose,
+        "jagged_attention",
+        implementation,
+        names=NAMES,
+        defaults=DEFAULTS,
+        interpret=params.interpret,
+        platform=platform,
     )
-    if family == "mosaic" and not (forward and backward):
-        raise ValueError(
-            f"implementation='mosaic': the Mosaic GPU {'backward' if forward else 'forward'} does not take this "
-            f"call (q {q.dtype} {q.shape}, v {v.shape}, activation={activation!r}, bias tables of "
-            f"{num_pos} / {num_time} buckets: see gpu_sm90*.supports); use implementation=None or 'triton'"
+    forward = choose(why_not=lambda name: _why_not(name, "forward", params, q, v))
+    if forward not in GPU_KERNELS:
+        return forward, forward
+    backward = choose(
+        why_not=lambda name: (
+            _why_not(name, "backward", params, q, v) if name in GPU_KERNELS else "not the forward's layout"
         )
-    # both Mosaic kernels compute the bias from the tables: no bias_rows array
-    return kernel, dataclasses.replace(
+    )
+    return forward, backward
+
+
+def _plan(
+    params: KernelParams, q, v, *, implementation: str | None, block_sizes: BlockSizes | None
+) -> KernelParams | None:
+    """Every decision about how a call runs, made once (q, v: arrays or shapes): the call's _call_params with
+    the kernels of each direction (kernels_for), the tiles and whether a bias_rows array is built; None where
+    the reference runs."""
+    forward, backward = kernels_for(params, q, v, implementation)
+    if forward == "reference":
+        return None
+    blocks, bias_rows = _tiles_and_bias_rows(
+        forward,
+        params.interpret,
+        q,
+        v,
+        max_seq_len=params.max_seq_len,
+        has_bias=params.has_pos or params.has_time,
+        block_sizes=block_sizes,
+        options=params.options,
+    )
+    # both Mosaic GPU directions compute the bias from the tables: no bias_rows array
+    return dataclasses.replace(
         params,
-        hopper_forward=forward,
-        hopper_backward=backward,
-        bias_rows=params.bias_rows and not (forward and backward),
+        blocks=blocks,
+        bias_rows=bias_rows and not (forward == backward == "mosaic"),
+        forward_kernel=forward,
+        backward_kernel=backward,
     )
 
 
@@ -260,14 +308,16 @@ def kernels_in_use(
     num_pos: int | None = None,
     num_time: int | None = None,
     implementation: str | None = None,
+    interpret: bool = False,
     options: KernelOptions | None = None,
+    platform: str | None = None,
 ) -> tuple[str, str]:
-    """(forward, backward) kernel family a jagged_attention call with these shapes (arrays or
-    jax.ShapeDtypeStruct) and settings runs: "mosaic", "triton", "tpu", "reference", or one of those plus
-    " (interpret)". Made by the same decision as the call itself; train prints it at start-up."""
-    kernel, params = _plan(
+    """(forward, backward) kernels a jagged_attention call with these shapes (arrays or jax.ShapeDtypeStruct)
+    and settings runs: "mosaic", "triton", "tpu", "reference", with " (interpret)" where interpreted.
+    kernels_for's decision; train prints it at start-up. platform: one of implementations.PLATFORMS (None:
+    this process's)."""
+    params = _call_params(
         q,
-        v,
         max_seq_len=max_seq_len,
         activation=activation,
         alpha=None,
@@ -275,15 +325,8 @@ def kernels_in_use(
         max_attn_len=max_attn_len,
         num_pos=num_pos,
         num_time=num_time,
-        implementation=implementation,
-        block_sizes=None,
+        interpret=interpret,
         options=options,
     )
-    if params is None:
-        return "reference", "reference"
-    suffix = " (interpret)" if params.interpret else ""
-    if kernel.startswith("tpu"):
-        return "tpu" + suffix, "tpu" + suffix
-    fwd = "mosaic" if params.hopper_forward else "triton"
-    bwd = "mosaic" if params.hopper_backward else "triton"
-    return fwd + suffix, bwd + suffix
+    forward, backward = kernels_for(params, q, v, implementation, platform=platform)
+    return implementations.describe(forward, interpret), implementations.describe(backward, interpret)

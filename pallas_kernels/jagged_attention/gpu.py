@@ -4,10 +4,8 @@ Each kernel runs a 1-D grid over (work item, head) plus a few tail programs that
 offsets[B]. A work item is one tile of one sequence (tiling.work_list), so empty padding is never
 touched. q/k/v stay in their [T, H, D] layout; tiles are masked row loads of one head.
 
-The backend functions (the kernel-package contract, docs/architecture.md): `to_kernel_layout` pads head dims
-and builds the bias tables (plain jnp, differentiated by JAX), `forward(inputs, params)` -> (o, residuals),
-`backward(residuals, d_out, params)` -> the inputs' cotangents, `from_kernel_layout` drops the head-dim
-padding.
+`forward(inputs, params, bias)` -> (o, lse) and `backward(residuals, d_out, params)` -> the inputs' cotangents
+take the GPU backend's layout and residuals (gpu_layout.py, which calls them).
 """
 
 from __future__ import annotations
@@ -22,9 +20,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from jaxtyping import ArrayLike, Float, Int
 
-from pallas_kernels.common import MASKED, cdiv, cdiv_dyn, dot, next_pow2, pad_last
+from pallas_kernels.common import MASKED, cdiv, cdiv_dyn, dot
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.block_sizes import ZERO_TILES
 from pallas_kernels.jagged_attention.params import KernelParams
@@ -196,28 +193,6 @@ def _scores(
         tt = _time_cells(qt.ts, kt.ts, thr)
         sc = sc + _time_bias(tt, h, time_ref)
     return sc, tt
-
-
-def time_thresholds(num_time: int, width: int) -> jax.Array:
-    """float32[width]: thr[b] = float32 of the smallest integer dt whose bucket is >= b; -inf at 0, +inf from num_time.
-
-    A cell's bucket is then #{b >= 1: float32(max(dt, 1)) >= thr[b]}, the reference's bucket exactly: thr is found
-    by bisection over int32 with the reference's own formula (same XLA ops), and the bucket of a delta depends on it
-    only through float32(max(dt, 1)), a monotone map. So the kernels never take a logarithm per cell.
-    """
-    b = jnp.arange(width, dtype=jnp.int32)
-    unclipped = lambda dt: tiling.time_bucket(dt, 2**30)
-    top = jnp.iinfo(jnp.int32).max
-
-    def bisect(_, lohi):
-        lo, hi = lohi
-        mid = lo + (hi - lo) // 2
-        ok = unclipped(mid) >= b
-        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-
-    lo, _ = lax.fori_loop(0, 32, bisect, (jnp.ones_like(b), jnp.full_like(b, top)))
-    thr = jnp.where((b < num_time) & (unclipped(jnp.int32(top)) >= b), lo.astype(jnp.float32), jnp.inf)
-    return jnp.where(b == 0, -jnp.inf, thr)
 
 
 def _time_cells(ts_q, ts_k, thr):
@@ -399,51 +374,6 @@ def _pos_expand(pos_tab, params: KernelParams, bq: int, bk: int):
     return pos_tab[:, np.clip(off, 0, params.num_pos - 1)]
 
 
-def bias_cells(
-    offsets: Int[ArrayLike, " B1"], ts: Int[ArrayLike, " Tt"] | None, params: KernelParams, *, t: int
-):
-    """(i - j, time bucket or None), int32 [T, W]: row i's offset to column j of its own sequence, and the
-    bucket of their time delta. Head- and layer-independent: a model's layers share them."""
-    rows = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.searchsorted(offsets, rows, side="right").astype(jnp.int32) - 1
-    start = offsets[jnp.clip(seq, 0, offsets.shape[0] - 2)]
-    cols = jnp.arange(tiling.bias_width(params.max_seq_len, params.blocks), dtype=jnp.int32)[None, :]
-    bucket = None
-    if params.has_time:
-        ts_k = ts[jnp.minimum(start[:, None] + cols, t - 1)]
-        # one [T, W] array for all heads: fused into the table gather, XLA takes the log once per head
-        bucket = lax.optimization_barrier(
-            tiling.time_bucket(ts[:, None] - ts_k, params.num_time).astype(jnp.int16)
-        )
-    return (rows - start)[:, None] - cols, bucket
-
-
-def bias_rows(
-    offsets: Int[ArrayLike, " B1"],
-    ts: Int[ArrayLike, " Tt"],
-    pos_tab: Float[ArrayLike, "H P"],
-    time_tab: Float[ArrayLike, "H1 W"],
-    params: KernelParams,
-    *,
-    total_rows: int,
-    heads: int,
-    dtype,
-) -> jax.Array:
-    """[H, T, W]: the relative bias of row i and column j of row i's sequence (j < W = tiling.bias_width).
-
-    Built by XLA once per call, so the kernels load it per tile instead of each head of each kernel
-    recomputing it; the buckets are the reference's formulas. Cells a kernel masks (j past the row, rows
-    past offsets[B]) hold finite values.
-    """
-    delta, bucket = bias_cells(offsets, ts, params, t=total_rows)
-    bias = jnp.zeros((heads, *delta.shape), jnp.float32)
-    if params.has_pos:
-        bias = bias + pos_tab[:, jnp.clip(delta, 0, params.num_pos - 1)]
-    if params.has_time:
-        bias = bias + time_tab[:heads, bucket]
-    return bias.astype(dtype)
-
-
 def _bias_tile(bias_ref, *, h, start, q_lo, bq: int, k_lo, bk: int, row_ok):
     """float32 [bq, bk] tile of bias_rows (rows past the sequence read as zeros)."""
     blk = bias_ref.at[h, pl.ds(start + q_lo, bq), pl.ds(k_lo, bk)]
@@ -568,25 +498,13 @@ def _fwd_kernel(
         _zero_tail([(o_ref, h)], offsets_ref, z=w - num_work, num_seqs=num_seqs, total_rows=total_rows, bq=bq)
 
 
-def forward(inputs, params: KernelParams):
-    """(o [T, H, Dv], residuals) from to_kernel_layout's inputs; residuals end with o, the softmax lse [H, T]
-    and the bias_rows array (a small dummy when params.bias_rows is False: the kernels compute the bias)."""
+def forward(inputs, params: KernelParams, bias):
+    """(o [T, H, Dv], the softmax lse [H, T]) from gpu_layout.to_kernel_layout's inputs and the bias_rows array
+    (a small dummy when params.bias_rows is False: the kernels compute the bias)."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab = inputs
     t, heads, _ = q.shape
     bq = params.blocks.block_q
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
-    bias = (
-        bias_rows(offsets, ts, pos_tab, time_tab, params, total_rows=t, heads=heads, dtype=q.dtype)
-        if params.bias_rows
-        else jnp.zeros((1, 16, 16), q.dtype)
-    )
-    if (
-        params.hopper_forward
-    ):  # the Mosaic GPU forward computes the bias itself; the array serves the backward
-        from pallas_kernels.jagged_attention import gpu_sm90  # platform-only: Mosaic GPU, on Hopper
-
-        o, lse = gpu_sm90.forward(inputs, params)
-        return o, (*inputs, o, lse, bias)
     wb, wm, wv, num_work = tiling.work_list(lengths, bq, params.max_seq_len, t, "query")
     num_zero = cdiv(t, ZERO_TILES * bq)
     kernel = functools.partial(_fwd_kernel, params=params, heads=heads, num_work=num_work, total_rows=t)
@@ -616,7 +534,7 @@ def forward(inputs, params: KernelParams):
         time_tab,
         bias,
     )
-    return o, (*inputs, o, lse, bias)
+    return o, lse
 
 
 def _pos_expand_or_dummy(pos_tab, params: KernelParams, bq: int, bk: int):
@@ -889,13 +807,8 @@ def _pos_grad(acc, far, head_of, width: int, params: KernelParams):
 
 
 def backward(residuals, d_out, params: KernelParams):
-    """Cotangents of forward's inputs (None for the integer ones) from its residuals and the output's, d_out;
-    the Mosaic GPU kernels of gpu_sm90_backward.py when KernelParams.hopper_backward, the Triton ones here
-    otherwise."""
-    if params.hopper_backward:
-        from pallas_kernels.jagged_attention import gpu_sm90_backward  # platform-only: Mosaic GPU, on Hopper
-
-        return gpu_sm90_backward.backward(residuals, d_out, params)
+    """Cotangents of the forward's inputs (None for the integer ones) from gpu_layout.forward's residuals and the
+    output's, d_out."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, bias = residuals
     t, heads, _ = q.shape
     lengths = jnp.minimum(offsets[1:] - offsets[:-1], params.max_seq_len)
@@ -1011,78 +924,3 @@ def backward(residuals, d_out, params: KernelParams):
     if params.has_time:
         dtime = dtime.at[:heads].set(jax.ops.segment_sum(time_acc, head_of, num_segments=heads) * scale)
     return dq, dk, dv, None, None, None, dpos.astype(pos_tab.dtype), dtime.astype(time_tab.dtype)
-
-
-def to_kernel_layout(
-    q: Float[ArrayLike, "T H Dqk"],
-    k: Float[ArrayLike, "T H Dqk"],
-    v: Float[ArrayLike, "T H Dv"],
-    offsets: Int[ArrayLike, " B1"],
-    num_targets: Int[ArrayLike, " B"] | None,
-    timestamps: Int[ArrayLike, " T"] | None,
-    pos_bias: Float[ArrayLike, "H P"] | None,
-    time_bias: Float[ArrayLike, "H NT"] | None,
-    params: KernelParams,
-) -> tuple:
-    """The kernels' inputs (q, k, v, offsets, targets, ts, pos_tab, time_tab) from jagged_attention's arguments.
-
-    Head dims are zero-padded to powers of two (Triton tiles); the bias tables become float32 padded to a power
-    of two wide, the time table with one extra row of bucket thresholds (time_thresholds); absent ones are
-    small dummies the kernels never read. When a Mosaic GPU kernel runs (params.hopper_forward or
-    hopper_backward), rows are padded to a multiple of gpu_sm90.ALIGN: Mosaic GPU tiles a TMA's whole GMEM
-    array in 8-row tiles (rows past offsets[B] are unused capacity, so the kernels' contract holds).
-    """
-    t, heads, dqk = q.shape
-    rows = (
-        -(-t // tiling.MOSAIC_ALIGN) * tiling.MOSAIC_ALIGN
-        if params.hopper_forward or params.hopper_backward
-        else t
-    )
-    if rows != t:
-        q, k, v = (jnp.pad(x, ((0, rows - t), (0, 0), (0, 0))) for x in (q, k, v))
-        if timestamps is not None:
-            timestamps = jnp.pad(timestamps, (0, rows - t))
-    dv = v.shape[-1]
-    if t * heads * next_pow2(max(dqk, dv)) >= 2**31:
-        raise ValueError(
-            f"the GPU kernel indexes with int32: T*H*D must be < 2**31, got shape {q.shape}, v {v.shape}"
-        )
-    b = offsets.shape[0] - 1
-    targets = jnp.zeros((b,), jnp.int32) if num_targets is None else num_targets.astype(jnp.int32)
-    ts = jnp.zeros((1,), jnp.int32) if timestamps is None else timestamps.astype(jnp.int32)
-    pos_tab = (
-        jnp.zeros((heads, 16), jnp.float32)
-        if pos_bias is None
-        else pad_last(pos_bias.astype(jnp.float32), next_pow2(pos_bias.shape[1]))
-    )
-    time_tab = jnp.zeros((heads + 1, 16), jnp.float32)
-    if time_bias is not None:  # the table, plus one row of bucket thresholds the kernels compare against
-        width = next_pow2(time_bias.shape[1])
-        time_tab = jnp.concatenate(
-            [
-                pad_last(time_bias.astype(jnp.float32), width),
-                time_thresholds(time_bias.shape[1], width)[None],
-            ]
-        )
-    dqk_p, dv_p = next_pow2(dqk), next_pow2(dv)
-    return (
-        pad_last(q, dqk_p),
-        pad_last(k, dqk_p),
-        pad_last(v, dv_p),
-        offsets,
-        targets,
-        ts,
-        pos_tab,
-        time_tab,
-    )
-
-
-def from_kernel_layout(
-    out: Float[ArrayLike, "Tk H DvPadded"],  # Tk: T, or T padded for Mosaic GPU (to_kernel_layout)
-    v: Float[ArrayLike, "T H Dv"],
-    offsets: Int[ArrayLike, " B1"],
-    params: KernelParams,
-) -> Float[ArrayLike, "T H Dv"]:
-    """[T, H, Dv] output: drops the head-dim padding (and the rows to_kernel_layout added for Mosaic GPU)."""
-    del offsets, params
-    return out[: v.shape[0], :, : v.shape[-1]]

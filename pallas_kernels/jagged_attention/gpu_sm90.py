@@ -6,8 +6,8 @@ a producer that TMA-loads key/value tiles into a ring of shared-memory slots, an
 warpgroups of BLOCK_Q = 64 query rows each that issue wgmma and do the activation, so one's elementwise
 work overlaps the other's matrix work.
 
-Contract: the same as the Triton backend's forward (pallas_kernels.jagged_attention.gpu.forward): the output
-and the softmax lse from gpu.to_kernel_layout's inputs. supports() lists what it handles: bf16/fp16, head dims
+Contract: the same as the Triton backend's forward (pallas_kernels.jagged_attention.gpu_layout.forward): the output
+and the softmax lse from gpu_layout.to_kernel_layout's inputs. supports() lists what it handles: bf16/fp16, head dims
 64 or 128, SiLU or softmax, targets, window, and the relative position and time bias.
 
 Design:
@@ -61,27 +61,31 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import NUM_SMS, cdiv, cdiv_dyn, is_hopper
+from pallas_kernels.common import cdiv, cdiv_dyn
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
-    COL,
     LOG2E,
-    ROW,
-    SMEM_BYTES,
-    SMEM_SLACK,
     ZERO_TILES,
-    cast_layout,
     copy_table,
     gather,
-    iota,
-    load_vector,
     store_rows,
     table_chunks,
     table_rows,
     table_width,
     time_buckets,
+)
+from pallas_kernels.mosaic_common import (
+    COL,
+    NUM_SMS,
+    ROW,
+    SMEM_BYTES,
+    SMEM_SLACK,
+    cast_layout,
+    iota,
+    load_vector,
+    num_sms,
 )
 
 BLOCK_Q = 64  # query rows per consumer warpgroup; a CTA (one work item) holds 2 * BLOCK_Q rows
@@ -89,11 +93,6 @@ COMPUTE_WGS = 2
 HEAD_DIMS = (64, 128, 256)  # multiples of 64 (the 128-byte swizzle); 256 needs 64-key tiles (shared memory)
 # output columns staged (and stored) at a time: D = 256 stores its tile in four quarters (shared memory)
 O_COLS = {64: 64, 128: 128, 256: 64}
-
-
-def wanted(hopper_forward: bool | None) -> bool:
-    """KernelOptions.hopper_forward resolved on this device: None means "on Hopper GPUs"."""
-    return is_hopper() if hopper_forward is None else hopper_forward
 
 
 def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int) -> int:
@@ -575,9 +574,10 @@ def forward_mosaic_gpu(
     num_ctas: int | None = NUM_SMS,
     interpret: bool = False,
 ):
-    """(o [T, H, Dv], lse float32 [H, T]) from gpu.to_kernel_layout's inputs, as gpu.forward (see supports()).
+    """(o [T, H, Dv], lse float32 [H, T]) from gpu_layout.to_kernel_layout's inputs, as gpu_layout.forward
+    (see supports()).
 
-    The bias tables are gpu.to_kernel_layout's: float32, each head's row padded (the time table has one more
+    The bias tables are gpu_layout.to_kernel_layout's: float32, each head's row padded (the time table has one more
     row, of bucket thresholds, which this kernel does not need: it takes the log directly).
     """
     t, heads, dqk = q.shape
@@ -709,5 +709,5 @@ def forward_mosaic_gpu(
 
 
 def forward(inputs, params: KernelParams):
-    """(o, lse) from gpu.to_kernel_layout's inputs with the tiles measured fastest (default_tiles)."""
-    return forward_mosaic_gpu(*inputs, params=params)
+    """(o, lse) from gpu_layout.to_kernel_layout's inputs with the tiles measured fastest (default_tiles)."""
+    return forward_mosaic_gpu(*inputs, params=params, num_ctas=num_sms())

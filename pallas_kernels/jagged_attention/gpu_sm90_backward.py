@@ -3,9 +3,9 @@
 Why: the Triton backward (gpu.py: _dq_kernel, _dkv_kernel) is most of an hstu_nvidia train step; on Hopper its
 elementwise work does not overlap its MMAs. This is the backward of the Mosaic GPU forward's design (gpu_sm90.py):
 
-Contract: the same as gpu.backward: gpu.forward's residuals (q, k, v, offsets, targets, ts, pos_tab, time_tab,
-o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what it handles:
-bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
+Contract: the same as gpu_layout.backward: gpu_layout.forward's residuals (q, k, v, offsets, targets, ts,
+pos_tab, time_tab, o, lse, bias) and the output's cotangent in, the inputs' cotangents out. supports() lists what
+it handles: bf16/fp16, Dqk = Dv in (64, 128), T a multiple of 8, SiLU or softmax, targets, window, and (only with
 KernelOptions.hopper_backward_bias: correct on the H200, but slower than the Triton backward there) the
 relative position and time bias; Dqk = Dv = 256 without a bias unless KernelOptions.hopper_backward_d256 is False
 (below, "Head dim 256"); the GPU backend runs the Triton backward for the others.
@@ -102,7 +102,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.common import NUM_SMS, cdiv, is_hopper
+from pallas_kernels.common import cdiv
 from pallas_kernels.jagged_attention import tiling
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.sm90_backward_common import (
@@ -127,16 +127,12 @@ from pallas_kernels.jagged_attention.sm90_dq import (
     dq_kernel,
     hist_rows,
 )
+from pallas_kernels.mosaic_common import NUM_SMS, num_sms
 
 HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
 STAGE_COLS = 64  # D_SPLIT: outputs staged and stored 64 columns at a time (shared memory)
 SMEM_BYTES = 232448 - 8192  # the H100/H200's 227 KiB, less barriers and alignment
-
-
-def wanted(hopper_backward: bool | None) -> bool:
-    """KernelOptions.hopper_backward resolved on this device: None means "on Hopper GPUs"."""
-    return is_hopper() if hopper_backward is None else hopper_backward
 
 
 def default_tiles(head_dim: int) -> dict:
@@ -174,12 +170,14 @@ def smem_bytes(params: KernelParams, dqk: int, dv: int, itemsize: int, heads: in
     )
     dq = (
         COMPUTE_WGS * RES * ((dqk + dv + dqk) * itemsize + 4 * vecs)
-        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 8 * params.has_time)
+        + tiles["stages_dq"] * bk * ((dqk + dv) * itemsize + 4 * params.has_time)
         + 4
         * COMPUTE_WGS
         * (LANES + 1)
         * hists  # the bias-table gradients' lane-private histograms, lane sums
     )
+    if params.has_time and params.options.time_grad_runs:  # the time buckets' thresholds
+        dq += 4 * COMPUTE_WGS * table_width(params.num_time)
     return max(dkv, dq) + 4 * COMPUTE_WGS * tables
 
 
@@ -232,8 +230,8 @@ def backward_mosaic_gpu(
     num_ctas: int | None = NUM_SMS,
     interpret: bool = False,
 ):
-    """gpu.backward's cotangents (dq, dk, dv, None x 3, dpos, dtime) from gpu.forward's residuals, for the
-    calls supports() takes. The bias tables are gpu.to_kernel_layout's (float32, padded; the time table's extra
+    """gpu_layout.backward's cotangents (dq, dk, dv, None x 3, dpos, dtime) from gpu_layout.forward's residuals, for the
+    calls supports() takes. The bias tables are gpu_layout.to_kernel_layout's (float32, padded; the time table's extra
     threshold row gets no gradient); the bias is computed in the kernels (the residuals' bias_rows array is not
     read)."""
     q, k, v, offsets, targets, ts, pos_tab, time_tab, o, lse, _ = residuals
@@ -278,16 +276,21 @@ def backward_mosaic_gpu(
         params=params, num_zero=num_zero, total_rows=t, interpret=interpret, num_ctas=num_ctas, heads=heads
     )
     pos_width, time_width = table_width(params.num_pos), table_width(params.num_time)
+    ts_int = ts
     ts = tiling.relative_timestamps(ts, offsets) if params.has_time else jnp.zeros((1, ALIGN), jnp.float32)
     dummy = jnp.zeros((1, 32), jnp.float32)
     pos_rows = table_rows(pos_tab, heads, pos_width) if params.has_pos else dummy
-    time_rows = table_rows(time_tab, heads, time_width) if params.has_time else dummy
+    # with KernelOptions.time_grad_runs the dQ kernel also reads the time buckets' thresholds (time_tab's row
+    # `heads`, gpu_layout.time_thresholds) and which sequences' timestamps never decrease
+    runs = params.has_time and params.options.time_grad_runs
+    time_rows = table_rows(time_tab, heads + runs, time_width) if params.has_time else dummy
     bias_ins = (ts, pos_rows, time_rows)
     bias_arrivals = bias_copies(params)
+    sorted_seqs = tiling.sorted_sequences(ts_int, offsets) if runs else jnp.ones((1,), jnp.int32)
 
     def bias_smem(stages: int, block: int, hist: bool):
-        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, lane-private
-        histograms (pos, time), their lane sums (pos, time)])."""
+        """(resident rows' timestamps, streamed rows' timestamps, pos table, time table[, the time buckets'
+        thresholds, lane-private histograms (pos, time), their lane sums (pos, time)])."""
         smem = (
             plgpu.SMEM((COMPUTE_WGS, 1, RES), jnp.float32) if params.has_time else None,
             plgpu.SMEM((stages, 1, block), jnp.float32) if params.has_time else None,
@@ -295,6 +298,7 @@ def backward_mosaic_gpu(
             plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if params.has_time else None,
         )
         if hist:
+            smem += (plgpu.SMEM((COMPUTE_WGS, time_width), jnp.float32) if runs else None,)  # thresholds
             pos_rows, time_rows = hist_rows(params.num_pos), hist_rows(params.num_time)
             smem += (
                 plgpu.SMEM((COMPUTE_WGS, pos_rows, LANES), jnp.float32) if params.has_pos else None,
@@ -379,7 +383,7 @@ def backward_mosaic_gpu(
         bias_smem(stages_dq, bk, hist=True),
     )
     barriers = (
-        plgpu.Barrier(num_arrivals=res_arrivals + bias_arrivals, num_barriers=COMPUTE_WGS),
+        plgpu.Barrier(num_arrivals=res_arrivals + bias_copies(params, runs), num_barriers=COMPUTE_WGS),
         plgpu.Barrier(num_arrivals=2 + params.has_time, num_barriers=stages_dq),
         plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages_dq),
     )
@@ -398,7 +402,7 @@ def backward_mosaic_gpu(
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins)
+    )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins, sorted_seqs)
 
     dq, dk, dvv = dq.reshape(t, heads, dqk), dk.reshape(t, heads, dqk), dvv.reshape(t, heads, dv)
     scale = 1.0 / params.max_seq_len if params.activation == "silu" else 1.0
@@ -420,5 +424,5 @@ def backward_mosaic_gpu(
 
 
 def backward(residuals, d_out, params: KernelParams):
-    """gpu.backward's contract with the default tiles (see supports())."""
-    return backward_mosaic_gpu(residuals, d_out, params)
+    """gpu_layout.backward's contract with the default tiles (see supports())."""
+    return backward_mosaic_gpu(residuals, d_out, params, num_ctas=num_sms())

@@ -27,19 +27,6 @@ class KernelOptions:
       time table's gradient. Used when the array stays under bias_rows_max_bytes and 2**31 elements (the
       kernels index with int32); otherwise the kernels compute the bias. api.py decides it once per call
       (KernelParams.bias_rows).
-    hopper_forward: the GPU forward runs the Mosaic GPU kernel (gpu_sm90.py: wgmma, TMA, warp-specialised,
-      the relative bias computed in the kernel) instead of the Triton one. None: on Hopper GPUs (H100, H200)
-      for every call gpu_sm90.supports (bf16/fp16, head dims 64/128/256; any T: gpu.to_kernel_layout pads the
-      rows to a multiple of 8); True: whenever it supports the call, whatever the device (tests lower it on
-      CPU); False: never. implementation="mosaic" / "triton" override it. api.py decides it once per call
-      (KernelParams.hopper_forward).
-    hopper_backward: the GPU backward runs the Mosaic GPU kernels (gpu_sm90_backward.py: dK/dV over key tiles,
-      dQ over query tiles) instead of the Triton ones. None (the default): on Hopper GPUs for every call
-      gpu_sm90_backward.supports (bf16/fp16, Dqk = Dv in 64/128/256 (256 unless hopper_backward_d256 is False),
-      any T; a relative bias unless hopper_backward_bias is False, and not at 256); True: whenever it supports
-      the call, whatever the device; False: never. api.py decides it once per call (KernelParams.hopper_backward).
-      Independent of hopper_forward: both forwards leave the same residuals. With both on, no bias_rows array is
-      built (KernelParams.bias_rows False).
     hopper_backward_bias: the Mosaic GPU backward also takes calls with a relative bias (computed in its kernels
       from the tables and timestamps, O(T) memory; the table gradients through lane-private shared-memory
       histograms, sm90_dq.hist_add). False: such calls run the Triton backward.
@@ -49,6 +36,11 @@ class KernelOptions:
       a dQ kernel with 32-key streamed tiles (gpu_sm90_backward.py, "Head dim 256"). True (the default since
       its H200 checks and times, docs/benchmarks.md 2026-12-03: 2.58x the Triton backward at D = 256);
       False: D = 256 runs the Triton backward.
+    time_grad_runs: the Mosaic GPU dQ kernel sums the time table's gradient of a mask-free tile of a sequence
+      whose timestamps do not decrease, when the tile's cells span at most RUN_THRESHOLDS + 1 buckets, by
+      comparing each cell against those buckets' thresholds (sm90_dq.runs_add: a few shared-memory adds a tile);
+      other tiles, and every tile of an unsorted sequence, add their runs of one bucket cell by cell
+      (sm90_dq.hist_add). False: every tile cell by cell (the A/B). Off until measured on a GPU.
     bias_probe: benchmark-only, and WRONG results: parts of the relative bias the Mosaic GPU kernels skip, to
       time what each costs (scripts/device/bias_attribution.py). Names from BIAS_PROBES: "time_bucket" (no
       per-cell time bucket: neither the log2 nor the time table's gather; the time bias is bucket 0's scalar
@@ -67,11 +59,10 @@ class KernelOptions:
     pos_grad_max_bytes: int = 4 << 30
     bias_rows: bool = True
     bias_rows_max_bytes: int = 8 << 30
-    hopper_forward: bool | None = None
-    hopper_backward: bool | None = None
     hopper_backward_bias: bool = True
     hopper_backward_d256: bool = True
     split_meet: bool = True
+    time_grad_runs: bool = False
     bias_probe: tuple[str, ...] = ()
 
     def __post_init__(self):

@@ -16,10 +16,8 @@ class KernelParams:
     bias_rows: the GPU kernels load the relative bias from the [H, T, W] bias_rows array (KernelOptions) that
     forward builds. api.py decides it once, with the key tiles that will read the array; backends obey it. No
     default: whoever builds a KernelParams decides it.
-    hopper_forward: the GPU backend's forward is the Mosaic GPU kernel (gpu_sm90.py), decided by api.py from
-    KernelOptions.hopper_forward, the device and gpu_sm90.supports.
-    hopper_backward: the GPU backend's backward is the Mosaic GPU kernels (gpu_sm90_backward.py), decided by
-    api.py from KernelOptions.hopper_backward, the device and gpu_sm90_backward.supports.
+    forward_kernel, backward_kernel: the GPU backend's kernels for each direction, "mosaic" (gpu_sm90.py,
+    gpu_sm90_backward.py) or "triton" (gpu.py), decided by api.kernels_for; the TPU backend ignores them.
     """
 
     max_seq_len: int
@@ -35,8 +33,8 @@ class KernelParams:
     blocks: BlockSizes
     bias_rows: bool
     options: KernelOptions = KernelOptions()
-    hopper_forward: bool = False
-    hopper_backward: bool = False
+    forward_kernel: str = "triton"
+    backward_kernel: str = "triton"
 
     @classmethod
     def build(
@@ -57,8 +55,8 @@ class KernelParams:
     ) -> KernelParams:
         """The one way to make a KernelParams (api.py, tests, benchmarks): alpha defaults to 1/sqrt(head_dim),
         a table's presence follows from its bucket count (None: no such table), and the tiles default to the
-        GPU backend's for this call (as jagged_attention picks them without a bias_rows array). The Hopper
-        kernel choices (hopper_forward, hopper_backward) start off: api.py sets them."""
+        GPU backend's for this call (as jagged_attention picks them without a bias_rows array). The kernels
+        of each direction start as Triton's: api.py sets them."""
         return cls(
             max_seq_len=max_seq_len,
             activation=activation,

@@ -16,14 +16,13 @@ from pallas_kernels.jagged_attention.sm90_common import (
     ALIGN,
     LOG2E,
     ZERO_TILES,
-    cast_layout,
     copy_table,
     gather,
-    load_vector,
     store_rows,
     table_chunks,
     time_buckets,
 )
+from pallas_kernels.mosaic_common import cast_layout, load_vector
 
 RES = 64  # resident rows per consumer warpgroup
 COMPUTE_WGS = 2
@@ -124,6 +123,7 @@ class Frame:
         self.h, self.w = h, w
         self.valid = (w < num_work) & (work(2, wc) > 0)
         b = work(0, wc)
+        self.b = b  # the sequence
         start = offsets_ref[b]
         self.d = lax.rem(start, jnp.int32(ALIGN))  # the sequence's offset in its frame
         self.base = start - self.d  # global row of frame row 0
@@ -249,21 +249,6 @@ def p_and_factor(z, mask, lse, params: KernelParams, lse_dim: int):
     return p, g
 
 
-def persistent(num_ctas, num_items: int, heads: int):
-    """(iterations of this CTA, item_of(i) -> (head, item)): one (head, item) per CTA, or (persistent) items
-    cta, cta + num_ctas, ... of the flat list with heads fastest."""
-    if num_ctas is None:
-        return 1, lambda i: (lax.axis_index("heads"), lax.axis_index("items"))
-    cta = lax.axis_index("sm")
-    num_iters = cdiv_dyn(jnp.maximum(num_items * heads - cta, 0), num_ctas)
-
-    def item_of(i):
-        idx = cta + i * num_ctas
-        return idx % heads, idx // heads
-
-    return num_iters, item_of
-
-
 def rows_of(ref, row, size, h, d, col: int = 0, cols: int | None = None):
     """[size, d] GMEM window of head h at `row` (ref is [T, H * d]); [size, cols] from its column `col`."""
     if cols is None or cols == d:
@@ -294,22 +279,26 @@ def zero_tail(stage, outs, offsets_ref, z, *, num_seqs: int, total_rows: int, in
                 )
 
 
-def load_bias_res(ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier):
+def load_bias_res(
+    ts_ref, pos_ref, time_ref, row, h, ts_res2, pos_tabs, time_tabs, wg, barrier, thr_tabs=None, heads=0
+):
     """Starts the TMAs of a consumer's resident rows' timestamps and its head's bias tables (each arriving once
-    on barrier.at[wg]: bias_copies of them)."""
+    on barrier.at[wg]: bias_copies of them); with thr_tabs, also the time buckets' thresholds (time_ref's row
+    `heads`, gpu_layout.time_thresholds)."""
     if ts_res2 is not None:
         plgpu.copy_gmem_to_smem(ts_ref.at[:, pl.ds(row, RES)], ts_res2.at[wg], barrier.at[wg])
     if time_tabs is not None:
         copy_table(time_ref.at[h], time_tabs.at[wg], barrier.at[wg])
+    if thr_tabs is not None:
+        copy_table(time_ref.at[heads], thr_tabs.at[wg], barrier.at[wg])
     if pos_tabs is not None:
         copy_table(pos_ref.at[h], pos_tabs.at[wg], barrier.at[wg])
 
 
-def bias_copies(params: KernelParams) -> int:
-    """TMA copies load_bias_res starts."""
-    return params.has_time * (1 + table_chunks(params.num_time)) + params.has_pos * table_chunks(
-        params.num_pos
-    )
+def bias_copies(params: KernelParams, thresholds: bool = False) -> int:
+    """TMA copies load_bias_res starts (with the thresholds: thresholds)."""
+    time_copies = 1 + table_chunks(params.num_time) * (1 + thresholds)
+    return params.has_time * time_copies + params.has_pos * table_chunks(params.num_pos)
 
 
 def cta_index(heads: int):

@@ -1,5 +1,6 @@
-"""What every Hopper (Mosaic GPU) jagged attention kernel shares: the H100/H200's sizes, the wgmma row and
-column layouts, per-cell gathers from shared-memory bias tables and the tables' TMA copies, jagged row stores.
+"""What every Hopper (Mosaic GPU) jagged attention kernel shares: per-cell gathers from shared-memory bias tables
+and the tables' TMA copies, jagged row stores (what every Mosaic GPU kernel shares, the layouts among it, is in
+pallas_kernels/mosaic_common.py).
 
 The forward (gpu_sm90.py) and the backward kernels (sm90_dkv.py, sm90_dq.py, driven by gpu_sm90_backward.py)
 import these; each helper takes `interpret` and swaps in plain jnp for what the CPU tests' Mosaic GPU interpreter
@@ -27,10 +28,6 @@ ALIGN = tiling.MOSAIC_ALIGN  # row alignment of a TMA box's start (the module do
 LOG2_TO_BUCKET = math.log(2.0) / LOG_TIME_DIVISOR  # log(x) / LOG_TIME_DIVISOR = log2(x) * this
 TABLE_ALIGN = 32  # floats: each consumer's copy of a bias table starts 128-byte aligned in shared memory
 TMA_BOX = 256  # a TMA copy moves at most this many elements along each dimension: tables go in chunks
-SMEM_BYTES = 232448  # the H100/H200's shared memory per block (227 KiB)
-SMEM_SLACK = 8192  # barriers and the swizzled buffers' alignment, not counted by smem_bytes
-ROW = plgpu.Layout.WGMMA.reduce(1)  # a [BLOCK_Q] vector laid out like the rows of a wgmma tile
-COL = plgpu.Layout.WGMMA.reduce(0)  # a [bk] vector laid out like its columns
 
 
 def table_width(n: int) -> int:
@@ -41,22 +38,6 @@ def table_width(n: int) -> int:
 def table_chunks(n: int) -> int:
     """TMA copies that bring one head's row of an n-bucket table into shared memory."""
     return cdiv(table_width(n), TMA_BOX)
-
-
-def cast_layout(interpret: bool, x, layout):
-    """plgpu.layout_cast, skipped in the GPU interpreter (which has no layouts)."""
-    return x if interpret else plgpu.layout_cast(x, layout)
-
-
-def iota(interpret: bool, shape, dim: int):
-    if interpret:
-        return lax.broadcasted_iota(jnp.int32, shape, dim)
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def load_vector(interpret: bool, ref, layout):
-    """A 1-D shared-memory ref as a vector in a wgmma row or column layout."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
 
 
 def time_buckets(gap, num_time: int):

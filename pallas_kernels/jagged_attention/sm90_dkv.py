@@ -21,7 +21,6 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     load_bias_res,
     one_product,
     p_and_factor,
-    persistent,
     q_clipped_start,
     q_free,
     q_tiles,
@@ -33,15 +32,8 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     two_products,
     zero_tail,
 )
-from pallas_kernels.jagged_attention.sm90_common import (
-    ALIGN,
-    COL,
-    ROW,
-    cast_layout,
-    iota,
-    load_vector,
-    store_rows,
-)
+from pallas_kernels.jagged_attention.sm90_common import ALIGN, store_rows
+from pallas_kernels.mosaic_common import COL, ROW, cast_layout, iota, load_vector, persistent
 
 
 def dkv_kernel(

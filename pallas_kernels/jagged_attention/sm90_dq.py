@@ -27,7 +27,6 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     k_free,
     k_tiles,
     load_bias_res,
-    persistent,
     rows_of,
     score_grads,
     tile_bias,
@@ -35,17 +34,8 @@ from pallas_kernels.jagged_attention.sm90_backward_common import (
     two_products,
     zero_tail,
 )
-from pallas_kernels.jagged_attention.sm90_common import (
-    ALIGN,
-    COL,
-    ROW,
-    TMA_BOX,
-    cast_layout,
-    iota,
-    load_vector,
-    store_rows,
-    time_buckets,
-)
+from pallas_kernels.jagged_attention.sm90_common import ALIGN, TMA_BOX, store_rows, time_buckets
+from pallas_kernels.mosaic_common import COL, ROW, cast_layout, iota, load_vector, persistent
 
 # The bias tables' gradients (dQ kernel): each consumer owns a lane-private histogram per table in shared memory,
 # float32 [rows, LANES] (bucket b of lane l at b * LANES + l), so a warp's adds never meet on one address: a
@@ -65,6 +55,48 @@ _PLAIN = (
     "{ .reg .pred p; .reg .f32 t; setp.neu.f32 p, $1, 0f00000000; @p ld.shared.f32 t, [$0];"
     " @p add.f32 t, t, $1; @p st.shared.f32 [$0], t; }"
 )
+
+
+def _elements(reg):
+    """The scalars of one register of a FragmentedArray (a vector register's elements, in order)."""
+    if not isinstance(reg.type, ir.VectorType):
+        return [reg]
+    [n] = ir.VectorType(reg.type).shape
+    at = lambda e: ir.DenseI64ArrayAttr.get([e])
+    return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
+
+
+def _lane_adder(hist, plain: bool = False):
+    """red(i, v): hist[i, lane] += v (float32, i int32), one red.shared.add.f32 (skipped for 0) into this lane's
+    column of a lane-private histogram (inline Mosaic GPU code)."""
+    f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
+    base = mgpu_utils.memref_ptr(hist)
+    lane = llvm.inline_asm(i32, [], "mov.u32 $0, %laneid;", "=r")
+    lanes = arith.constant(i32, LANES)
+
+    def red(i, v):
+        slot = arith.addi(arith.muli(i, lanes), lane)
+        address = mgpu_utils.getelementptr(base, [slot], f32)
+        code = _PLAIN if plain else _RED
+        llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, v], code, "r,f", has_side_effects=True)
+
+    return red
+
+
+# thresholds each cell of a tile is compared against on the time gradient's sorted path (runs_add): tiles whose
+# cells span at most RUN_THRESHOLDS + 1 buckets take it
+RUN_THRESHOLDS = 4
+
+
+def exact_bucket(thr_ref, gap, num_buckets: int):
+    """The time bucket of one scalar gap as the thresholds (gpu_layout.time_thresholds, in shared memory) define it,
+    the reference's exactly: time_buckets' log2 estimate, then one threshold up or down (log2's approximation
+    is off by at most one bucket, at an edge)."""
+    gap = jnp.maximum(gap, jnp.float32(1.0))
+    top = num_buckets - 1
+    b = jnp.clip(time_buckets(gap, num_buckets), 0, top)
+    b = jnp.where((b < top) & (gap >= thr_ref[jnp.minimum(b + 1, top)]), b + 1, b)
+    return jnp.where((b > 0) & (gap < thr_ref[b]), b - 1, b)
 
 
 def hist_rows(num_buckets: int) -> int:
@@ -93,24 +125,7 @@ def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False, plai
     @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.Layout.WGMMA, plgpu.Layout.WGMMA))
     def scatter(ctx, hist, cells, values):
         del ctx
-        f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
-        base = mgpu_utils.memref_ptr(hist)
-        lane = llvm.inline_asm(i32, [], "mov.u32 $0, %laneid;", "=r")
-        lanes = arith.constant(i32, LANES)
-
-        def elements(reg):
-            if not isinstance(reg.type, ir.VectorType):
-                return [reg]
-            [n] = ir.VectorType(reg.type).shape
-            at = lambda e: ir.DenseI64ArrayAttr.get([e])
-            return [vector.extract(reg, dynamic_position=[], static_position=at(e)) for e in range(n)]
-
-        def red(i, v):
-            slot = arith.addi(arith.muli(i, lanes), lane)
-            address = mgpu_utils.getelementptr(base, [slot], f32)
-            code = _PLAIN if plain else _RED
-            llvm.inline_asm(ir.Type.parse("!llvm.void"), [address, v], code, "r,f", has_side_effects=True)
-
+        red, elements = _lane_adder(hist, plain), _elements
         # a thread's rows one after the other: the register axes that remain at 8 columns come first (in the
         # wgmma layout one axis of 2: rows r and r + 8; then the column groups of 8, each a vector of 2)
         rows = [a for a, n in enumerate(cells.layout.registers_shape((RES, 8))) if n > 1]
@@ -127,7 +142,7 @@ def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False, plai
             n = len(pairs) // 2
             upper, lower = pairs[:n], pairs[n:]
             pairs = lower[:2] + [p for k in range(n - 2) for p in (upper[k], lower[k + 2])] + upper[n - 2 :]
-        zero = arith.constant(f32, 0.0)
+        zero = arith.constant(ir.F32Type.get(), 0.0)
         run_i, run_v = pairs[0]
         for i, v in pairs[1:]:  # a run ends where the bucket changes: its sum goes out (0: no add)
             same = arith.cmpi(arith.CmpIPredicate.eq, i, run_i)
@@ -137,6 +152,53 @@ def hist_add(interpret: bool, hist_ref, idx, vals, diagonals: bool = False, plai
         red(run_i, run_v)
 
     scatter(hist_ref, idx, vals)
+
+
+def runs_add(interpret: bool, hist_ref, lo, thresholds, gap, vals, num_buckets: int):
+    """The time table's gradient of a tile whose every cell's bucket lies in [lo, lo + len(thresholds)]
+    (sorted timestamps: the bucket of gap is lo + the number of thresholds[j] <= max(gap, 1), those of the
+    buckets lo + 1, ..., +inf past the tile's last bucket): hist_ref[lo + j, lane] += this thread's sum of
+    vals over its cells of bucket lo + j. S_j, the sum over the cells at or past threshold j (S_0 all of
+    them), takes a compare, a select and an add a cell, and bucket lo + j gets S_j - S_(j + 1): a few
+    shared-memory adds a tile instead of one per run of one bucket in every cell's code (hist_add). Bucket
+    indices past num_buckets - 1 are clipped to it (their sums are 0)."""
+    gap = jnp.maximum(gap, 1.0)
+    if interpret:
+        sums = [jnp.sum(vals)] + [jnp.sum(jnp.where(gap >= t, vals, 0.0)) for t in thresholds] + [0.0]
+        for j in range(len(thresholds) + 1):
+            idx = jnp.minimum(lo + j, num_buckets - 1)
+            hist_ref[idx, 0] = hist_ref[idx, 0] + (sums[j] - sums[j + 1])
+        return
+    splat = lambda x, dtype: cast_layout(False, jnp.full(vals.shape, x, dtype), plgpu.Layout.WGMMA)
+    tile = plgpu.Layout.WGMMA
+    thr_tiles = [splat(t, jnp.float32) for t in thresholds]
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), tile, tuple(tile for _ in thr_tiles), tile, tile))
+    def add(ctx, hist, lo_tile, thr_tiles, gaps, values):
+        del ctx
+        red = _lane_adder(hist)
+        first = lambda a: _elements(a.registers.flat[0])[0]  # (a splat: every element is the scalar)
+        lo_i, thr = first(lo_tile), [first(t) for t in thr_tiles]
+        zero = arith.constant(ir.F32Type.get(), 0.0)
+        sums = [[zero, zero] for _ in range(len(thr) + 1)]  # two chains each: half the add latency
+        cells = [
+            (g, v)
+            for greg, vreg in zip(gaps.registers.flat, values.registers.flat, strict=True)
+            for g, v in zip(_elements(greg), _elements(vreg), strict=True)
+        ]
+        for n, (g, v) in enumerate(cells):
+            sums[0][n % 2] = arith.addf(sums[0][n % 2], v)
+            for j, t in enumerate(thr):
+                past = arith.cmpf(arith.CmpFPredicate.OGE, g, t)
+                sums[j + 1][n % 2] = arith.addf(sums[j + 1][n % 2], arith.select(past, v, zero))
+        sums = [arith.addf(a, b) for a, b in sums]
+        i32 = ir.IntegerType.get_signless(32)
+        top = arith.constant(i32, num_buckets - 1)
+        for j in range(len(thr) + 1):
+            part = sums[j] if j == len(thr) else arith.subf(sums[j], sums[j + 1])
+            red(arith.minsi(arith.addi(lo_i, arith.constant(i32, j)), top), part)
+
+    add(hist_ref, splat(lo, jnp.int32), tuple(thr_tiles), gap, vals)
 
 
 def hist_flush(interpret: bool, hist_ref, row_ref, dst):
@@ -172,6 +234,7 @@ def dq_kernel(
     ts_ref,
     pos_ref,
     time_ref,
+    sorted_ref,
     dq_ref,
     dpos_ref,
     dtime_ref,
@@ -191,7 +254,7 @@ def dq_kernel(
     buffers, (res_bar, s_bar, s_free) = scoped
     q_res2, do_res2, lse_res2, delta_res2, stage_bufs, k_smem, v_smem, bias_bufs = buffers
     # (None: no such bias) hists: per consumer, lane-private [rows, LANES]; rows: per consumer, [rows]
-    tsq_res2, tsk_smem, pos_tabs, time_tabs, pos_hist, time_hist, pos_row, time_row = bias_bufs
+    tsq_res2, tsk_smem, pos_tabs, time_tabs, thr_tabs, pos_hist, time_hist, pos_row, time_row = bias_bufs
     has_bias = params.has_pos or params.has_time
     # the table gradients (a benchmark may skip either: KernelOptions.bias_probe)
     pos_grad = params.has_pos and not params.options.probe("pos_grad")
@@ -224,7 +287,20 @@ def dq_kernel(
                 vec = pl.ds(row, RES)
                 plgpu.copy_gmem_to_smem(lse_ref.at[f.h, vec], lse_res2.at[wg], res_bar.at[wg])
                 plgpu.copy_gmem_to_smem(delta_ref.at[f.h, vec], delta_res2.at[wg], res_bar.at[wg])
-            load_bias_res(ts_ref, pos_ref, time_ref, row, f.h, tsq_res2, pos_tabs, time_tabs, wg, res_bar)
+            load_bias_res(
+                ts_ref,
+                pos_ref,
+                time_ref,
+                row,
+                f.h,
+                tsq_res2,
+                pos_tabs,
+                time_tabs,
+                wg,
+                res_bar,
+                thr_tabs,
+                heads,
+            )
 
     def consumer_item(i, f: Frame, cta_lo, cta_hi, g0):
         q_res, do_res = q_res2.at[wg], do_res2.at[wg]
@@ -282,6 +358,17 @@ def dq_kernel(
             if pos_grad and clipped:  # every cell in the last bucket: row sums, added once per item
                 far = far + ds.sum(axis=1)
 
+            # the time gradient of a mask-free tile of a sorted sequence through its buckets' thresholds
+            # (KernelOptions.time_grad_runs): the tile's bucket range from its extreme gaps, scalars
+            runs = (
+                thr_tabs is not None and time_grad and not masked and not params.options.probe("time_bucket")
+            )
+            if runs:
+                tq, tk, thr = tsq_res2.at[wg], tsk_smem.at[slot], thr_tabs.at[wg]
+                b_lo = exact_bucket(thr, tq[0, 0] - tk[0, bk - 1], params.num_time)
+                b_hi = exact_bucket(thr, tq[0, RES - 1] - tk[0, 0], params.num_time)
+                use_runs = (sorted_ref[f.b] > 0) & (b_hi - b_lo <= RUN_THRESHOLDS)
+
             def table_grads():
                 """dS into this consumer's histograms (masked cells add 0), while the dQ wgmma runs. The time
                 buckets are computed again from timestamps loaded again (after the wgmma's issue, so that the
@@ -290,15 +377,31 @@ def dq_kernel(
                 plain = params.options.probe("hist_plain")
                 if pos_grad and not clipped:
                     hist_add(interpret, pos_hist.at[wg], pb, ds, diagonals=True, plain=plain)
-                if time_grad:
-                    if params.options.probe("time_bucket"):
-                        tb = cast_layout(interpret, jnp.zeros((RES, bk), jnp.int32), plgpu.Layout.WGMMA)
-                    else:
-                        gap = ts_tile(interpret, tsq_res2.at[wg], ROW, (RES, bk), 0) - ts_tile(
-                            interpret, tsk_smem.at[slot], COL, (RES, bk), 1
-                        )
-                        tb = time_buckets(gap, params.num_time)
+                if not time_grad:
+                    return
+                if params.options.probe("time_bucket"):
+                    tb = cast_layout(interpret, jnp.zeros((RES, bk), jnp.int32), plgpu.Layout.WGMMA)
                     hist_add(interpret, time_hist.at[wg], tb, ds, plain=plain)
+                    return
+                gap = ts_tile(interpret, tsq_res2.at[wg], ROW, (RES, bk), 0) - ts_tile(
+                    interpret, tsk_smem.at[slot], COL, (RES, bk), 1
+                )
+                by_cell = lambda: hist_add(
+                    interpret, time_hist.at[wg], time_buckets(gap, params.num_time), ds, plain=plain
+                )
+                if not runs:
+                    by_cell()
+                    return
+                inf = jnp.float32(jnp.inf)
+                thresholds = [
+                    jnp.where(b_lo + j <= b_hi, thr[jnp.minimum(b_lo + j, params.num_time - 1)], inf)
+                    for j in range(1, RUN_THRESHOLDS + 1)
+                ]
+                by_runs = lambda: runs_add(
+                    interpret, time_hist.at[wg], b_lo, thresholds, gap, ds, params.num_time
+                )
+                pl.when(use_runs)(by_runs)
+                pl.when(jnp.logical_not(use_runs))(by_cell)
 
             (dq_acc,) = accumulate(
                 interpret, (dq_acc,), (ds.astype(dtype),), (k_tile,), during=table_grads if has_bias else None

@@ -16,7 +16,7 @@ from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import LOG_TIME_DIVISOR
 
 # Mosaic GPU tiles a TMA's GMEM array by (8, 64): the Hopper kernels need row starts, and so a token capacity,
-# that are multiples of this (gpu.to_kernel_layout pads the rows when a Mosaic GPU kernel runs)
+# that are multiples of this (gpu_layout.to_kernel_layout pads the rows when a Mosaic GPU kernel runs)
 MOSAIC_ALIGN = 8
 
 
@@ -82,3 +82,18 @@ def relative_timestamps(ts, offsets):
     start = jnp.take(offsets, jnp.clip(seq, 0, offsets.shape[0] - 2), mode="clip")
     base = jnp.take(ts, start, mode="clip")
     return jnp.where(rows < offsets[-1], ts - base, 0).astype(jnp.float32)[None]
+
+
+def sorted_sequences(ts, offsets):
+    """int32 [B]: 1 where a sequence's timestamps never decrease (its time buckets along a query row then never
+    increase: the Hopper dQ kernel's per-tile thresholds apply, sm90_dq.runs_add), else 0."""
+    ts = ts.astype(jnp.int32)
+    rows = jnp.arange(1, ts.shape[0], dtype=jnp.int32)
+    seq = jnp.searchsorted(offsets, rows, side="right") - 1  # the sequence of row j (rows 1..T-1)
+    inside = (rows < offsets[-1]) & (jnp.take(offsets, jnp.clip(seq, 0, offsets.shape[0] - 1)) < rows)
+    down = inside & (ts[1:] < ts[:-1])  # row j's timestamp below row j-1's, in the same sequence
+    num_seqs = offsets.shape[0] - 1
+    unsorted = (
+        jnp.zeros((num_seqs,), jnp.int32).at[jnp.clip(seq, 0, num_seqs - 1)].max(down.astype(jnp.int32))
+    )
+    return 1 - unsorted

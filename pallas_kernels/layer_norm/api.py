@@ -5,14 +5,12 @@
 that x as the residual stream and its gradient joins the norm's backward in the same pass, where XLA would
 add the two in another one.
 
-Which kernel runs (`kernel_for`): implementation names as every kernel package (pallas_kernels/
-implementations.py), plus the GPU kernel families by name as jagged_attention's: "mosaic" (gpu_sm90.py,
-Mosaic GPU, Hopper) and "triton" (gpu.py), each also with "_interpret" (its interpreter, on CPU). None, "gpu"
-and "pallas" on a GPU run Triton where it takes the width (a power of two of 16-8192), else the reference,
-with the same VJP, on Hopper too until the Mosaic GPU kernels (widths a multiple of 32 up to 1024) are measured
-on the H200; "mosaic" runs them now. "gpu_interpret"
-and "interpret" run the Triton kernel in Pallas's interpreter, as before there was a Mosaic kernel. There is no
-TPU kernel: on TPU (and CPU) None means the reference, which XLA fuses well there.
+Which kernel runs (`kernel_for`, the one decision): names as every kernel op (pallas_kernels/
+implementations.py): "mosaic" (gpu_sm90.py, Mosaic GPU, Hopper: widths a multiple of 32 up to 1024), "triton"
+(gpu.py: widths a power of two of 16-8192), "reference"; `interpret` runs the kernel in its interpreter (CPU).
+implementation=None takes DEFAULTS[platform]: on every GPU Triton where it takes the width, else the reference
+(the same VJP), on Hopper too until the Mosaic GPU kernels are measured on the H200. There is no TPU kernel: on
+TPU (and CPU) None means the reference, which XLA fuses well there.
 
 Rows: the Triton kernel takes any count (its rows per program divide it). The Mosaic kernel's pipeline steps
 are multiples of 4 rows: a count that is no multiple of 4 is padded with zero rows up to a whole step (a copy
@@ -29,14 +27,22 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float
 
 from pallas_kernels import implementations
-from pallas_kernels.common import NUM_SMS, cdiv
+from pallas_kernels.common import cdiv
 from pallas_kernels.layer_norm import gpu, tiles
 from pallas_kernels.layer_norm.params import FAMILIES, NormParams
 from pallas_kernels.layer_norm.reference import layer_norm_reference
 
 # Elements of x per program: rows of width D in registers, with 4 warps for up to 4096 and 8 beyond.
 _ELEMENTS_PER_PROGRAM = 4096
-GPU_FAMILIES = FAMILIES  # "mosaic", "triton": the GPU kernels by name (each also with "_interpret")
+NAMES = (*FAMILIES, "reference")
+# Triton on Hopper too until the Mosaic GPU kernels are measured on the H200 (bench norm, `scripts/device/
+# open_issues.sh norm`): then "mosaic" leads Hopper's order.
+DEFAULTS = {
+    "hopper": ("triton", "reference"),
+    "gpu": ("triton", "reference"),
+    "tpu": ("reference",),
+    "cpu": ("reference",),
+}
 
 
 def kernel_applies(width: int) -> bool:
@@ -52,33 +58,39 @@ def block_rows(rows: int, width: int, elements: int = _ELEMENTS_PER_PROGRAM) -> 
     return block
 
 
-def _applies(family: str, width: int) -> bool:
-    return tiles.mosaic_applies(width) if family == "mosaic" else kernel_applies(width)
+def _why_not(name: str, width: int) -> str | None:
+    """None if backend `name` takes rows of this width, else why not."""
+    if name == "mosaic" and not tiles.mosaic_applies(width):
+        return f"rows of width {width} (the Mosaic GPU kernels take a multiple of 32 up to {tiles.MAX_WIDTH})"
+    if name == "triton" and not kernel_applies(width):
+        return f"rows of width {width} (the Triton kernel takes a power of two of 16-8192)"
+    return None
 
 
-def kernel_for(implementation: str | None, width: int) -> tuple[str, bool]:
-    """(what a call with rows of this width runs: "mosaic", "triton" or "reference"; whether in interpret
-    mode), as the module docstring says. A family named explicitly that does not take the width is a
-    ValueError."""
-    if implementation is not None and implementation.removesuffix("_interpret") in GPU_FAMILIES:
-        family = implementation.removesuffix("_interpret")
-        if not _applies(family, width):
-            raise ValueError(
-                f"layer_norm: implementation={implementation!r} does not take rows of width {width} (mosaic: a "
-                f"multiple of 32 up to {tiles.MAX_WIDTH}; triton: a power of two of 16-8192)"
-            )
-        return family, implementation.endswith("_interpret")
-    if implementation is None and jax.default_backend() == "tpu":
-        return "reference", False
-    kernel = implementations.resolve(implementation)
-    if kernel.startswith("tpu"):
-        raise ValueError(f"layer_norm has no TPU kernel (implementation={implementation!r}); use 'reference'")
-    if kernel == "reference":
-        return "reference", False
-    interpret = implementations.interpret(kernel)
-    # Hopper too runs Triton by default until the Mosaic GPU kernels are measured on the H200 (bench norm,
-    # `scripts/device/open_issues.sh norm`): then Mosaic becomes Hopper's default where it takes the width.
-    return ("triton", interpret) if kernel_applies(width) else ("reference", False)
+def kernel_for(
+    implementation: str | None, width: int, *, interpret: bool = False, platform: str | None = None
+) -> str:
+    """What a call with rows of this width runs: "mosaic", "triton" or "reference", the one decision.
+    `implementation` if it takes the width (else a ValueError), for None the first of DEFAULTS[platform] that
+    does (platform None: this process's): on an H100 Triton, or the reference past its widths."""
+    return implementations.choose(
+        "layer_norm",
+        implementation,
+        names=NAMES,
+        defaults=DEFAULTS,
+        why_not=lambda name: _why_not(name, width),
+        interpret=interpret,
+        platform=platform,
+    )
+
+
+def kernels_in_use(
+    width: int, implementation: str | None, *, interpret: bool = False, platform: str | None = None
+) -> str:
+    """The backend kernel_for picks, as train prints it (" (interpret)" where interpreted)."""
+    return implementations.describe(
+        kernel_for(implementation, width, interpret=interpret, platform=platform), interpret
+    )
 
 
 def _mosaic_params(rows, x, gate, with_input, rows_per_block, **common) -> tuple[NormParams, int]:
@@ -106,8 +118,11 @@ def _mosaic_params(rows, x, gate, with_input, rows_per_block, **common) -> tuple
         raise ValueError(
             f"layer_norm: {block} rows of {x.shape} do not fit the Mosaic GPU kernel's shared memory"
         )
+    # platform-only: the Mosaic GPU kernels' shared pieces, loaded when a call runs them
+    from pallas_kernels.mosaic_common import num_sms
+
     params = NormParams(
-        rows=block, family="mosaic", stages=sizes.stages, num_ctas=sizes.ctas_per_sm * NUM_SMS, **common
+        rows=block, family="mosaic", stages=sizes.stages, num_ctas=sizes.ctas_per_sm * num_sms(), **common
     )
     return params, padded
 
@@ -122,6 +137,7 @@ def layer_norm(
     eps: float = 1e-6,
     out_dtype=None,
     implementation: str | None = None,
+    interpret: bool = False,
     rows_per_block: int | None = None,
     num_warps: int | None = None,
 ):
@@ -130,6 +146,7 @@ def layer_norm(
     out_dtype: y's dtype (default x's); e.g. bf16 for the next GEMM from a float32 residual stream, so
     neither the norm's output nor its gradient crosses memory in float32.
 
+    implementation, interpret: which kernel (kernel_for) and whether in its interpreter (CPU tests).
     rows_per_block, num_warps: the kernel's tiles (benchmarks); None picks them from the width. The Mosaic
     GPU kernel takes rows_per_block (rows per pipeline step, a multiple of 4) and has no num_warps (one
     warpgroup per CTA).
@@ -143,7 +160,7 @@ def layer_norm(
         )
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"layer_norm: gate {gate.shape} must have x's shape {x.shape}")
-    family, interpret = kernel_for(implementation, width)
+    family = kernel_for(implementation, width, interpret=interpret)
     if family == "reference" or x.size == 0:  # (no rows: no kernel grid)
         y = layer_norm_reference(x, scale, bias, gate, eps=eps, out_dtype=out_dtype)
         return (x, y) if with_input else y
@@ -192,17 +209,13 @@ def _backend(params: NormParams):
 
 
 def _interpreter(params: NormParams):
-    """Mosaic GPU's CPU interpreter around a Mosaic kernel's call in interpret mode (a private jax module,
-    only reachable this way), else nothing. One warpgroup per CTA: no thread-pool size to check (see
-    norm_gemm/api.py's, whose warpgroups wait on each other)."""
-    if not (params.interpret and params.family == "mosaic"):
+    """Mosaic GPU's CPU interpreter around a Mosaic kernel's call in interpret mode, else nothing."""
+    if params.family != "mosaic":
         return contextlib.nullcontext()
-    # platform-only: the Mosaic GPU interpreter (CPU runs), a private jax module
-    from jax._src.pallas.mosaic_gpu.interpret import params as interpret_params
+    # platform-only: the Mosaic GPU kernels' shared pieces, loaded when a call runs them
+    from pallas_kernels.mosaic_common import interpreter
 
-    return interpret_params.force_gpu_interpret_mode(
-        interpret_params.InterpretGPUParams(out_of_bounds_reads="raise")
-    )
+    return interpreter(params.interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -50,6 +50,7 @@ from jaxtyping import Array, ArrayLike, Float
 
 from pallas_kernels.layer_norm.params import NormParams
 from pallas_kernels.layer_norm.tiles import ROWS_PER_GROUP
+from pallas_kernels.mosaic_common import num_sms
 
 MAX_BOX = 256  # elements a TMA copy moves along each dimension at most
 LANES = 32
@@ -125,7 +126,7 @@ def _pipeline(step, carry, *, blocks: int, params: NormParams, ins, outs, in_sme
     """
     br, stages = params.rows, params.stages
     cta = lax.axis_index("cta")
-    share, extra = divmod(blocks, min(params.num_ctas, blocks))
+    share, extra = divmod(blocks, min(params.num_ctas or num_sms(), blocks))
     first = cta * share + jnp.minimum(cta, extra)  # this CTA's blocks: first, ..., first + count - 1
     count = share + (cta < extra).astype(jnp.int32)
 
@@ -183,7 +184,7 @@ def _load_affine(affine_ref, affine_smem, barrier):
 
 def num_ctas(rows: int, params: NormParams) -> int:
     """The kernels' grid: one CTA per row block at most."""
-    return min(params.num_ctas, rows // params.rows)
+    return min(params.num_ctas or num_sms(), rows // params.rows)
 
 
 def forward(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.common import NUM_SMS
-
 FAMILIES = ("mosaic", "triton")  # the GPU kernels: gpu_sm90.py (Mosaic GPU, Hopper), gpu.py (Triton)
 
 
@@ -27,7 +25,7 @@ class NormParams:
     family: str = "triton"  # one of FAMILIES
     num_warps: int = 4
     stages: int = 2
-    num_ctas: int = NUM_SMS
+    num_ctas: int | None = None  # None: one per SM of the device (mosaic_common.num_sms)
 
     def __post_init__(self):
         if self.family not in FAMILIES:

@@ -58,7 +58,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.jagged_attention.sm90_common import COL, ROW, cast_layout, load_vector
+from pallas_kernels.mosaic_common import COL, ROW, cast_layout, load_vector, num_sms
 from pallas_kernels.norm_gemm.tiles import Tiles
 
 EPI_N = 64  # accumulator columns written per epilogue step (the staging tile's width: 128-byte swizzle)
@@ -220,7 +220,7 @@ def norm_silu_gemm_sm90(
     z, *pieces = plgpu.kernel(
         kernel,
         out_type=out_types,
-        grid=(min(tiles.num_ctas, m_iters * n_iters),),
+        grid=(min(tiles.num_ctas or num_sms(), m_iters * n_iters),),
         grid_names=("cta",),
         num_threads=3,
         thread_name="wg",

@@ -60,7 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxtyping import Array, Float
 
-from pallas_kernels.jagged_attention.sm90_common import COL, load_vector
+from pallas_kernels.mosaic_common import COL, load_vector, num_sms
 from pallas_kernels.norm_gemm.tiles import BACKWARD_EPI_N, COMPUTE_WGS, BackwardTiles
 
 EPI_N = BACKWARD_EPI_N  # accumulator columns stored per epilogue step (the staging tile's 128-byte swizzle)
@@ -95,7 +95,7 @@ def silu_gemm_backward_sm90(
         raise ValueError(f"silu_gemm_backward_sm90: tiles {tiles} do not fit M={m}, D={d}, widths={widths}")
     m_iters, n_iters, k_iters = m // (COMPUTE_WGS * bm), d // bn, n // bk
     num_tiles = m_iters * n_iters
-    num_ctas = min(tiles.num_ctas, num_tiles)
+    num_ctas = min(tiles.num_ctas or num_sms(), num_tiles)
     swizzle = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     swizzle_f32 = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
     starts = tuple(sum(widths[:i]) for i in range(len(widths)))

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from pallas_kernels.common import NUM_SMS
-
 COMPUTE_WGS = 2  # consumer warpgroups per CTA, in both kernels
 BACKWARD_EPI_N = 32  # the backward's accumulator columns per epilogue store: 128 bytes of float32
 
@@ -19,7 +17,7 @@ class Tiles:
     block_n: int = 128
     block_k: int = 64  # 128 bytes of bf16: the A and W tiles' swizzle
     stages: int = 3  # 4 exceeds the 227 KiB of shared memory with float32 x tiles
-    num_ctas: int = NUM_SMS
+    num_ctas: int | None = None  # None: one per SM of the device (mosaic_common.num_sms)
 
     def applies(self, m: int, k: int, widths: tuple[int, ...]) -> bool:
         """Whether the forward kernel takes these shapes. At least two K steps: jax's warp-specialised pipeline
@@ -42,7 +40,7 @@ class BackwardTiles:
     block_n: int = 256  # output (D) columns: 64 x 256 float32 accumulator = 128 registers a thread
     block_k: int = 64  # 128 bytes of bf16: the swizzle of the A and W^T tiles
     stages: int = 3  # 3 x 64 KiB; 4 exceeds the 227 KiB of shared memory
-    num_ctas: int = NUM_SMS
+    num_ctas: int | None = None  # None: one per SM of the device (mosaic_common.num_sms)
 
     def applies(self, m: int, d: int, widths: tuple[int, ...]) -> bool:
         return (

@@ -5,9 +5,9 @@
   python3 scripts/device/attention_bwd_sm90.py sweep CASE [REPS]  (the Mosaic backward's tile knobs, KNOBS)
   python3 scripts/device/attention_bwd_sm90.py meet [CASE [REPS]]  (D=256: KernelOptions.split_meet on / off)
 
-`check` runs jagged_attention's gradients (dq, dk, dv; dpos, dtime with the bias) with
-KernelOptions(hopper_backward=True) against the float32 reference on fresh random inputs: SiLU and softmax, window
-and targets, D = 64, 128 and 256, unaligned sequence starts, length 1 and empty sequences, capacity past
+`check` runs jagged_attention's gradients (dq, dk, dv; dpos, dtime with the bias) with the default kernels
+(on Hopper Mosaic GPU wherever it takes the call) against the float32 reference on fresh random inputs: SiLU and
+softmax, window and targets, D = 64, 128 and 256, unaligned sequence starts, length 1 and empty sequences, capacity past
 offsets[B] (must come out zero), and reduced-batch versions of the timed shapes. `time` first checks the Mosaic backward
 against the Triton backward on the full shape's fresh inputs (rel. L2 < 1e-2, finite, tail rows zero), then
 times both backwards (residuals computed once, the backward alone: experiments/benchmarks/attention.py) and
@@ -33,14 +33,16 @@ import numpy as np
 
 from experiments.benchmarks import jagged_calls, shapes
 from experiments.benchmarks.jagged_calls import fwd_flops
-from pallas_kernels.jagged_attention import gpu, jagged_attention
+from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90_backward as mosaic_bwd
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 
 BAR = 1e-2  # rel. L2 of a bf16-input kernel against the float32 reference (the CPU tests' bar)
-MOSAIC = KernelOptions(hopper_backward=True, hopper_backward_bias=True, hopper_backward_d256=True)
-TRITON = KernelOptions(hopper_backward=False)
+# (implementation, options) of each backward: the default (Mosaic GPU wherever gpu_sm90_backward.supports takes
+# the call, the bias and D = 256 opted in) and Triton's, A/B by name
+MOSAIC = (None, KernelOptions(hopper_backward_bias=True, hopper_backward_d256=True))
+TRITON = ("triton", None)
 # backward_mosaic_gpu knob sets for `sweep`: (dK/dV query-tile rows, its slots, dQ key-tile rows, its slots)
 KNOBS = {"64:2:64:2": (64, 2, 64, 2), "128:2:64:2": (128, 2, 64, 2), "64:3:64:3": (64, 3, 64, 3)}
 KNOBS["64:2:128:2"] = (64, 2, 128, 2)
@@ -157,12 +159,12 @@ def check(only: list[int] | None = None) -> bool:
         pad = lambda x: jnp.pad(x, ((0, extra_rows), (0, 0), (0, 0)))
         q, k, v, do = pad(q), pad(k), pad(v), pad(do)
         kw = _extras(rng, q.shape[0], 2, len(lengths), targets, window, b, unsorted=b is not None)
-        got, mosaic = _grads(q, k, v, off, do, n, activation, "pallas", MOSAIC, kw)
+        got, mosaic = _grads(q, k, v, off, do, n, activation, *MOSAIC, kw)
         f32 = lambda x: x.astype(jnp.float32)
         want, _ = _grads(f32(q), f32(k), f32(v), off, do, n, activation, "reference", None, kw)
         triton = None
         if b is not None:  # the shipped backward's error too (the bar for softmax's dtime: _compare)
-            triton, _ = _grads(q, k, v, off, do, n, activation, "pallas", TRITON, kw)
+            triton, _ = _grads(q, k, v, off, do, n, activation, *TRITON, kw)
         ok, errs = _compare(got, want, int(off[-1]), triton)
         ok_all = ok_all and ok
         print(
@@ -184,8 +186,8 @@ def time_case(case: str, reps: int) -> bool:
     flops = 2.5 * fwd_flops(lengths, h, d, d)
     # the check: the Mosaic backward against the Triton one on this shape's fresh inputs
     t0 = time.perf_counter()
-    got, mosaic = _grads(q, k, v, off, do, n, activation, "pallas", MOSAIC, kw)
-    want, _ = _grads(q, k, v, off, do, n, activation, "pallas", TRITON, kw)
+    got, mosaic = _grads(q, k, v, off, do, n, activation, *MOSAIC, kw)
+    want, _ = _grads(q, k, v, off, do, n, activation, *TRITON, kw)
     ok, errs = _compare(got, want, int(off[-1]))
     del got, want
     print(
@@ -197,11 +199,11 @@ def time_case(case: str, reps: int) -> bool:
     variants = [("triton", TRITON, kw), ("mosaic", MOSAIC, kw)]
     if bias is not None:  # the bias's cost: the same shape without it
         variants += [("triton_nobias", TRITON, {}), ("mosaic_nobias", MOSAIC, {})]
-    for label, options, extra in variants:
+    for label, (impl, options), extra in variants:
         if label.startswith("mosaic") and not ok:
             tflops[label] = float("nan")
             continue
-        fwd, bwd = jagged_calls.fwd_bwd(jagged_calls.jagged("pallas", n, activation, None, options, **extra))
+        fwd, bwd = jagged_calls.fwd_bwd(jagged_calls.jagged(impl, n, activation, None, options, **extra))
         sec = jagged_calls.time_bwd(bwd, q, k, v, off, do, reps)
         tflops[label] = flops / sec / 1e12
         print(f"{name} {label} bwd: {sec * 1e3:.3f} ms {tflops[label]:.1f} TFLOP/s", flush=True)
@@ -229,11 +231,11 @@ def _one_forward(case: str):
     q, k, v, do, off = jagged_calls.inputs(lengths, h, d, rng)
     kw = _extras(rng, q.shape[0], h, len(lengths), False, 0, bias)
     fields = dict(num_pos=bias.num_pos, num_time=bias.num_time) if bias else {}
-    params = KernelParams.build(n, activation, d, options=MOSAIC, **fields)
-    inputs = gpu.to_kernel_layout(
+    params = KernelParams.build(n, activation, d, options=MOSAIC[1], **fields)
+    inputs = gpu_layout.to_kernel_layout(
         q, k, v, off, None, kw.get("timestamps"), kw.get("pos_bias"), kw.get("time_bias"), params
     )
-    residuals = jax.block_until_ready(jax.jit(lambda x: gpu.forward(x, params)[1])(inputs))
+    residuals = jax.block_until_ready(jax.jit(lambda x: gpu_layout.forward(x, params)[1])(inputs))
     return name, q, k, v, do, off, params, residuals, 2.5 * fwd_flops(lengths, h, d, d)
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 47's table on one H200: `bench attention --preset NAME` for every row (shapes.ATTENTION_PRESETS), each
+# The attention preset table on one GPU: `bench attention --preset NAME` for every row (shapes.ATTENTION_PRESETS), each
 # preset one process (its log $OUT/NAME.log): every implementation checked against the float32 reference on
 # fresh inputs, then timed side by side (ours on Mosaic GPU and on Triton; on the equal-length rows cuDNN and
 # tokamax, dense causal softmax); one table of all rows at the end ($OUT/table.md).

@@ -33,13 +33,14 @@ import numpy as np
 
 from experiments.benchmarks import jagged_calls, shapes
 from experiments.benchmarks.timing import median_seconds
-from pallas_kernels.jagged_attention import gpu, gpu_sm90, gpu_sm90_backward
+from pallas_kernels.jagged_attention import gpu_layout, gpu_sm90, gpu_sm90_backward, jagged_attention
 from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 
 SHAPES = {"u1k": shapes.PEER_N1024, "u4k": shapes.PEER_N4096, "h4k": shapes.HEAVY_TAIL}
-MOSAIC = KernelOptions(hopper_forward=True, hopper_backward=True)
-# (label, bias on, the parts skipped); the forward has no table gradients
+MOSAIC = KernelOptions()
+# (label, bias on, the parts skipped (KernelOptions.bias_probe) and "+NAME" KernelOptions switched on); the
+# forward has no table gradients
 FORWARD = [
     ("no bias", False, ()),
     ("bias", True, ()),
@@ -53,6 +54,7 @@ BACKWARD = FORWARD[:4] + [
     ("- atomics", True, ("hist_plain",)),
     ("- both grads", True, ("pos_grad", "time_grad")),
     ("- everything", True, ("time_bucket", "pos_gather", "pos_grad", "time_grad")),
+    ("bias, time grad runs", True, ("+time_grad_runs",)),
 ]
 
 
@@ -70,17 +72,18 @@ def _inputs(shape: shapes.JaggedShape, rng):
 def _params(shape: shapes.JaggedShape, bias: bool, probe: tuple[str, ...]) -> KernelParams:
     b = shapes.GEM_H200_BIAS
     fields = dict(num_pos=b.num_pos, num_time=b.num_time) if bias else {}
-    options = dataclasses.replace(MOSAIC, bias_probe=probe)
+    switches = {name[1:]: True for name in probe if name.startswith("+")}
+    skips = tuple(name for name in probe if not name.startswith("+"))
+    options = dataclasses.replace(MOSAIC, bias_probe=skips, **switches)
     params = KernelParams.build(shape.max_seq_len, "silu", shape.head_dim, options=options, **fields)
-    return dataclasses.replace(params, hopper_forward=True, hopper_backward=True)
+    return dataclasses.replace(params, forward_kernel="mosaic", backward_kernel="mosaic")
 
 
 def check(seed: int) -> bool:
     """The default call (implementation=None: the Mosaic GPU kernels on Hopper) with the GEM bias against the
-    float32 reference on fresh inputs at a small shape, sorted and unsorted timestamps: output and the gradients
-    of q, k, v and both tables, rel. L2 < 1e-2 each and finite."""
-    from pallas_kernels.jagged_attention import jagged_attention
-
+    float32 reference on fresh inputs at a small shape, sorted and unsorted timestamps, with and without
+    KernelOptions.time_grad_runs: output and the gradients of q, k, v and both tables, rel. L2 < 1e-2 each and
+    finite."""
     rng = np.random.default_rng(seed)
     shape = shapes.JaggedShape(batch=16, max_seq_len=1024, heads=4, head_dim=128)
     ok_all = True
@@ -89,7 +92,7 @@ def check(seed: int) -> bool:
         if not sort:
             ts = jnp.asarray(rng.permutation(np.asarray(ts)))
 
-        def loss(impl, q, k, v, pos, tim):
+        def loss(impl, options, q, k, v, pos, tim):
             o = jagged_attention(
                 q,
                 k,
@@ -97,26 +100,29 @@ def check(seed: int) -> bool:
                 off,
                 max_seq_len=1024,
                 implementation=impl,
+                options=options,
                 timestamps=ts,
                 pos_bias=pos,
                 time_bias=tim,
             )
             return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32)), o
 
-        grad = jax.grad(loss, argnums=(1, 2, 3, 4, 5), has_aux=True)
-        got = jax.jit(grad, static_argnums=0)(None, q, k, v, pos, tim)
+        grad = jax.jit(jax.grad(loss, argnums=(2, 3, 4, 5, 6), has_aux=True), static_argnums=(0, 1))
         f32 = lambda x: x.astype(jnp.float32)
-        want = jax.jit(grad, static_argnums=0)("reference", f32(q), f32(k), f32(v), pos, tim)
-        parts, ok = [], True
-        for label, a, r in zip(
-            ("out", "dq", "dk", "dv", "dpos", "dtime"), (got[1], *got[0]), (want[1], *want[0])
-        ):
-            a, r = f32(a), f32(r)
-            err = float(jnp.linalg.norm(a - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
-            ok = ok and err < 1e-2 and bool(jnp.isfinite(a).all())
-            parts.append(f"{label}={err:.1e}")
-        print(f"CHECK sorted={sort} {' '.join(parts)} -> {'OK' if ok else 'FAIL'}", flush=True)
-        ok_all = ok_all and ok
+        want = grad("reference", None, f32(q), f32(k), f32(v), pos, tim)
+        for runs in (False, True):  # the shipped kernels; the time gradient's sorted path (time_grad_runs)
+            got = grad(None, KernelOptions(time_grad_runs=runs), q, k, v, pos, tim)
+            parts, ok = [], True
+            for label, a, r in zip(
+                ("out", "dq", "dk", "dv", "dpos", "dtime"), (got[1], *got[0]), (want[1], *want[0])
+            ):
+                a, r = f32(a), f32(r)
+                err = float(jnp.linalg.norm(a - r) / jnp.maximum(jnp.linalg.norm(r), 1e-30))
+                ok = ok and err < 1e-2 and bool(jnp.isfinite(a).all())
+                parts.append(f"{label}={err:.1e}")
+            verdict = "OK" if ok else "FAIL"
+            print(f"CHECK sorted={sort} time_grad_runs={runs} {' '.join(parts)} -> {verdict}", flush=True)
+            ok_all = ok_all and ok
     return ok_all
 
 
@@ -153,7 +159,7 @@ def run(
 
     def layout(params, bias):
         args = (ts, pos, tim) if bias else (None, None, None)
-        return gpu.to_kernel_layout(q, k, v, off, None, *args, params)
+        return gpu_layout.to_kernel_layout(q, k, v, off, None, *args, params)
 
     for direction, variants in (("fwd", FORWARD), ("bwd", BACKWARD)):
         if only not in (None, direction):
@@ -173,7 +179,7 @@ def run(
                 # the shipped forward's residuals (bias_probe does not change them), and each backward kernel
                 # alone: a jit that returns only its outputs (XLA drops the other kernel's call)
                 full = _params(shape, bias, ())
-                fwd = jax.jit(lambda x, p=full: gpu.forward(x, p)[1])
+                fwd = jax.jit(lambda x, p=full: gpu_layout.forward(x, p)[1])
                 res_spec = jax.eval_shape(fwd, layout(full, bias))
                 kernels = {}
                 for kernel, keep in (("dkv", (1, 2)), ("dq", (0, 6, 7))):

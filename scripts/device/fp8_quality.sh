@@ -29,7 +29,7 @@ V[margin1]="--set precision.fp8=true --set precision.fp8_margin=1"
 V[current]="--set precision.fp8=true --set precision.fp8_recipe=\"current\""
 # Not FP8: bf16 with the HSTU norms in plain jnp (the quality check of the fused layer-norm kernels).
 V[refnorm]="--set model.norm_implementation=\"reference\""
-# Not FP8 either: the quality checks of the bf16 residual stream and of the fused uvqk kernel (issue 49).
+# Not FP8 either: the quality checks of the bf16 residual stream and of the fused uvqk kernel.
 V[bf16res]="--set precision.residual_dtype=\"bfloat16\""
 V[uvqk]="--set model.uvqk_implementation=\"auto\""
 # Seed-major, so a run cut short still holds every recipe of its first seeds (pairs against bf16).

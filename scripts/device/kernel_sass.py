@@ -16,17 +16,29 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import sys
+
+# Mosaic GPU reads its dump switches when it compiles; they are set before jax is first imported all the same,
+# so that nothing compiled at import time escapes them.
+COMPILING = len(sys.argv) > 1 and sys.argv[1] != "summary"
+if COMPILING:
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import bias_attribution as attr  # noqa: E402  (after the dump switches above)
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax._src import lib  # noqa: E402
+
+from experiments.benchmarks import shapes  # noqa: E402
+from pallas_kernels.jagged_attention import gpu_layout, gpu_sm90, gpu_sm90_backward  # noqa: E402
 
 
 def _nvdisasm_beside_ptxas() -> None:
     """With SASS=1: Mosaic GPU runs nvdisasm from the CUDA root jax found (jax._src.lib.cuda_path, often a pip
     package that has ptxas but no nvdisasm; its dump then says "nvdisasm invocation failed"). Link the system's
     nvdisasm there, and ask for the SASS dump."""
-    import shutil
-
-    from jax._src import lib
-
     root = pathlib.Path(lib.cuda_path or "/usr/local/cuda")
     found = shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
     target = root / "bin" / "nvdisasm"
@@ -38,27 +50,20 @@ def _nvdisasm_beside_ptxas() -> None:
 
 
 def compile_one(variant: str, kernel: str) -> None:
-    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     if os.environ.get("SASS"):
         _nvdisasm_beside_ptxas()
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
-    import bias_attribution as attr
-    import jax
-    import numpy as np
-
-    from experiments.benchmarks import shapes
-    from pallas_kernels.jagged_attention import gpu, gpu_sm90, gpu_sm90_backward
-
     shape = shapes.JaggedShape(batch=64, max_seq_len=1024, heads=4, head_dim=128)
     bias = variant != "nobias"
     probe = tuple(variant.split("-", 1)[1].split("+")) if "-" in variant else ()
     lengths, q, k, v, do, off, ts, pos, tim = attr._inputs(shape, np.random.default_rng(0))
     params = attr._params(shape, bias, probe)
-    inputs = gpu.to_kernel_layout(q, k, v, off, None, *((ts, pos, tim) if bias else (None,) * 3), params)
+    inputs = gpu_layout.to_kernel_layout(
+        q, k, v, off, None, *((ts, pos, tim) if bias else (None,) * 3), params
+    )
     if kernel == "fwd":
         jax.jit(lambda x: gpu_sm90.forward(x, params)[0]).lower(inputs).compile()
         return
-    residuals = jax.eval_shape(lambda x: gpu.forward(x, params)[1], inputs)
+    residuals = jax.eval_shape(lambda x: gpu_layout.forward(x, params)[1], inputs)
     keep = (1, 2) if kernel == "dkv" else (0, 6, 7)
     f = jax.jit(lambda res, do: [gpu_sm90_backward.backward_mosaic_gpu(res, do, params)[i] for i in keep])
     f.lower(residuals, do).compile()

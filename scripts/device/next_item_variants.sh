@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Next-item variants (docs/results.md) trained at the same time on one GPU, each to its early stop or to
 # $MIN minutes; logs and a table packed into $OUT/next_item.tgz.
-#   bash scripts/device/next_item_variants.sh beauty:freq:0 sports:freq:0 beauty:r2:1 ...   (set:variant:seed)
+#   bash scripts/device/next_item_variants.sh beauty:config:0 sports:config:0 beauty:allpos:1 ...   (set:variant:seed)
 #   bash scripts/device/next_item_variants.sh beauty:tv:0 sports:tv:0 beauty:wave:0 sports:wave:0 beauty:ficl:0 ...
 # On a GPU host with the package installed: pip install -e '.[cuda]'.
 set -u  # the logs and the table end in one archive
@@ -9,19 +9,21 @@ OUT=${OUT:-runs/next_item_variants}; mkdir -p "$OUT"  # where the logs go
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=$PWD
 MIN=${MIN:-6.6}; LIMIT=${LIMIT:-555}
 L=/tmp/next_item; R=/tmp/runs; mkdir -p $L $R
-PREFIX="--set retrieval.train_targets=\"last_of_prefixes\" --set data.examples_per_shard=1024 --set data.tokens_per_shard=16384 --set retrieval.eval_every_epochs=2"
+# Variants of the shipped config (configs/{beauty,sports}_hstu.toml: prefix training + BSARec's filter):
+#   config    as shipped
+#   allpos    every position of a sequence trains, no filter (the shipped config before 2026-12-02)
+#   nofilter  prefix training without the filter;  freq5  the filter with 5 low-pass bins
+#   cl, clfix, intent  contrastive objectives on `allpos` (docs/results.md);  big  4 layers of width 128
 declare -A V
-V[r2]=""
-V[prefix]="$PREFIX"
-V[freq]="$PREFIX --set model.frequency_mix=0.7 --set model.frequency_bins=3"
-V[freq5]="$PREFIX --set model.frequency_mix=0.7 --set model.frequency_bins=5"
-V[cl]="--set retrieval.contrastive_weight=0.1"
-V[clfix]="--set retrieval.contrastive_weight=0.1 --set retrieval.contrastive_dropout=false --set retrieval.contrastive_pooling=\\\"mean\\\""
+V[config]=""
+V[allpos]="--set retrieval.train_targets=\\\"all_positions\\\" --set model.frequency_mix=0 --set data.examples_per_shard=128 --set data.tokens_per_shard=2048 --set retrieval.eval_every_epochs=5"
+V[nofilter]="--set model.frequency_mix=0"
+V[freq5]="--set model.frequency_bins=5"
+V[cl]="${V[allpos]} --set retrieval.contrastive_weight=0.1"
+V[clfix]="${V[cl]} --set retrieval.contrastive_dropout=false --set retrieval.contrastive_pooling=\\\"mean\\\""
 V[intent]="${V[clfix]} --set retrieval.intent_weight=0.1 --set retrieval.intent_clusters=256"
 V[big]="--set model.num_layers=4 --set model.model_dim=128 --set embeddings.dim=128 --set model.attention_dim=64 --set model.value_dim=64"
-# The configs ship prefix training with BSARec's filter (`freq`): `r2`, `prefix` and `freq` now run the shipped config,
-# as does `base`, the control of the variants below (each an option of the model or loss on top of it).
-V[base]=""
+# Options of the model or loss on top of the shipped config (`config` is their control):
 TV="--set model.sequence_mixer=\\\"time_variant\\\" --set retrieval.position_embedding=false"
 V[tv]="$TV --set model.frequency_mix=0"  # TV-Rec: time-variant filters in place of attention and positions
 V[tvfreq]="$TV"  # the same beside the shipped frequency branch (0.7 filter, 0.3 time-variant mixer)
