@@ -127,6 +127,7 @@ class DataConfig:
     # Batching: fixed capacities keep shapes static under jit.
     # Example capacity of one data-parallel shard's pack.
     examples_per_shard: int = setting(64, AT_LEAST_1, fingerprint=False)
+    # (on Hopper a multiple of 8: otherwise every attention call copies q, k and v into 8-row groups)
     tokens_per_shard: int = setting(2048, AT_LEAST_1, fingerprint=False)  # token capacity of one shard's pack
     eval_examples: int = setting(4096, AT_LEAST_1, fingerprint=False)
     # How a step's packs are grouped (ranking): "off", shard g packs its own examples in order; "attention",

@@ -64,8 +64,12 @@ def unused(config: Config, op: str) -> str | None:
         return 'only with HSTU layers, precision.fp8, fp8_gemms = "backward" and fp8_recipe = "delayed"'
     if op == "uvqk" and m.uvqk_implementation == "off":
         return f"model.uvqk_implementation = 'off': {UNFUSED}"
-    if op == "uvqk" and (m.layer != "hstu" or m.frequency_mix > 0):
-        return f"only HSTU layers without model.frequency_mix fuse it: {UNFUSED}"
+    if op == "uvqk" and (
+        m.layer != "hstu" or m.frequency_mix > 0 or m.wavelet_mix > 0 or m.sequence_mixer != "attention"
+    ):
+        return f"only HSTU attention layers without model.frequency_mix or wavelet_mix fuse it: {UNFUSED}"
+    if op == "attention" and m.sequence_mixer != "attention":
+        return f"model.sequence_mixer = {m.sequence_mixer!r}"
     return None
 
 
@@ -91,7 +95,10 @@ def in_use(config: Config, op: str, platform: str | None = None) -> str:
             options=attention_options(m),
             **ask,
         )
-        return f"forward {forward}, backward {backward}"
+        # (Pallas's Mosaic GPU tiles a TMA's whole array in 8-row groups: any other T is copied into one)
+        pad = "mosaic" in (forward, backward) and rows % 8
+        note = f"; {rows} tokens a pack, not a multiple of 8: every call copies q, k and v" if pad else ""
+        return f"forward {forward}, backward {backward}{note}"
     if op == "block_attention":
         return block_attention.kernels_in_use(m.block_size, implementation, **ask)
     if op == "norm":
