@@ -4,6 +4,8 @@ wgmma serialisation), per kernel and bias variant. Compiles only, no timing.
   python3 scripts/device/kernel_sass.py VARIANT KERNEL > LOG 2>&1   (one compile; ptxas's report in LOG;
                                                                     SASS=1: the SASS too)
   python3 scripts/device/kernel_sass.py summary LOG ...              (a table of the reports)
+  python3 scripts/device/kernel_sass.py opcodes LOG ...              (SASS=1 logs: the instructions that test
+                                                                    the bias's suspects, counted per kernel)
 
 VARIANT: "nobias", "bias", or "bias-" followed by KernelOptions.bias_probe names joined by "+" (e.g.
 "bias-time_bucket"); KERNEL: fwd, dkv or dq. The shape is u1k's (H=4, D=128, SiLU, lengths in [0.9N, N),
@@ -21,7 +23,7 @@ import sys
 
 # Mosaic GPU reads its dump switches when it compiles; they are set before jax is first imported all the same,
 # so that nothing compiled at import time escapes them.
-COMPILING = len(sys.argv) > 1 and sys.argv[1] != "summary"
+COMPILING = len(sys.argv) > 1 and sys.argv[1] not in ("summary", "opcodes")
 if COMPILING:
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
@@ -83,8 +85,51 @@ def summary(logs: list[str]) -> None:
         print(f"| {pathlib.Path(log).stem} | {'; '.join(lines)} |")
 
 
+# A SASS line: /*0a40*/ [@[!]P0 ]OPCODE.MODIFIERS operands ;
+SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9]*)((?:\.[A-Z0-9_]+)*)")
+# What each suspect of the bias's cost looks like in SASS (static counts: how often the code says it, not how
+# often it runs; the main loop's share shows in which kernel and variant the counts move)
+OPCODE_CLASSES = {
+    "spill (LDL/STL)": ("LDL", "STL"),
+    "shared atomic (ATOMS)": ("ATOMS",),
+    "compare-and-swap": ("ATOMS.CAS", "ATOMS.CAST", "ATOM.CAS"),
+    "shared load/store": ("LDS", "STS"),
+    "branch": ("BRA", "BSSY", "BSYNC", "WARPSYNC"),
+    "float -> int": ("F2I", "F2IP"),
+    "MUFU (log2, exp2)": ("MUFU",),
+    "wgmma (HGMMA)": ("HGMMA",),
+    "wgmma wait": ("WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE"),
+}
+
+
+def _matches(opcode: str, name: str) -> bool:
+    """Whether `opcode` (with its modifiers) is `name` or one of its forms (ATOMS.CAS: ATOMS.CAST.SPIN too)."""
+    return opcode == name or opcode.startswith(name + ".") or ("." in name and opcode.startswith(name))
+
+
+def opcode_counts(text: str) -> dict[str, int]:
+    """Counts of OPCODE_CLASSES (and "all") over the SASS lines of `text`."""
+    counts = dict.fromkeys(OPCODE_CLASSES, 0) | {"all": 0}
+    for m in SASS_LINE.finditer(text):
+        opcode = m.group(1) + m.group(2)
+        counts["all"] += 1
+        for name, forms in OPCODE_CLASSES.items():
+            counts[name] += any(_matches(opcode, form) for form in forms)
+    return counts
+
+
+def opcodes(logs: list[str]) -> None:
+    print("| kernel, variant | " + " | ".join([*OPCODE_CLASSES, "all"]) + " |")
+    print("| --- |" + " ---: |" * (len(OPCODE_CLASSES) + 1))
+    for log in logs:
+        counts = opcode_counts(pathlib.Path(log).read_text(errors="replace"))
+        print(f"| {pathlib.Path(log).stem} | " + " | ".join(str(n) for n in counts.values()) + " |")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "summary":
         summary(sys.argv[2:])
+    elif sys.argv[1] == "opcodes":
+        opcodes(sys.argv[2:])
     else:
         compile_one(*sys.argv[1:3])
