@@ -130,6 +130,7 @@ def test_the_choice_is_a_config_key_only_auto_sets_and_toml_keeps():
         load_config(None, ['precision.fp8="auto"', 'data.kind="interactions"', 'data.path="x"'])
 
 
+@pytest.mark.slow  # two training runs end to end (the slow tier: long end-to-end tests)
 def test_a_run_records_its_choice_and_a_resume_keeps_it_whatever_the_table_says(table, tmp_path, capsys):
     config = _config(
         "model.num_layers=1", "model.wukong_layers=1", "train.steps=4", "train.checkpoint_every=2"

@@ -11,11 +11,15 @@ import pytest
 from flax import nnx
 
 from gem_jax.config import ConfigError
-from gem_jax.model.spectral_views import band_stop_view, band_width
+from gem_jax.model.spectral_views import band_stop_view as band_stop_view_eager
+from gem_jax.model.spectral_views import band_width
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
 from tests.helpers import jagged_rows, rows_changed
 from tests.test_retrieval import records, small, write_cyclic_pairs
+
+# compiled once per shape (eagerly, the loops below spent seconds in op dispatch)
+band_stop_view = jax.jit(band_stop_view_eager, static_argnames=("max_len", "band"))
 
 MAX_LEN = 10
 ON = ("retrieval.frequency_contrastive_weight=0.3", "retrieval.loss=full_softmax")
@@ -73,14 +77,17 @@ def test_loss_is_added_with_its_weight_and_the_next_item_part_is_unchanged(tmp_p
     model = off.build_model()  # the loss adds no parameter
     assert nnx.state(model, nnx.Param).keys() == nnx.state(on.build_model(), nnx.Param).keys()
     key = jax.random.key(1)
-    sums_off, sums_on = off.pack_loss(model, pack, {}, key), on.pack_loss(model, pack, {}, key)
+    # compiled (eagerly each call spent seconds in op dispatch)
+    off_loss = nnx.jit(lambda m, k: off.pack_loss(m, pack, {}, k))
+    on_loss = nnx.jit(lambda m, k: on.pack_loss(m, pack, {}, k))
+    sums_off, sums_on = off_loss(model, key), on_loss(model, key)
     assert "frequency_contrastive_sum" not in sums_off
     np.testing.assert_array_equal(sums_on["loss_sum"], sums_off["loss_sum"])
     assert float(sums_on["frequency_contrastive_count"]) == 2 * int((np.diff(pack.offsets) > 0).sum())
     loss, aux = on.loss(sums_on)
     assert float(loss) == pytest.approx(float(aux["next_item_loss"] + 0.3 * aux["frequency_contrastive"]))
     # Another key draws other bands (and dropout): another contrastive loss, the same next-item loss shape.
-    other = on.pack_loss(model, pack, {}, jax.random.key(2))
+    other = on_loss(model, jax.random.key(2))
     assert float(other["frequency_contrastive_sum"]) != float(sums_on["frequency_contrastive_sum"])
 
 
@@ -92,7 +99,7 @@ def test_gradients_are_finite_and_reach_the_item_table(tmp_path):
         sums = task.pack_loss(m, pack, {}, jax.random.key(0))
         return sums["frequency_contrastive_sum"] / sums["frequency_contrastive_count"]
 
-    grads = nnx.grad(contrastive)(model)
+    grads = nnx.jit(nnx.grad(contrastive))(model)
     for leaf in jax.tree.leaves(grads):
         assert np.isfinite(np.asarray(leaf)).all()
     assert np.abs(np.asarray(grads["items"]["table"][...])).max() > 0

@@ -104,6 +104,7 @@ def test_estimate_is_within_a_band_of_xlas_figure_for_a_small_step():
     assert compiled <= estimate <= 2 * compiled, (estimate, compiled)
 
 
+@pytest.mark.slow  # two training runs end to end (the slow tier: long end-to-end tests)
 def test_the_planner_puts_a_table_in_host_memory_when_the_step_would_not_fit_and_a_second_run_loads_it(
     tmp_path, windows, restore_cache_folder
 ):
