@@ -99,8 +99,19 @@ def test_trains_shrunk_on_cpu(tmp_path):
 def test_full_size_step_compiles_on_abstract_state():
     """The train step at the config's own sizes, on one device: abstract parameters and tables (52 GB that are
     never allocated), one real pack of the generator's (num_items only shrinks the generator's tables)."""
-    c = load_config(CONFIG, ["parallel.mesh_shape=[1]", "data.num_items=1000", "data.num_workers=0"])
+    # an H200's memory (jax's 75% of 141 GB), where the config runs with both tables in HBM: the planner would
+    # put them in host memory for the CPU's nominal 16 GiB, and allocate them there
+    c = load_config(
+        CONFIG,
+        [
+            "parallel.mesh_shape=[1]",
+            "data.num_items=1000",
+            "data.num_workers=0",
+            "embeddings.device_memory_gib=105",
+        ],
+    )
     task = make_task(c)
+    assert not task.embeddings.offload  # as on the H200
     trainer = Trainer(task, task.mesh)
     state = abstract_train_state(trainer)
     stack = next(iter(task.train_data(0, 1)))

@@ -173,7 +173,9 @@ def main(argv: list[str]) -> int:
         "gemm_calls": gemm_calls if jax.default_backend() == "gpu" else None,
         "fp8": fp8,
     }
-    print("\n".join(result["kernels"]))
+    print(
+        "\n".join(result["kernels"]), file=sys.stderr
+    )  # for people; stdout is the report, one JSON document
     print(json.dumps(result, indent=1))
     if fp8 and jax.default_backend() == "gpu" and gemm_calls["cublas_lt_f8"] < fp8["fp8_pattern"]:
         print(
