@@ -130,7 +130,9 @@ def test_gpu_backend_runs_each_direction_by_default_or_by_name(implementation):
         assert f"tensor<{h}x{t}x256xbf16>" not in text  # the [H, T, W] bias_rows array
 
 
-@pytest.mark.parametrize("d256", [True, False])
+# (True lowers the role-split d256 backward: ~27 s on 2 cores, the slow tier; test_lowers_to_mosaic_gpu's d256
+# cases lower it in the fast one)
+@pytest.mark.parametrize("d256", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_gpu_backend_picks_the_d256_backward(d256):
     """At head dim 256 the default on Hopper lowers the Mosaic backward only with
     KernelOptions.hopper_backward_d256 (the Triton one after the Mosaic forward otherwise)."""
@@ -365,6 +367,7 @@ def test_kernels_in_use_names_the_families():
         kernels_in_use(q32, q32, max_seq_len=512, implementation="mosaic")
 
 
+@pytest.mark.slow  # ~23 s: four lowerings of the biased backward (a benchmark-only switch)
 def test_bias_probe_skips_its_part():
     """KernelOptions.bias_probe (benchmark-only) drops what it names from the lowered kernels: the table
     gradients' shared-memory adds, the time bucket's log2 (lg2.approx in the serialized kernel); an unknown
