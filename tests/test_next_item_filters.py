@@ -5,15 +5,18 @@ slice of Amazon Beauty (ICLRec's file, where a copy is here)."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gem_jax.config import load_config
 from gem_jax.tasks import make_task
 from gem_jax.train import loop
-from tests.helpers import public_data_file
+from tests.helpers import ROOT, public_data_file
 from tests.test_retrieval import records, small, write_cyclic_pairs
 
 PREFIXES = ("retrieval.train_targets=last_of_prefixes", "retrieval.loss=full_softmax")
@@ -142,3 +145,24 @@ def test_variants_train_on_a_slice_of_beauty(tmp_path, variant):
     valid = [r for r in records(tmp_path / "run") if r.get("split") == "valid"]
     assert len(valid) == 3 and all(0 <= r["valid"]["full_zeroed/NDCG@10"] <= 1 for r in valid)
     assert 0 <= summary["test"]["full_zeroed/HR@10"] <= 1
+
+
+def test_every_variant_of_the_device_script_is_a_valid_config(tmp_path):
+    """Each variant `scripts/device/next_item_variants.sh` can run (its --print) loads with both configs it
+    trains: a key or value the config refuses would otherwise cost a GPU call."""
+    out = subprocess.run(
+        ["bash", "scripts/device/next_item_variants.sh", "--print"],
+        cwd=ROOT,
+        env={**os.environ, "OUT": str(tmp_path), "EXTRA": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    variants = dict(line.split("\t", 1) for line in out.splitlines())
+    assert {"config", "tv", "wave", "ficl", "allpos"} <= variants.keys(), variants.keys()
+    for name, args in variants.items():
+        words = args.split("\t")
+        assert words[::2] == ["--set"] * (len(words) // 2), (name, words)
+        for data in ("beauty", "sports"):
+            config = load_config(ROOT / "configs" / f"{data}_hstu.toml", words[1::2])
+            assert config.model.attention_implementation == "reference", name

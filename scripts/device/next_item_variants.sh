@@ -37,6 +37,11 @@ V[ficlb2]="$FICL=0.1 --set retrieval.frequency_contrastive_band=0.2"  # a narrow
 V[tvficl]="${V[tv]} $FICL=0.1"
 V[tvwave]="${V[tv]} --set model.wavelet_mix=0.5"  # the time-variant mixer and the wavelet branch, half each
 V[extra]="${EXTRA:-}"  # any other overrides, from the environment
+BASE="--set model.attention_implementation=\\\"reference\\\" --set train.max_minutes=$MIN"
+if [ "${1:-}" = "--print" ]; then  # each variant's arguments to `experiments train`, one per line after its name
+  for v in "${!V[@]}"; do eval "args=( $BASE ${V[$v]} )"; printf '%s' "$v"; printf '\t%s' "${args[@]}"; echo; done
+  exit 0
+fi
 for spec in "$@"; do  # every variant named, before any run starts
   IFS=: read -r ds v seed <<< "$spec"
   [[ -v V[$v] ]] || { echo "unknown variant $v in $spec (one of: ${!V[*]})" >&2; exit 2; }
@@ -45,8 +50,7 @@ for spec in "$@"; do
   IFS=: read -r ds v seed <<< "$spec"
   name=${ds}_${v}_s$seed
   eval timeout -k 10 $LIMIT python3 -m experiments train --config configs/${ds}_hstu.toml --workdir $R/$name \
-    --set model.attention_implementation=\"reference\" --set train.max_minutes=$MIN \
-    --set train.seed=$seed --set data.seed=$seed ${V[$v]} > $L/$name.log 2>&1 &
+    $BASE --set train.seed=$seed --set data.seed=$seed ${V[$v]} > $L/$name.log 2>&1 &
 done
 sleep 60; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv > $L/smi.txt; uptime >> $L/smi.txt
 wait
