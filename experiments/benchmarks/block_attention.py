@@ -183,7 +183,7 @@ def flatness(args, results) -> None:
             ):
                 try:
                     sec = _time(f, *a, reps=args.reps)
-                except Exception as e:  # noqa: BLE001 - report and go on (one device call)
+                except Exception as e:  # noqa: BLE001 - report and go on: the other rows still run
                     print(
                         f"  L={length:6d} {name:6s} {mode:7s} FAILED: {type(e).__name__}: {str(e)[:300]}",
                         flush=True,
