@@ -354,6 +354,16 @@ class ModelConfig:
         name = getattr(self, f"{op}_implementation")
         return (None, False) if name == "auto" else (name, self.interpret_kernels and name != "reference")
 
+    def uvqk_fusable(self) -> bool:
+        """Whether the layers' input norm can run inside their uvqk GEMM (pallas_kernels.norm_gemm): HSTU
+        attention layers whose normalised rows nothing else reads (no frequency or wavelet branch)."""
+        return (
+            self.layer == "hstu"
+            and self.sequence_mixer == "attention"
+            and self.frequency_mix == 0
+            and self.wavelet_mix == 0
+        )
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -722,10 +732,7 @@ def validate(config: Config, source: str) -> Config:
         )
     if not m.tasks:
         raise ConfigError(f"{source}: `model.tasks` must name at least one task")
-    reads_norm = m.frequency_mix > 0 or m.wavelet_mix > 0
-    if m.uvqk_implementation not in ("off", "auto") and (
-        reads_norm or m.layer != "hstu" or m.sequence_mixer != "attention"
-    ):
+    if m.uvqk_implementation not in ("off", "auto") and not m.uvqk_fusable():
         raise ConfigError(
             f"{source}: `model.uvqk_implementation = {m.uvqk_implementation!r}` fuses the HSTU layer's input norm "
             f'into its uvqk GEMM: it needs model.layer = "hstu" (got {m.layer!r}), model.sequence_mixer = '

@@ -64,9 +64,7 @@ def unused(config: Config, op: str) -> str | None:
         return 'only with HSTU layers, precision.fp8, fp8_gemms = "backward" and fp8_recipe = "delayed"'
     if op == "uvqk" and m.uvqk_implementation == "off":
         return f"model.uvqk_implementation = 'off': {UNFUSED}"
-    if op == "uvqk" and (
-        m.layer != "hstu" or m.frequency_mix > 0 or m.wavelet_mix > 0 or m.sequence_mixer != "attention"
-    ):
+    if op == "uvqk" and not m.uvqk_fusable():
         return f"only HSTU attention layers without model.frequency_mix or wavelet_mix fuse it: {UNFUSED}"
     if op == "attention" and m.sequence_mixer != "attention":
         return f"model.sequence_mixer = {m.sequence_mixer!r}"

@@ -49,9 +49,7 @@ def uvqk_fusion(c: ModelConfig, rows: int, x_dtype, compute_dtype, *, fp8: bool)
     Hopper where it takes the call: tiles that fit, a float32 residual stream, a 16-bit GEMM) and the unfused
     path where that is the reference; a name is that backend. An FP8 uvqk GEMM, the frequency and wavelet
     branches and the time-variant mixer keep the unfused path."""
-    if c.uvqk_implementation == "off" or fp8 or c.frequency_mix > 0 or c.wavelet_mix > 0:
-        return None
-    if c.sequence_mixer != "attention":
+    if c.uvqk_implementation == "off" or fp8 or not c.uvqk_fusable():
         return None
     implementation, interpret = c.kernel("uvqk")
     if implementation is not None:
