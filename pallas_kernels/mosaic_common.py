@@ -27,6 +27,14 @@ ROW = plgpu.Layout.WGMMA.reduce(1)  # a vector laid out like the rows of a wgmma
 COL = plgpu.Layout.WGMMA.reduce(0)  # a vector laid out like its columns
 
 
+def compiler_params(warpgroup_semantics: bool = False) -> plgpu.CompilerParams:
+    """Approximate math, and the lowering semantics set explicitly: jax 0.10's default is Lane, 0.11's
+    Warpgroup, and the kernels here are written for Lane (explicit wgmma register layouts, inline Mosaic GPU
+    code): left to the default, the same kernel lowered differently on the two versions."""
+    semantics = plgpu.LoweringSemantics.Warpgroup if warpgroup_semantics else plgpu.LoweringSemantics.Lane
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=semantics)
+
+
 def num_sms() -> int:
     """The SMs of jax's default device (132 on an H100 SXM or H200, 114 on an H100 PCIe): the persistent
     grids' CTAs. NUM_SMS where the device does not say (a kernel lowered on CPU)."""

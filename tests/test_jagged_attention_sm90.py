@@ -16,6 +16,7 @@ import pytest
 from experiments.benchmarks import shapes
 from pallas_kernels.jagged_attention import gpu_layout, jagged_attention
 from pallas_kernels.jagged_attention import gpu_sm90 as mosaic_gpu
+from pallas_kernels.jagged_attention.options import KernelOptions
 from pallas_kernels.jagged_attention.params import KernelParams
 from pallas_kernels.jagged_attention.reference import jagged_attention_reference, softmax_lse_reference
 from tests.helpers import on_platform
@@ -68,6 +69,22 @@ def test_lowers_to_mosaic_gpu(activation, d, block_k, stages, n, num_ctas, windo
         *args,
     )
     assert text.count("mosaic_gpu") >= 1
+
+
+def test_kernels_set_their_lowering_semantics():
+    """The kernels ask for Lane semantics themselves (jax 0.10's default; 0.11 defaults to Warpgroup, under
+    which the dQ kernel's sorted time-gradient path does not lower: a scalar comes back as a 0-d vector),
+    and KernelOptions.warpgroup_semantics reaches them: the two lower to different kernels."""
+    t, h, b = 1024, 2, 3
+    sd = jax.ShapeDtypeStruct
+    tables = tuple(sd(x.shape, x.dtype) for x in _tables(b, h, t))
+    args = (sd((t, h, 128), jnp.bfloat16),) * 3 + (sd((b + 1,), jnp.int32),) + tables
+
+    def lowered(**switches):
+        params = _static(512, "silu", 128, num_pos=16, num_time=8, options=KernelOptions(**switches))
+        return _lowered(lambda *a: mosaic_gpu.forward_mosaic_gpu(*a, params=params, num_ctas=132), *args)
+
+    assert lowered() != lowered(warpgroup_semantics=True)
 
 
 @pytest.mark.parametrize("implementation", [None, "triton"])

@@ -83,6 +83,7 @@ from pallas_kernels.mosaic_common import (
     SMEM_BYTES,
     SMEM_SLACK,
     cast_layout,
+    compiler_params,
     iota,
     load_vector,
     num_sms,
@@ -696,7 +697,7 @@ def forward_mosaic_gpu(
         grid_names=("heads", "items") if num_ctas is None else ("sm",),
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(params.options.warpgroup_semantics),
     )(*ins)
     o = o.reshape(t, heads, dv)
     if softmax:

@@ -127,7 +127,7 @@ from pallas_kernels.jagged_attention.sm90_dq import (
     dq_kernel,
     hist_rows,
 )
-from pallas_kernels.mosaic_common import NUM_SMS, num_sms
+from pallas_kernels.mosaic_common import NUM_SMS, compiler_params, num_sms
 
 HEAD_DIMS = (64, 128)  # dK and dV of 64 rows at D = 256 would take 256 registers a thread: see D_SPLIT
 D_SPLIT = 256  # KernelOptions.hopper_backward_d256: the role-split dK/dV kernel, 32-key dQ tiles (docstring)
@@ -365,7 +365,7 @@ def backward_mosaic_gpu(
         grid_names=grid_names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(params.options.warpgroup_semantics),
     )(work, offsets, targets.astype(jnp.int32), *args)
 
     # dQ over query tiles (heaviest first by the key tiles they see)
@@ -401,7 +401,7 @@ def backward_mosaic_gpu(
         grid_names=grid_names,
         num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=compiler_params(params.options.warpgroup_semantics),
     )(work, offsets, targets.astype(jnp.int32), *ins, *bias_ins, sorted_seqs)
 
     dq, dk, dvv = dq.reshape(t, heads, dqk), dk.reshape(t, heads, dqk), dvv.reshape(t, heads, dv)

@@ -41,6 +41,11 @@ class KernelOptions:
       comparing each cell against those buckets' thresholds (sm90_dq.runs_add: a few shared-memory adds a tile);
       other tiles, and every tile of an unsorted sequence, add their runs of one bucket cell by cell
       (sm90_dq.hist_add). False: every tile cell by cell (the A/B). Off until measured on a GPU.
+    warpgroup_semantics: the Mosaic GPU kernels (forward, dK/dV, dQ) are lowered with Mosaic GPU's Warpgroup
+      semantics (layouts inferred by the compiler), the default of jax 0.11's `plgpu.CompilerParams`. False:
+      Lane semantics, set explicitly, the default of jax 0.10 and what the kernels are written for (explicit
+      wgmma register layouts, inline Mosaic GPU code for the scatter-adds): without the explicit setting the
+      same code lowered differently on the two versions. True is for the A/B.
     bias_probe: benchmark-only, and WRONG results: parts of the relative bias the Mosaic GPU kernels skip, to
       time what each costs (scripts/device/bias_attribution.py). Names from BIAS_PROBES: "time_bucket" (no
       per-cell time bucket: neither the log2 nor the time table's gather; the time bias is bucket 0's scalar
@@ -63,6 +68,7 @@ class KernelOptions:
     hopper_backward_d256: bool = True
     split_meet: bool = True
     time_grad_runs: bool = False
+    warpgroup_semantics: bool = False
     bias_probe: tuple[str, ...] = ()
 
     def __post_init__(self):
