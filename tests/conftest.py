@@ -17,6 +17,9 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("GEM_JAX_TYPECHECK", "1")
+# no executables found by their inputs (gem_jax/train/step_cache.py): tests patch the step at times, which
+# its key cannot see; tests/test_step_cache.py turns it on where it is the subject
+os.environ["GEM_JAX_STEP_CACHE"] = "0"
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first process of the run makes it; workers inherit
     _cache = tempfile.mkdtemp(prefix="gem_jax_test_xla_cache_")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache

@@ -106,11 +106,13 @@ def test_estimate_is_within_a_band_of_xlas_figure_for_a_small_step():
 
 @pytest.mark.slow  # two training runs end to end (the slow tier: long end-to-end tests)
 def test_the_planner_puts_a_table_in_host_memory_when_the_step_would_not_fit_and_a_second_run_loads_it(
-    tmp_path, windows, restore_cache_folder
+    tmp_path, windows, restore_cache_folder, monkeypatch
 ):
     """Device memory between the two estimates: the item table moves to host memory before anything
     compiles, the run trains, the estimate is within a band of XLA's figure; a second run of the config
-    in a new workdir loads the step from the persistent cache instead of compiling it."""
+    in a new workdir loads the step from the cache without tracing it (gem_jax/train/step_cache.py), on
+    the tables planned again the same way."""
+    monkeypatch.setenv("GEM_JAX_STEP_CACHE", "1")  # (the suite turns it off: tests/conftest.py)
     in_hbm, offloaded, gib = windows
     overrides = [
         *BIG_TABLE,
@@ -137,6 +139,8 @@ def test_the_planner_puts_a_table_in_host_memory_when_the_step_would_not_fit_and
     assert not first["step_compile_cached"] and "written to the compilation cache" in first_log
     assert any((tmp_path / "xla").iterdir())
     assert second["step_compile_cached"] and "loaded from the compilation cache" in second_log
+    assert first["step_traced"] and not second["step_traced"]
+    assert second["memory_compiled_bytes"] == first["memory_compiled_bytes"]
     assert second["step_compile_s"] < first["step_compile_s"] / 3, (
         first["step_compile_s"],
         second["step_compile_s"],

@@ -108,10 +108,16 @@ class CompileReport:
     written: bool
     saved_s: float  # the compile time the cache saved (jax's figure: the original compile less the load)
     folder: Path | None
+    untraced: Path | None = None  # the executable file found by its inputs (step_cache.py): nothing traced
 
     def line(self, what: str, lowered_s: float) -> str:
         """e.g. "train step: loaded from the compilation cache in 0.3 s (...)"."""
         traced = f"traced and lowered in {lowered_s:.1f} s"
+        if self.untraced is not None:
+            return (
+                f"{what}: loaded from the compilation cache in {self.seconds:.1f} s (found by its inputs, "
+                f"not traced or lowered: {self.untraced})"
+            )
         if self.from_cache:
             return (
                 f"{what}: loaded from the compilation cache in {self.seconds:.1f} s ({traced}; compiling "

@@ -42,12 +42,17 @@ def writing(path: Path | str) -> Iterator[None]:
 def write_text(path: Path, text: str) -> None:
     """Writes `text` to a temporary file beside `path`, flushes it to disk, then renames it over `path`;
     raises WriteFailed naming `path` if the disk refuses."""
+    write_bytes(path, text.encode())
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """write_text's atomic write, of bytes."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with writing(path):
-            with open(tmp, "w") as f:
-                f.write(text)
+            with open(tmp, "wb") as f:
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             tmp.replace(path)

@@ -37,7 +37,7 @@ from gem_jax.distributed import agree, wait_for_all
 from gem_jax.kernels import kernel_lines
 from gem_jax.model import fp8_auto
 from gem_jax.parallel import describe_mesh
-from gem_jax.train import compile_cache, files, interrupt, memory, watchdog
+from gem_jax.train import compile_cache, files, interrupt, memory, step_cache, watchdog
 from gem_jax.train.checkpoint import Checkpointer, NoIntactCheckpoint
 from gem_jax.train.flops import device_peak_flops
 from gem_jax.train.profiling import TraceWindow
@@ -267,7 +267,24 @@ def _train(
         # A batch's shapes for the memory plan, made before anything is allocated; a fresh run trains on it
         # first, a resumed one draws its next batch from the restored position.
         probe = next(data_iter)
-        trainer, planned = _fit_memory(task, trainer, probe)
+        # The step compiled by an earlier run from the same inputs, found without tracing it
+        # (gem_jax/train/step_cache.py); else the memory plan traces it, and it is compiled below.
+        steps_folder = step_cache.folder_of(compile_cache.resolve(tc.compilation_cache))
+        key = None
+        cached = None
+        if steps_folder is not None:
+            capacity = memory.device_capacity(task.config)
+            key = step_cache.step_key(task, trainer, probe, data_fingerprint(task.config), capacity)
+            cached = step_cache.load(steps_folder, key, _line)
+        if cached is not None:
+            trainer = _replan(task, trainer, None, cached.table_budget)
+            if not step_cache.matches(cached, trainer.abstract_sharded_state):
+                _line(f"train step: the cached executable {cached.path} takes another state; compiling it")
+                cached = None
+        if cached is not None:
+            planned, table_budget = cached.planned, cached.table_budget
+        else:
+            trainer, planned, table_budget = _fit_memory(task, trainer, probe)
         if task.describe():
             _line(task.describe())
         if jax.process_index() == 0:
@@ -284,6 +301,7 @@ def _train(
         already_finished = progress.stopped is not None or step >= total
         will_train = not already_finished and (stop_after is None or step < stop_after)
         first = (probe if latest is None else next(data_iter)) if will_train else None
+        probe_shapes = _shapes(probe)
         del probe
     writer = MetricsWriter(workdir, resume_step=start)
     peak = device_peak_flops(jax.devices()[0].device_kind)
@@ -337,12 +355,20 @@ def _train(
             if first is not None:
                 # Compiled ahead (or loaded from the persistent cache: gem_jax/train/compile_cache.py),
                 # timed, and XLA's memory figure checked before the first step allocates anything.
-                t_lower = time.perf_counter()
-                lowered = trainer.lower_step(state, first)
-                lowered_s = time.perf_counter() - t_lower
-                compiled, compile_report = compile_cache.compile_timed(lowered)
+                if cached is not None and _shapes(first) == probe_shapes:
+                    compiled, lowered_s = cached.compiled, 0.0
+                    compile_report = compile_cache.CompileReport(
+                        cached.seconds, True, False, 0.0, steps_folder, untraced=cached.path
+                    )
+                else:
+                    t_lower = time.perf_counter()
+                    lowered = trainer.lower_step(state, first)
+                    lowered_s = time.perf_counter() - t_lower
+                    compiled, compile_report = compile_cache.compile_timed(lowered)
                 compiled_for = _shapes(first)
                 planned = dataclasses.replace(planned, compiled=memory.compiled_bytes(compiled))
+                if cached is None and key is not None:
+                    step_cache.save(steps_folder, key, compiled, planned, table_budget, say)
                 if jax.process_index() == 0:
                     say(
                         compile_report.line("train step", lowered_s)
@@ -357,6 +383,7 @@ def _train(
                 startup = {
                     "step_compile_s": compile_report.seconds,
                     "step_compile_cached": compile_report.from_cache,
+                    "step_traced": compile_report.untraced is None,
                     "step_lower_s": lowered_s,
                     "startup_s": time.perf_counter() - t_start,
                 }
@@ -502,32 +529,49 @@ def _train(
     }
 
 
-def _fit_memory(task: Task, trainer: Trainer, stack: Any) -> tuple[Trainer, memory.StepMemory]:
+def _fit_memory(task: Task, trainer: Trainer, stack: Any) -> tuple[Trainer, memory.StepMemory, int | None]:
     """The step's memory per device, planned before it compiles (gem_jax/train/memory.py). When the
     estimate exceeds the device's memory and tables planned `auto` could leave it, the tables are
-    planned again with what the rest of the step leaves them (a new trainer on the new plan). Raises
-    ConfigError, in one line, when the step still does not fit (unless `train.check_memory` is off)."""
+    planned again with what the rest of the step leaves them (a new trainer on the new plan; the budget
+    is returned, None where the tables kept their plan). Raises ConfigError, in one line, when the step
+    still does not fit (unless `train.check_memory` is off)."""
     config = task.config
     capacity = memory.device_capacity(config)
     state = trainer.abstract_sharded_state
     traced, extra = trainer.trace_step(state, stack)
     planned = memory.plan_step(traced, state, extra, capacity)
     if planned.fits or not config.train.check_memory:
-        return trainer, planned
+        return trainer, planned, None
     budget = memory.table_budget(planned, config.embeddings.memory_fraction)
-    if memory.replan_tables(task, budget):
-        if jax.process_index() == 0:
-            _line(
-                f"the step needs ~{memory.size_text(planned.estimate)} per device of "
-                f"{memory.size_text(planned.capacity)}: tables planned again for the "
-                f"{memory.size_text(budget)} the rest of the step leaves them"
-            )
-        trainer = Trainer(task, task.mesh)
+    replanned = _replan(task, trainer, planned.estimate, budget)
+    if replanned is not trainer:
+        trainer = replanned
         state = trainer.abstract_sharded_state
         traced, extra = trainer.trace_step(state, stack)
         planned = memory.plan_step(traced, state, extra, capacity)
+    else:
+        budget = None
     memory.check(planned)
-    return trainer, planned
+    return trainer, planned, budget
+
+
+def _replan(task: Task, trainer: Trainer, needs: int | None, budget: int | None) -> Trainer:
+    """A trainer on the tables planned again for `budget` bytes per device (said in one line: why, from the
+    step's estimate `needs`, or that a cached step was compiled so), or `trainer` where there is no budget
+    or the plan does not change."""
+    if budget is None or not memory.replan_tables(task, budget):
+        return trainer
+    if jax.process_index() == 0:
+        capacity = memory.device_capacity(task.config)[0]
+        why = (
+            f"the step needs ~{memory.size_text(needs)} per device of {memory.size_text(capacity)}"
+            if needs is not None
+            else "as when the cached step was compiled"
+        )
+        _line(
+            f"{why}: tables planned again for the {memory.size_text(budget)} the rest of the step leaves them"
+        )
+    return Trainer(task, task.mesh)
 
 
 def _shapes(stack: Any) -> Any:
