@@ -40,7 +40,8 @@ class KernelOptions:
       whose timestamps do not decrease, when the tile's cells span at most RUN_THRESHOLDS + 1 buckets, by
       comparing each cell against those buckets' thresholds (sm90_dq.runs_add: a few shared-memory adds a tile);
       other tiles, and every tile of an unsorted sequence, add their runs of one bucket cell by cell
-      (sm90_dq.hist_add). False: every tile cell by cell (the A/B). Off until measured on a GPU.
+      (sm90_dq.hist_add). False: every tile cell by cell. Off: correct on an H100 but slower there (u1k dQ
+      26.0 against 23.0 ms, docs/kernels_jagged_attention.md).
     warpgroup_semantics: the Mosaic GPU kernels (forward, dK/dV, dQ) are lowered with Mosaic GPU's Warpgroup
       semantics (layouts inferred by the compiler), the default of jax 0.11's `plgpu.CompilerParams`. False:
       Lane semantics, set explicitly, the default of jax 0.10 and what the kernels are written for (explicit
