@@ -119,6 +119,7 @@ def test_bench_norm_checks_the_kernels_against_xla_before_timing(capsys):
     assert out.count("triton rows=default") == 2 and out.count("mosaic rows=default") == 2, out
 
 
+@pytest.mark.slow  # ~24 s: every FP8 GEMM form compiled
 def test_bench_fp8_out_checks_every_form_and_reads_the_fp8_gemms_result_dtype(capsys):
     """`bench fp8_out --small` on CPU: every form of a layer's three GEMMs, each checked against float32 within
     its formats' bound (the run exits 0); and the parse of an optimised HLO's cuBLASLt FP8 call (GPU only),

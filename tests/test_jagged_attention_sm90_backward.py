@@ -92,7 +92,10 @@ def test_d256_shared_memory_budget():
         assert mosaic_bwd.smem_bytes(params, 256, 256, 2, 4, {**tiles, **more}) > mosaic_bwd.SMEM_BYTES, more
 
 
-@pytest.mark.parametrize("implementation", [None, "triton"])
+@pytest.mark.parametrize(
+    "implementation",
+    [pytest.param(None, marks=pytest.mark.slow), "triton"],  # (None: ~23 s, every kernel)
+)
 def test_gpu_backend_runs_each_direction_by_default_or_by_name(implementation):
     """On Hopper the default (None) takes the Mosaic GPU kernels for each direction on its own: both for a call
     they take; the Mosaic forward and the Triton backward for one only the forward takes (a relative bias with
