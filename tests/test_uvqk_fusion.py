@@ -77,10 +77,8 @@ def _value(v):
     return np.asarray(v.get_value() if hasattr(v, "get_value") else v[...], np.float32)
 
 
-@pytest.mark.parametrize(
-    "dtype,rtol",
-    [pytest.param("float32", 1e-4, marks=pytest.mark.slow), ("bfloat16", 0.05)],  # (float32: ~31 s)
-)
+@pytest.mark.slow  # ~30 s each: the model's forward and backward op by op, twice
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-4), ("bfloat16", 0.05)])
 def test_the_fused_path_is_the_same_function(dtype, rtol):
     """The model through norm_gemm's reference (the fused path's spec) against the unfused layers: the
     logits and every parameter's gradient (float32: to rounding; bf16: the fused path adds the bias before
