@@ -4,7 +4,7 @@
 # packed into $OUT/PART.tgz at the end; $OUT/PART.md holds the tables and the lines to read first.
 #   bash scripts/device/measure.sh startup [CONFIG]   the compilation cache: CONFIG (default gem_h200) trained
 #                                                 twice in fresh workdirs with one fresh cache folder; the
-#                                                 second run loads its step (step_compile_s, startup_s)
+#                                                 second run loads its step untraced (step_compile_s, startup_s)
 #   bash scripts/device/measure.sh train CONFIG [KEY=VALUE ...]  `train` for STEPS steps (default 200) in a
 #                                                 fresh workdir: the memory plan, the compile, MFU per window
 #   bash scripts/device/measure.sh glue       norm_gemm forward (+ backward) vs XLA; FP8 GEMM result dtype,
@@ -70,12 +70,12 @@ case $PART in
     done
     python3 - "$LOGS"/startup_first.log "$LOGS"/startup_second.log > "$LOGS/startup_table.log" 2>&1 <<'PY'
 import json, sys
-print("| run | step compile | from the cache | trainer start to first step | wall |")
-print("| --- | ---: | --- | ---: | ---: |")
+print("| run | step compile | from the cache | traced | trainer start to first step | wall |")
+print("| --- | ---: | --- | --- | ---: | ---: |")
 for path in sys.argv[1:]:
     s = json.loads([line for line in open(path) if line.startswith("{")][-1])
     print(f"| {path.split('_')[-1][:-4]} | {s['step_compile_s']:.1f} s | {s['step_compile_cached']} | "
-          f"{s['startup_s']:.1f} s | {s['wall_time_s']:.1f} s |")
+          f"{s.get('step_traced')} | {s['startup_s']:.1f} s | {s['wall_time_s']:.1f} s |")
 PY
     rm -rf "$runs"
     ;;
