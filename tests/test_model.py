@@ -16,7 +16,8 @@ def _model_and_pack(*overrides):
     """The config, the model as a function of the pack (embeddings from dense stand-in tables), a pack."""
     c = small_config(*overrides)
     model = GEMModel(c, rngs=nnx.Rngs(0))
-    return c, (lambda pack: model(pack, dense_embeddings(c, pack))), first_pack(next(stacks(c, 1)))
+    call = nnx.jit(lambda model, pack, embedded: model(pack, embedded))  # compiled: eagerly it took ~30 s
+    return c, (lambda pack: call(model, pack, dense_embeddings(c, pack))), first_pack(next(stacks(c, 1)))
 
 
 def test_logits_shape_and_finite():
@@ -99,6 +100,7 @@ def test_attention_function_is_the_kernel_package():
     np.testing.assert_allclose(out, ref, rtol=1e-6)
 
 
+@pytest.mark.slow  # ~25 s: the model's forward and backward op by op, twice
 def test_a_bf16_residual_stream_keeps_its_dtype_between_layers(monkeypatch):
     """precision.residual_dtype = "bfloat16": every HSTU layer takes and returns the stream in bf16, the tower's
     output stays float32, and the logits and gradients are float32's within bf16's rounding of the stream."""
