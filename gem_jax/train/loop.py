@@ -246,6 +246,7 @@ def train(
                 stop_after,
                 profile_steps,
                 t_start,
+                fingerprint,
             )
         finally:
             checkpoints.close()
@@ -254,7 +255,17 @@ def train(
 
 
 def _train(
-    task, trainer, workdir, checkpoints, best, latest, interrupts, stop_after, profile_steps, t_start
+    task,
+    trainer,
+    workdir,
+    checkpoints,
+    best,
+    latest,
+    interrupts,
+    stop_after,
+    profile_steps,
+    t_start,
+    fingerprint,
 ) -> dict[str, Any]:
     tc = task.config.train
     if jax.process_index() == 0:
@@ -274,7 +285,7 @@ def _train(
         cached = None
         if steps_folder is not None:
             capacity = memory.device_capacity(task.config)
-            key = step_cache.step_key(task, trainer, probe, data_fingerprint(task.config), capacity)
+            key = step_cache.step_key(task, trainer, probe, fingerprint, capacity)
             cached = step_cache.load(steps_folder, key, _line)
         if cached is not None:
             trainer = _replan(task, trainer, None, cached.table_budget)
